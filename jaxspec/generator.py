@@ -1,0 +1,137 @@
+"""The Python API: `Generator.from_pretrained(...).generate(...)` and `.stream(...)`."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator, Sequence
+
+from jaxspec.models.loading import load
+from jaxspec.sampling import SamplingParams
+from jaxspec.scheduler import Request, Scheduler
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    token_ids: list
+    prompt_token_ids: list
+    finish_reason: str
+    logprobs: list | None = None
+    top_logprobs: list | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    accept_lengths: list | None = None
+
+    @property
+    def mean_accept_length(self) -> float | None:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
+
+
+def _text_of(tokenizer, req: Request) -> str:
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    if req.stop_text_len is not None:
+        text = text[:req.stop_text_len]
+    return text
+
+
+def _completion(tokenizer, req: Request) -> Completion:
+    return Completion(
+        text=_text_of(tokenizer, req), token_ids=list(req.output_ids), prompt_token_ids=list(req.prompt_ids),
+        finish_reason=req.finish_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
+        ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival,
+        latency_s=None if req.finish_time is None else req.finish_time - req.arrival,
+        accept_lengths=list(req.accept_lengths) or None)
+
+
+class Generator:
+    def __init__(self, model, tokenizer, **scheduler_kwargs):
+        self.model, self.tokenizer = model, tokenizer
+        self.scheduler = Scheduler(model, tokenizer, **scheduler_kwargs)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, dtype=None, speculative=None, **scheduler_kwargs):
+        """name_or_path: a short name of an embedded model (e.g. 'smollm2-135m'), a .gguf file, or an
+        HF directory. speculative: a `jaxspec.SpecConfig` (None = plain decoding)."""
+        model, tokenizer = load(name_or_path, dtype)
+        drafter = speculative.build(model) if speculative is not None else None
+        return cls(model, tokenizer, drafter=drafter, **scheduler_kwargs)
+
+    # -- prompts -------------------------------------------------------------------------------
+    def encode(self, prompt) -> list:
+        """A string, a list of token ids, or chat messages [{'role', 'content'}, ...]."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError(f"chat message must have string 'role' and 'content', got {m!r}")
+            if self.tokenizer.chat_template is None:
+                raise ValueError("this model's tokenizer has no chat template; pass plain text")
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}")
+
+    # -- generation ------------------------------------------------------------------------------
+    def submit(self, prompt, params: SamplingParams | None = None, on_update=None) -> Request:
+        return self.scheduler.add(self.encode(prompt), params or SamplingParams(), on_update)
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool = False) -> Completion | list[Completion]:
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict))
+        batch = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
+        encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
+        reqs = []
+        try:
+            for ids, p in zip(encoded, plist):
+                reqs.append(self.scheduler.add(ids, dataclasses.replace(p)))
+        except Exception:
+            for r in reqs:
+                self.scheduler.abort(r)
+            raise
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(reqs), desc="generate")
+        done = 0
+        while any(not r.finished for r in reqs):
+            self.scheduler.step()
+            if bar is not None:
+                now = sum(r.finished for r in reqs)
+                bar.update(now - done)
+                done = now
+        if bar is not None:
+            bar.close()
+        out = [_completion(self.tokenizer, r) for r in reqs]
+        return out[0] if single else out
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text pieces as tokens arrive (held back while a stop string or a multi-byte
+        character may still be forming). Closing the iterator early aborts the request."""
+        req = self.submit(prompt, params)
+        sent = 0
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        try:
+            while True:
+                if not req.finished:
+                    self.scheduler.step()
+                text = _text_of(self.tokenizer, req)
+                end = len(text) if req.finished else max(sent, len(text) - hold)
+                if not req.finished and text.endswith("\ufffd"):
+                    end = min(end, len(text) - 1)
+                if end > sent:
+                    yield text[sent:end]
+                    sent = end
+                if req.finished:
+                    return
+        finally:
+            if not req.finished:
+                self.scheduler.abort(req)
+
+    def last_completion(self, req: Request) -> Completion:
+        return _completion(self.tokenizer, req)

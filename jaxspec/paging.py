@@ -1,0 +1,100 @@
+"""Host-side page allocator with prefix reuse by hash-chained full pages.
+
+A full page whose K/V belong to a known token prefix is registered under the hash of
+(previous page's key, its tokens); a later request whose prompt starts with the same tokens takes
+those pages instead of recomputing them. Pages are reference-counted: a registered page nobody
+uses waits on an LRU list and is evicted only when the free list runs dry.
+"""
+from __future__ import annotations
+
+import collections
+
+from jaxspec.kv_cache import TRASH_PAGE
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2 or page_size < 1:
+            raise ValueError(f"need num_pages >= 2 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.free = collections.deque(p for p in range(num_pages) if p != TRASH_PAGE)
+        self.refs = [0] * num_pages
+        self.cached: dict[tuple, int] = {}  # chain key -> page
+        self.key_of: dict[int, tuple] = {}  # page -> chain key
+        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.hits = 0  # tokens served from the prefix cache
+
+    @property
+    def available(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def in_use(self) -> int:
+        return self.num_pages - 1 - self.available
+
+    def alloc(self, n: int) -> list[int]:
+        if n > self.available:
+            raise OutOfPages(f"need {n} pages, {self.available} available")
+        out = []
+        for _ in range(n):
+            if self.free:
+                p = self.free.popleft()
+            else:
+                p, _ = self.evictable.popitem(last=False)
+                del self.cached[self.key_of.pop(p)]
+            self.refs[p] = 1
+            out.append(p)
+        return out
+
+    def _chain(self, tokens, n_pages):
+        key, ps = None, self.page_size
+        for i in range(n_pages):
+            key = (hash(key), tuple(tokens[i * ps:(i + 1) * ps]))
+            yield key
+
+    def match_prefix(self, tokens) -> list[int]:
+        """Pages holding a cached prefix of tokens (references taken). At least one token is left
+        uncovered, since the last prompt token must run to produce logits."""
+        pages = []
+        for key in self._chain(tokens, (len(tokens) - 1) // self.page_size):
+            p = self.cached.get(key)
+            if p is None:
+                break
+            if self.refs[p] == 0:
+                del self.evictable[p]
+            self.refs[p] += 1
+            pages.append(p)
+        self.hits += len(pages) * self.page_size
+        return pages
+
+    def release(self, pages: list[int], tokens=()):
+        """Drop one reference to each page. tokens: the tokens whose K/V the pages hold, in order;
+        every full page among them is registered for reuse."""
+        full = min(len(tokens) // self.page_size, len(pages))
+        for i, key in enumerate(self._chain(tokens, full)):
+            p = pages[i]
+            if p not in self.key_of and key not in self.cached:
+                self.cached[key] = p
+                self.key_of[p] = key
+        for p in pages:
+            self.refs[p] -= 1
+            assert self.refs[p] >= 0, f"page {p} released twice"
+            if self.refs[p] == 0:
+                if p in self.key_of:
+                    self.evictable[p] = None
+                else:
+                    self.free.append(p)
+
+    def check(self):
+        """Accounting invariant: every page but the trash page is exactly one of free, evictable, in use."""
+        free, ev = set(self.free), set(self.evictable)
+        used = {p for p in range(self.num_pages) if self.refs[p] > 0}
+        assert len(free) == len(self.free), "duplicate page on the free list"
+        assert not (free & ev) and not (free & used) and not (ev & used), "page in two states"
+        assert free | ev | used == set(range(self.num_pages)) - {TRASH_PAGE}, "page lost"
+        assert all(self.key_of[p] in self.cached for p in self.key_of)
+        return True

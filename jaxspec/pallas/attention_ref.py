@@ -1,0 +1,50 @@
+"""Pure-jnp paged attention: the reference every Pallas attention kernel is tested against,
+and the path used where no kernel applies (CPU, odd shapes).
+
+One function covers extend/prefill (T new tokens, causal among themselves), decode (T = 1) and
+tree verify (T draft nodes under a per-request ancestor mask). The new tokens' K/V are already in
+the pages (written at slots kv_len .. kv_len + q_len - 1) when this runs.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def visible_mask(kv_lens, q_lens, num_queries, num_keys, tree_mask=None):
+    """[B, T, S] bool: query t of request b may read key slot s.
+
+    Slots before kv_len are the cached prefix (always visible). Slot kv_len + j holds new token j:
+    visible if j < q_len and (j <= t for a chain, or tree_mask[b, t, j] for a tree).
+    """
+    s = jnp.arange(num_keys)[None, None, :]
+    t = jnp.arange(num_queries)[None, :, None]
+    rel = s - kv_lens[:, None, None]
+    if tree_mask is None:
+        among_new = rel <= t
+    else:
+        idx = jnp.clip(rel, 0, num_queries - 1)
+        among_new = jnp.take_along_axis(tree_mask, jnp.broadcast_to(idx, (tree_mask.shape[0], num_queries, num_keys)), axis=2)
+    return (rel < 0) | ((rel < q_lens[:, None, None]) & among_new)
+
+
+def paged_attention_ref(q, k_pages, v_pages, page_table, kv_lens, q_lens, tree_mask=None, *,
+                        scale=None, softcap=None):
+    """q [B, T, Hq, D]; k_pages/v_pages [N, ps, Hkv, D]; page_table [B, P] -> [B, T, Hq, D]."""
+    b, t, hq, d = q.shape
+    _, ps, hkv, _ = k_pages.shape
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    k = k_pages[page_table].reshape(b, -1, hkv, d)
+    v = v_pages[page_table].reshape(b, -1, hkv, d)
+    qg = q.reshape(b, t, hkv, g, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    mask = visible_mask(kv_lens, q_lens, t, k.shape[1], tree_mask)
+    logits = jnp.where(mask[:, None, None], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, d).astype(q.dtype)

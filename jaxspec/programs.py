@@ -1,0 +1,91 @@
+"""The jitted device programs and the shapes they are compiled for.
+
+`extend` feeds T new tokens per request (prefill chunks; decode is T = 1) and samples the token
+after the last one. `verify_tree` runs a draft tree through the target, accepts the longest
+matching root path, compacts the accepted K/V and returns the emitted tokens. The cache is
+donated to both; neither syncs with the host.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec import sampling
+from jaxspec.kv_cache import move_slots
+from jaxspec.pallas.accept import accept_tree
+from jaxspec.pallas.tree_mask import tree_attention_mask
+
+# Every compiled shape comes from these lists.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
+TREE_BUCKETS = (2, 4, 8, 16, 32, 64)
+
+
+def bucket(n: int, buckets) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def page_bucket(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+class Programs:
+    def __init__(self, model, attn_impl: str = "auto", jit: bool = True):
+        self.graphdef, self.state = nnx.split(model)
+        self.cfg = model.cfg
+        self.attn_impl = attn_impl
+        wrap = (lambda f, **kw: jax.jit(f, **kw)) if jit else (lambda f, **kw: f)
+        self.extend = wrap(functools.partial(_extend, self.graphdef, attn_impl),
+                           static_argnames=("flags",), donate_argnames=("cache",))
+        self.verify_tree = wrap(functools.partial(_verify_tree, self.graphdef, attn_impl),
+                                static_argnames=("flags",), donate_argnames=("cache",))
+
+
+def _extend(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, q_lens, sb, flags):
+    """tokens [B, T] at positions kv_len.. -> next token [B], its logprob [B], top-n, cache."""
+    model = nnx.merge(graphdef, state)
+    t = tokens.shape[1]
+    positions = kv_lens[:, None] + jnp.arange(t)[None]
+    h, cache, _ = model(tokens, positions, cache, page_table, kv_lens, q_lens, attn_impl=attn_impl)
+    last = jnp.take_along_axis(h, jnp.maximum(q_lens - 1, 0)[:, None, None], axis=1)  # [B, 1, H]
+    logits = model.logits(last)
+    nxt = sampling.sample(logits, sb, flags)
+    lp, top_v, top_i = sampling.logprobs_of(logits, nxt, flags.top_logprobs)
+    squeeze = (lambda x: None if x is None else x[:, 0])
+    return nxt[:, 0], lp[:, 0], squeeze(top_v), squeeze(top_i), cache
+
+
+def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):
+    """One speculative step over a draft tree.
+
+    tokens [B, N]: node 0 is the request's pending token (sampled last step, not yet cached),
+    nodes 1.. the draft, in an order where parents come first; parents [B, N] (-1 for the root and
+    padding). Returns emitted tokens [B, N] (accepted drafts then the bonus token), their count
+    [B], logprobs [B, N], top-n, and the cache with the accepted path's K/V moved into place.
+    """
+    model = nnx.merge(graphdef, state)
+    mask, depth = tree_attention_mask(parents, num_nodes)
+    positions = kv_lens[:, None] + depth
+    h, cache, _ = model(tokens, positions, cache, page_table, kv_lens, num_nodes, tree_mask=mask, attn_impl=attn_impl)
+    logits = model.logits(h)  # [B, N, V]
+    extra = None
+    if flags.penalties:  # each node's penalty sees the draft tokens above it
+        n = tokens.shape[1]
+        anc = mask & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n)[None, None] > 0)
+        extra = jnp.where(anc, tokens[:, None, :], -1)
+    target = sampling.sample(logits, sb, flags, extra)  # the target's own token after each node
+    path, num_accepted = accept_tree(tokens, parents, target, num_nodes)
+    # Along the accepted path target[path[i]] == tokens[path[i + 1]], so the emitted tokens (the
+    # accepted drafts, then the bonus) are simply the target's tokens at the path's nodes.
+    count = num_accepted + 1
+    out = jnp.where(jnp.arange(tokens.shape[1])[None] < count[:, None], jnp.take_along_axis(target, path, axis=1), 0)
+    lp_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
+    lp, top_v, top_i = sampling.logprobs_of(lp_logits, out, flags.top_logprobs)
+    cache = move_slots(cache, page_table, kv_lens, path, count)
+    return out, count, lp, top_v, top_i, cache

@@ -1,0 +1,330 @@
+"""Host-side scheduler: continuous batching over the jitted programs.
+
+Each `step()`: admit waiting requests while pages allow; run one batch of prefill chunks; run one
+decode (or speculative verify) step over every request whose prompt is in the cache; append
+tokens, apply stop conditions, release finished requests' pages. A request that cannot get a page
+is preempted (pages released, recomputed later from prompt + output, mostly from the prefix cache)
+instead of the pool running dry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxspec.kv_cache import KVCache
+from jaxspec.paging import OutOfPages, PagePool
+from jaxspec.programs import BATCH_BUCKETS, TOKEN_BUCKETS, TREE_BUCKETS, Programs, bucket, page_bucket
+from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    prompt_ids: list
+    params: SamplingParams
+    seed: int
+    on_update: Callable | None = None  # called with (request, new token ids) as tokens arrive
+    output_ids: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)
+    pages: list = dataclasses.field(default_factory=list)
+    kv_len: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    stop_text_len: int | None = None  # where a stop string cut the text
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    accept_lengths: list = dataclasses.field(default_factory=list)
+    aborted: bool = False
+
+    @property
+    def tokens(self):
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def todo(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
+                 prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None):
+        cfg = model.cfg
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
+        self.max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
+        self.max_pages_per_seq = -(-(self.max_seq_len + TREE_BUCKETS[-1]) // page_size)
+        if num_pages is None:
+            num_pages = max(self.max_pages_per_seq + 1, 1 + max_batch * 256 // page_size)
+        if num_pages - 1 < self.max_pages_per_seq:
+            raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len={self.max_seq_len} "
+                             f"({self.max_pages_per_seq} pages of {page_size}); raise num_pages or lower max_seq_len")
+        self.pool = PagePool(num_pages, page_size)
+        dtype = kv_dtype or model.embed[...].dtype
+        self.cache = KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.programs = Programs(model, attn_impl=attn_impl, jit=jit)
+        self.drafter = drafter
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set())
+        self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
+                          draft_time=0.0, decode_time=0.0, prefill_time=0.0)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add(self, prompt_ids, params: SamplingParams, on_update=None) -> Request:
+        params.validate(self.cfg.vocab_size)
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"maximum sequence length {self.max_seq_len}")
+        rid = next(self._ids)
+        seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31))
+        req = Request(rid, prompt_ids, params, seed, on_update)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req: Request):
+        if req.finished:
+            return
+        req.aborted = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self):
+        self._admit()
+        prefill = [r for r in self.running if r.todo > 1]
+        decode = [r for r in self.running if r.todo == 1]
+        if prefill:
+            self._run_prefill(prefill)
+        if decode:
+            decode = self._reserve(decode, self.drafter.num_nodes if self.drafter else 1)
+            if decode:
+                (self._run_verify if self.drafter else self._run_decode)(decode)
+        self.stats["steps"] += 1
+
+    def _pages_needed(self, req, extra):
+        return -(-(req.kv_len + req.todo + extra) // self.page_size)
+
+    def _admit(self):
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            toks = req.tokens
+            matched = self.pool.match_prefix(toks)
+            need = -(-(len(toks) + 1) // self.page_size) - len(matched)
+            # keep a page per running request in hand so admission does not starve decoding
+            if need + len(self.running) > self.pool.available:
+                self.pool.release(matched)
+                break
+            self.waiting.pop(0)
+            req.pages = matched + self.pool.alloc(need)
+            req.kv_len = len(matched) * self.page_size
+            self.running.append(req)
+
+    def _reserve(self, reqs, extra):
+        """Give every decoding request pages for `extra` more tokens, preempting the newest if short."""
+        out = []
+        for req in sorted(reqs, key=lambda r: r.arrival):
+            if req.finished or req not in self.running:
+                continue
+            need = self._pages_needed(req, extra - 1) - len(req.pages)
+            while need > self.pool.available:
+                victim = max((r for r in self.running if r is not req), key=lambda r: r.arrival, default=None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim in out:
+                    out.remove(victim)
+            if need > self.pool.available:
+                self._preempt(req)
+                continue
+            if need > 0:
+                req.pages += self.pool.alloc(need)
+            out.append(req)
+        return out
+
+    def _preempt(self, req):
+        self.pool.release(req.pages, req.tokens[:req.kv_len])
+        req.pages, req.kv_len = [], 0
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.stats["preemptions"] += 1
+
+    def _page_table(self, reqs, rows, min_tokens):
+        width = page_bucket(max(max(len(r.pages) for r in reqs), -(-min_tokens // self.page_size)))
+        pt = np.zeros((rows, width), np.int32)
+        for i, r in enumerate(reqs):
+            pt[i, :len(r.pages)] = r.pages
+        return pt
+
+    def _sampling(self, reqs, rows, flags):
+        hist = num_prompt = None
+        if flags.penalties:
+            hist = [r.tokens[:r.kv_len + r.todo] for r in reqs]
+            num_prompt = [len(r.prompt_ids) for r in reqs]
+        return SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
+                                   [len(r.output_ids) for r in reqs], hist, num_prompt, pad_to=rows)
+
+    def _run_prefill(self, reqs):
+        t0 = time.perf_counter()
+        budget = self.prefill_chunk
+        batch = []
+        for r in reqs:
+            if budget <= 0 or len(batch) == self.max_batch:
+                break
+            n = min(r.todo, budget)
+            batch.append((r, n))
+            budget -= n
+        reqs = [r for r, _ in batch]
+        rows = bucket(len(batch), BATCH_BUCKETS)
+        t = bucket(max(n for _, n in batch), TOKEN_BUCKETS)
+        tokens = np.zeros((rows, t), np.int32)
+        kv_lens = np.zeros(rows, np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        for i, (r, n) in enumerate(batch):
+            tokens[i, :n] = r.tokens[r.kv_len:r.kv_len + n]
+            kv_lens[i], q_lens[i] = r.kv_len, n
+        flags = SamplerFlags.of([r.params for r in reqs])
+        pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
+        nxt, lp, top_v, top_i, self.cache = self.programs.extend(
+            self.programs.state, self.cache, tokens, pt, kv_lens, q_lens, self._sampling(reqs, rows, flags), flags=flags)
+        nxt, lp = np.asarray(nxt), np.asarray(lp)
+        top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
+        self.stats["prefill_tokens"] += int(q_lens.sum())
+        for i, (r, n) in enumerate(batch):
+            r.kv_len += n
+            if r.todo == 0:  # the chunk reached the end of the sequence: its sample is the next token
+                self._emit(r, [int(nxt[i])], [float(lp[i])], None if top is None else [(top[0][i], top[1][i])])
+        self.stats["prefill_time"] += time.perf_counter() - t0
+
+    def _run_decode(self, reqs):
+        t0 = time.perf_counter()
+        rows = bucket(len(reqs), BATCH_BUCKETS)
+        tokens = np.zeros((rows, 1), np.int32)
+        kv_lens = np.zeros(rows, np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        for i, r in enumerate(reqs):
+            tokens[i, 0] = r.output_ids[-1]
+            kv_lens[i], q_lens[i] = r.kv_len, 1
+        flags = SamplerFlags.of([r.params for r in reqs])
+        pt = self._page_table(reqs, rows, int(kv_lens.max()) + 1)
+        nxt, lp, top_v, top_i, self.cache = self.programs.extend(
+            self.programs.state, self.cache, tokens, pt, kv_lens, q_lens, self._sampling(reqs, rows, flags), flags=flags)
+        nxt, lp = np.asarray(nxt), np.asarray(lp)
+        top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
+        for i, r in enumerate(reqs):
+            r.kv_len += 1
+            self._emit(r, [int(nxt[i])], [float(lp[i])], None if top is None else [(top[0][i], top[1][i])])
+        self.stats["decode_time"] += time.perf_counter() - t0
+
+    def _run_verify(self, reqs):
+        t0 = time.perf_counter()
+        rows = bucket(len(reqs), BATCH_BUCKETS)
+        n = bucket(self.drafter.num_nodes, TREE_BUCKETS)
+        tokens = np.zeros((rows, n), np.int32)
+        parents = np.full((rows, n), -1, np.int32)
+        num_nodes = np.ones(rows, np.int32)
+        kv_lens = np.zeros(rows, np.int32)
+        for i, r in enumerate(reqs):
+            d_tok, d_par = self.drafter.propose(r)
+            m = 1 + len(d_tok)
+            tokens[i, 0] = r.output_ids[-1]
+            tokens[i, 1:m] = d_tok
+            parents[i, 1:m] = d_par
+            num_nodes[i], kv_lens[i] = m, r.kv_len
+        t1 = time.perf_counter()
+        flags = SamplerFlags.of([r.params for r in reqs])
+        pt = self._page_table(reqs, rows, int(kv_lens.max()) + n)
+        out, count, lp, top_v, top_i, self.cache = self.programs.verify_tree(
+            self.programs.state, self.cache, tokens, parents, pt, kv_lens, num_nodes,
+            self._sampling(reqs, rows, flags), flags=flags)
+        out, count, lp = np.asarray(out), np.asarray(count), np.asarray(lp)
+        top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
+        for i, r in enumerate(reqs):
+            c = int(count[i])
+            r.kv_len += c
+            r.accept_lengths.append(c)
+            self._emit(r, [int(x) for x in out[i, :c]], [float(x) for x in lp[i, :c]],
+                       None if top is None else [(top[0][i, j], top[1][i, j]) for j in range(c)])
+        self.stats["verify_steps"] += 1
+        self.stats["draft_time"] += t1 - t0
+        self.stats["verify_time"] += time.perf_counter() - t1
+
+    # -- outputs -------------------------------------------------------------------------------
+    def _emit(self, req, toks, lps, tops):
+        """Append tokens one by one; the first stop condition met ends the request there."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        p = req.params
+        new = []
+        for j, tok in enumerate(toks):
+            req.output_ids.append(tok)
+            new.append(tok)
+            if p.logprobs is not None:
+                req.logprobs.append(lps[j])
+                if p.logprobs > 0 and tops is not None:
+                    v, ids = tops[j]
+                    req.top_logprobs.append({int(a): float(b) for a, b in zip(ids[:p.logprobs], v[:p.logprobs])})
+            self.stats["emitted"] += 1
+            reason = None
+            if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+                reason = "stop"
+            elif p.stop and self._hits_stop_string(req):
+                reason = "stop"
+            elif len(req.output_ids) >= p.max_tokens:
+                reason = "length"
+            if reason:
+                if req.on_update:
+                    req.on_update(req, new)
+                self._finish(req, reason)
+                return
+        if self.drafter is not None:
+            self.drafter.observe(req, new)
+        if req.on_update:
+            req.on_update(req, new)
+
+    def _hits_stop_string(self, req):
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        tail = max(len(s) for s in req.params.stop) + 16
+        start = max(0, len(req.text) - tail)
+        req.text = text
+        cut = [text.find(s, start) for s in req.params.stop]
+        cut = [c for c in cut if c >= 0]
+        if cut:
+            req.stop_text_len = min(cut)
+            return True
+        return False
+
+    def _finish(self, req, reason):
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+            self.pool.release(req.pages, req.tokens[:req.kv_len])
+            req.pages = []
+        if self.drafter is not None:
+            self.drafter.finish(req)
+        if req.on_update:
+            req.on_update(req, [])
