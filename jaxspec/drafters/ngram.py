@@ -1,0 +1,154 @@
+"""NGRAM (lookahead) drafting: a trie of token sequences seen in prompts and outputs.
+
+Every position of every sequence starts a path of up to `max_trie_depth` tokens; each trie node
+counts how often its path occurred. To draft, the longest suffix of the request (within the match
+window) found in the trie picks a node, and its subtree is read out as a draft tree, either level
+by level keeping the most frequent children (BFS) or best-first by path frequency (PROB), until the
+draft-token budget is spent. Siblings are distinct tokens by construction, as accept needs.
+
+All of this is host work; it runs between device steps and its cost is measured per step.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import time
+
+
+class _Node:
+    __slots__ = ("children", "count")
+
+    def __init__(self):
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+
+
+class NgramCache:
+    def __init__(self, max_trie_depth=18, capacity=1_000_000):
+        if max_trie_depth < 2:
+            raise ValueError("max_trie_depth must be >= 2")
+        self.depth, self.capacity = max_trie_depth, capacity
+        self.root = _Node()
+        self.size = 0
+        self.recent: collections.deque = collections.deque(maxlen=64)  # kept across evictions
+
+    def _child(self, node, tok):
+        nxt = node.children.get(tok)
+        if nxt is None:
+            nxt = node.children[tok] = _Node()
+            self.size += 1
+        nxt.count += 1
+        return nxt
+
+    def advance(self, cursors: list, tok: int) -> list:
+        """Extend every open path by tok and open a new one; returns the cursors still open."""
+        out = [(self._child(c, tok), d + 1) for c, d in cursors if d < self.depth]
+        out.append((self._child(self.root, tok), 1))
+        return [(n, d) for n, d in out if d < self.depth]
+
+    def insert(self, tokens) -> list:
+        cursors = []
+        for t in tokens:
+            cursors = self.advance(cursors, int(t))
+        self.recent.append(list(tokens))
+        return cursors
+
+    def evict_if_full(self):
+        """Over capacity: drop everything but the most recent sequences (bounded memory)."""
+        if self.size <= self.capacity:
+            return False
+        keep = list(self.recent)[len(self.recent) // 2:]
+        self.root, self.size = _Node(), 0
+        self.recent.clear()
+        for seq in keep:
+            self.insert(seq)
+        return True
+
+    def match(self, tokens, min_window=1, max_window=12):
+        """The trie node after the longest suffix of tokens (min..max window) that has children."""
+        for w in range(min(max_window, len(tokens), self.depth - 1), min_window - 1, -1):
+            node = self.root
+            for t in tokens[len(tokens) - w:]:
+                node = node.children.get(int(t))
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node, w
+        return None, 0
+
+    def draft(self, tokens, budget, *, min_window=1, max_window=12, match_type="BFS", breadth=8, branch_length=18):
+        """Draft tree below the request's last token: (tokens, parents) with parents indexing the
+        full tree (0 = the root, i.e. the last token), at most `budget` nodes."""
+        node, _ = self.match(tokens, min_window, max_window)
+        out_tok, out_par = [], []
+        if node is None or budget <= 0:
+            return out_tok, out_par
+        if match_type == "PROB":
+            heap = [(-c.count / node.count, i, t, c, 0, 1) for i, (t, c) in enumerate(node.children.items())]
+            heapq.heapify(heap)
+            order = len(heap)
+            while heap and len(out_tok) < budget:
+                negp, _, t, c, parent, depth = heapq.heappop(heap)
+                out_tok.append(t)
+                out_par.append(parent)
+                me = len(out_tok)
+                if depth < branch_length:
+                    for t2, c2 in c.children.items():
+                        order += 1
+                        heapq.heappush(heap, (negp * c2.count / c.count, order, t2, c2, me, depth + 1))
+            return out_tok, out_par
+        level = [(node, 0)]
+        for _ in range(branch_length):
+            nxt = []
+            for n, parent in level:
+                for t, c in sorted(n.children.items(), key=lambda kv: -kv[1].count)[:breadth]:
+                    if len(out_tok) == budget:
+                        return out_tok, out_par
+                    out_tok.append(t)
+                    out_par.append(parent)
+                    nxt.append((c, len(out_tok)))
+            if not nxt:
+                break
+            level = nxt
+        return out_tok, out_par
+
+
+class NgramDrafter:
+    """Host-side drafter for the scheduler: propose / observe / finish."""
+
+    def __init__(self, num_draft_tokens=8, min_match_window=1, max_match_window=12, max_bfs_breadth=8,
+                 branch_length=18, match_type="BFS", capacity=1_000_000):
+        if match_type not in ("BFS", "PROB"):
+            raise ValueError(f"ngram match_type must be 'BFS' or 'PROB', got {match_type!r}")
+        if num_draft_tokens < 2:
+            raise ValueError("num_draft_tokens must be >= 2 (the root plus at least one draft)")
+        self.num_nodes = num_draft_tokens
+        self.opts = dict(min_window=min_match_window, max_window=max_match_window, match_type=match_type,
+                         breadth=max_bfs_breadth, branch_length=branch_length)
+        self.cache = NgramCache(max_trie_depth=max(branch_length, max_match_window) + 1, capacity=capacity)
+        self.cursors: dict[int, list] = {}
+        self.host_time = 0.0
+
+    def propose(self, req):
+        t0 = time.perf_counter()
+        toks = req.prompt_ids + req.output_ids
+        if req.rid not in self.cursors:
+            self.cursors[req.rid] = self.cache.insert(toks)
+        out = self.cache.draft(toks, self.num_nodes - 1, **self.opts)
+        self.host_time += time.perf_counter() - t0
+        return out
+
+    def observe(self, req, new_tokens):
+        t0 = time.perf_counter()
+        cur = self.cursors.get(req.rid)
+        if cur is not None:
+            for t in new_tokens:
+                cur = self.cache.advance(cur, int(t))
+            self.cursors[req.rid] = cur
+            if self.cache.evict_if_full():
+                self.cursors.clear()
+        self.host_time += time.perf_counter() - t0
+
+    def finish(self, req):
+        if self.cursors.pop(req.rid, None) is not None:
+            self.cache.recent.append(req.prompt_ids + req.output_ids)
