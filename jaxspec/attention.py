@@ -6,18 +6,21 @@ import jax
 from jaxspec.pallas.attention_ref import paged_attention_ref
 
 
-def _use_kernel(impl: str) -> bool:
-    if impl == "ref":
-        return False
-    if impl == "pallas":
-        return True
-    return jax.default_backend() == "gpu"
+def kernel_supports(q, k_pages, tree_mask) -> bool:
+    ps, d = k_pages.shape[2], k_pages.shape[-1]
+    pow2 = lambda n: n & (n - 1) == 0
+    # Triton's dot wants every dimension >= 16; trees are bit-packed into two 32-bit words.
+    return ps >= 16 and pow2(ps) and d in (64, 128) and (tree_mask is None or q.shape[1] <= 64)
 
 
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
-    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers); layer: traced index."""
-    if _use_kernel(impl):
+    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers); layer: traced index.
+
+    impl: 'auto' (kernel on GPU when the shape allows), 'pallas' (kernel; interpreted off-GPU), 'ref'.
+    """
+    on_gpu = jax.default_backend() == "gpu"
+    use = impl == "pallas" or (impl == "auto" and on_gpu)
+    if use and kernel_supports(q, k_pages, tree_mask):
         from jaxspec.pallas.paged_attention import paged_attention as kernel
-        return kernel(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
-                      interpret=jax.default_backend() != "gpu")
+        return kernel(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, interpret=not on_gpu)
     return paged_attention_ref(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask)
