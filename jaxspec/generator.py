@@ -28,6 +28,8 @@ class Completion:
 
 
 def _text_of(tokenizer, req: Request) -> str:
+    if tokenizer is None:  # token-id-only use (tests, embedded models without a tokenizer)
+        return ""
     text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
     if req.stop_text_len is not None:
         text = text[:req.stop_text_len]

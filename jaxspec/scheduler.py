@@ -64,7 +64,9 @@ class Scheduler:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
         self.max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
-        self.max_pages_per_seq = -(-(self.max_seq_len + TREE_BUCKETS[-1]) // page_size)
+        # a verify step writes a whole (padded) draft tree past the sequence's end
+        slack = bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1
+        self.max_pages_per_seq = -(-(self.max_seq_len + slack) // page_size)
         if num_pages is None:
             num_pages = max(self.max_pages_per_seq + 1, 1 + max_batch * 256 // page_size)
         if num_pages - 1 < self.max_pages_per_seq:
@@ -226,7 +228,7 @@ class Scheduler:
         kv_lens = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
         for i, r in enumerate(reqs):
-            tokens[i, 0] = r.output_ids[-1]
+            tokens[i, 0] = r.tokens[r.kv_len]
             kv_lens[i], q_lens[i] = r.kv_len, 1
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows, int(kv_lens.max()) + 1)
@@ -250,7 +252,7 @@ class Scheduler:
         for i, r in enumerate(reqs):
             d_tok, d_par = self.drafter.propose(r)
             m = 1 + len(d_tok)
-            tokens[i, 0] = r.output_ids[-1]
+            tokens[i, 0] = r.tokens[r.kv_len]
             tokens[i, 1:m] = d_tok
             parents[i, 1:m] = d_par
             num_nodes[i], kv_lens[i] = m, r.kv_len

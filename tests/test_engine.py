@@ -1,0 +1,207 @@
+"""Paged cache, scheduler, sampling and the Generator on CPU."""
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import Generator, SamplingParams
+from jaxspec.kv_cache import KVCache
+from jaxspec.paging import OutOfPages, PagePool
+from jaxspec.scheduler import Scheduler
+
+from conftest import TINY
+
+
+def logits_with_page_size(model, ids, ps, shuffle):
+    cfg = model.cfg
+    n = -(-len(ids) // ps)
+    cache = KVCache.create(cfg.num_layers, n + 3, ps, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    pages = np.arange(1, n + 1)
+    if shuffle:
+        pages = np.random.default_rng(0).permutation(np.arange(1, n + 3))[:n]
+    # feed in two chunks so the second attends to a paged prefix
+    cut = len(ids) // 2
+    outs = []
+    kv = 0
+    for chunk in (ids[:cut], ids[cut:]):
+        t = len(chunk)
+        h, cache, _ = model(jnp.array([chunk]), kv + jnp.arange(t)[None], cache, jnp.array([pages]),
+                            jnp.array([kv]), jnp.array([t]))
+        outs.append(np.asarray(model.logits(h)[0]))
+        kv += t
+    return np.concatenate(outs)
+
+
+@pytest.mark.parametrize("ps", [1, 3, 16])
+def test_paged_equals_contiguous(tiny, ps):
+    ids = list(np.random.default_rng(1).integers(0, 64, 37))
+    contiguous = logits_with_page_size(tiny, ids, 64, shuffle=False)  # one page holds everything
+    np.testing.assert_allclose(logits_with_page_size(tiny, ids, ps, shuffle=True), contiguous, atol=1e-5)
+
+
+def test_page_pool_accounting_and_prefix_chain():
+    pool = PagePool(10, 4)
+    a = pool.alloc(3)
+    toks = list(range(12))
+    pool.release(a, toks)
+    pool.check()
+    assert pool.available == 9 and len(pool.evictable) == 3
+    got = pool.match_prefix(toks + [99])
+    assert got == a  # all three full pages reused
+    assert pool.match_prefix(list(range(5))) == [a[0]]  # shares only the first page
+    assert pool.match_prefix([0, 1, 2, 7, 9]) == []  # diverges inside the first page
+    pool.release(got, toks)
+    pool.release([a[0]])
+    pool.check()
+    with pytest.raises(OutOfPages):
+        pool.alloc(10)
+    b = pool.alloc(9)  # evicts the cached pages when the free list runs out
+    assert len(set(b)) == 9 and not pool.cached
+    pool.release(b)
+    pool.check()
+
+
+def make_gen(model, tok=None, **kw):
+    kw.setdefault("max_batch", 8)
+    kw.setdefault("max_seq_len", 256)
+    kw.setdefault("num_pages", 200)
+    kw.setdefault("page_size", 4)
+    return Generator(model, tok, **kw)
+
+
+def test_batch_equals_each_alone_and_pages_return(tiny):
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(0, 62, n))) for n in (1, 5, 17, 40, 9, 3)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    gen = make_gen(tiny, prefill_chunk=16)
+    together = gen.generate(prompts, params)
+    alone = [make_gen(tiny).generate([p], params)[0] for p in prompts]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    gen.scheduler.pool.check()
+    assert gen.scheduler.pool.in_use == 0
+
+
+def test_prefix_reuse_same_output_and_hits(tiny):
+    rng = np.random.default_rng(3)
+    shared = list(map(int, rng.integers(0, 62, 30)))
+    gen = make_gen(tiny)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = gen.generate([shared + [5, 6]], params)[0]
+    hits = gen.scheduler.pool.hits
+    second = gen.generate([shared + [5, 6]], params)[0]
+    assert gen.scheduler.pool.hits - hits >= 28  # 7 full pages of 4
+    assert second.token_ids == first.token_ids
+    fresh = make_gen(tiny).generate([shared + [5, 6]], params)[0]
+    assert fresh.token_ids == first.token_ids
+    assert gen.scheduler.pool.in_use == 0
+
+
+def test_preemption_keeps_outputs(tiny):
+    """A pool too small for every request at once: requests wait or get preempted, outputs unchanged."""
+    rng = np.random.default_rng(4)
+    prompts = [list(map(int, rng.integers(0, 62, 20))) for _ in range(6)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    small = make_gen(tiny, num_pages=40, max_seq_len=120)
+    out = small.generate(prompts, params)
+    ref = make_gen(tiny).generate(prompts, params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    assert small.scheduler.stats["preemptions"] > 0
+    small.scheduler.pool.check()
+    assert small.scheduler.pool.in_use == 0
+
+
+def test_sampling_seeded_reproducible_and_batch_independent(tiny):
+    gen = make_gen(tiny)
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=20, seed=7, ignore_eos=True)
+    a = gen.generate([[1, 2, 3]], p)[0]
+    b = gen.generate([[9, 9], [1, 2, 3], [4]], [dataclasses.replace(p, seed=1), p, p])[1]
+    assert a.token_ids == b.token_ids
+    c = gen.generate([[1, 2, 3]], dataclasses.replace(p, seed=8))[0]
+    assert c.token_ids != a.token_ids
+
+
+def test_top_k_one_is_greedy_and_logprobs(tiny):
+    gen = make_gen(tiny)
+    g = gen.generate([[1, 2, 3]], SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3))[0]
+    s = gen.generate([[1, 2, 3]], SamplingParams(max_tokens=10, temperature=2.0, top_k=1, ignore_eos=True, seed=1))[0]
+    assert g.token_ids == s.token_ids
+    assert len(g.logprobs) == 10 and all(lp <= 0 for lp in g.logprobs)
+    for tok, lp, top in zip(g.token_ids, g.logprobs, g.top_logprobs):
+        assert len(top) == 3 and max(top, key=top.get) == tok  # greedy: chosen is the most likely
+        assert abs(top[tok] - lp) < 1e-5
+
+
+def test_penalties_change_output(tiny):
+    gen = make_gen(tiny)
+    base = gen.generate([[1, 2, 3]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    pen = gen.generate([[1, 2, 3]], SamplingParams(max_tokens=30, ignore_eos=True, presence_penalty=2.0,
+                                                    frequency_penalty=2.0))[0]
+    assert len(set(pen.token_ids)) > len(set(base.token_ids))
+
+
+def test_sampler_matches_distribution():
+    """Temperature + top-k + top-p sampling draws from the filtered, renormalised softmax."""
+    from jaxspec.sampling import SamplerFlags, SamplingBatch, sample
+    logits = jnp.log(jnp.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.05]))[None, None]
+    n = 4000
+    params = [SamplingParams(temperature=1.0, top_k=4, top_p=0.75)] * n
+    sb = SamplingBatch.build(params, list(range(n)), [0] * n)
+    toks = np.asarray(sample(jnp.tile(logits, (n, 1, 1)), sb, SamplerFlags.of(params)))[:, 0]
+    counts = np.bincount(toks, minlength=6)
+    # top-p 0.75 keeps 0.4, 0.25, 0.15 (mass before 0.15 is 0.65 < 0.75); renormalised over 0.8
+    expect = np.array([0.5, 0.3125, 0.1875, 0, 0, 0]) * n
+    assert counts[3:].sum() == 0
+    chi2 = ((counts[:3] - expect[:3]) ** 2 / expect[:3]).sum()
+    assert chi2 < 13.8  # p = 0.001 at 2 degrees of freedom
+
+
+def test_stop_conditions_and_abort(smollm):
+    model, tok = smollm
+    gen = make_gen(model, tok, page_size=16)
+    prompt = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    full = gen.generate(prompt, SamplingParams(max_tokens=40))
+    assert "4, 5" in full.text
+    cut = gen.generate(prompt, SamplingParams(max_tokens=40, stop=["5"]))
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index("5")]
+    stop_id = tok.encode(",", add_special_tokens=False)[0]
+    by_id = gen.generate(prompt, SamplingParams(max_tokens=40, stop_token_ids=[stop_id]))
+    assert by_id.token_ids[-1] == stop_id and stop_id not in by_id.token_ids[:-1]
+    one = gen.generate(prompt, SamplingParams(max_tokens=1))
+    assert len(one.token_ids) == 1 and one.finish_reason == "length"
+    it = gen.stream(prompt, SamplingParams(max_tokens=40))
+    pieces = [next(it), next(it)]
+    it.close()  # closing the stream aborts the request
+    assert "".join(pieces) and full.text.startswith("".join(pieces))
+    assert gen.scheduler.pool.in_use == 0 and not gen.scheduler.running
+    assert "".join(gen.stream(prompt, SamplingParams(max_tokens=40))) == full.text
+
+
+def test_bad_inputs_get_clear_errors(tiny):
+    gen = make_gen(tiny)
+    cases = [
+        (SamplingParams(temperature=-1), "temperature must be >= 0"),
+        (SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
+        (SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+        (SamplingParams(top_k=-5), "top_k must be an integer >= -1"),
+        (SamplingParams(logprobs=50), "logprobs must be an integer in"),
+        (SamplingParams(stop_token_ids=[1000]), "stop_token_ids entry 1000"),
+        (SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
+        (SamplingParams(max_tokens=250), r"exceeds the maximum sequence length 256"),
+    ]
+    for p, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            gen.generate([[1, 2, 3, 4, 5, 6, 7]], p)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        gen.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gen.generate([[1, 64]], SamplingParams())
+    with pytest.raises(ValueError, match="prompt must be a string"):
+        gen.generate([3.5], SamplingParams())
+    # a bad request in a batch queues nothing, and the engine still serves
+    with pytest.raises(ValueError):
+        gen.generate([[1, 2], [1, 99]], SamplingParams())
+    assert not gen.scheduler.waiting and gen.scheduler.pool.in_use == 0
+    assert len(gen.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        Scheduler(tiny, None, num_pages=4, page_size=4, max_seq_len=256)
