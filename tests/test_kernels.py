@@ -1,0 +1,105 @@
+"""Pallas kernels under interpret=True against their references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.pallas.accept import accept_tree, accept_tree_ref
+from jaxspec.pallas.attention_ref import paged_attention_ref
+from jaxspec.pallas.paged_attention import paged_attention
+from jaxspec.pallas.tree_mask import tree_attention_mask
+
+
+def random_parents(rng, b, n):
+    par = np.full((b, n), -1, np.int32)
+    for j in range(1, n):
+        par[:, j] = rng.integers(0, j, b)
+    return par
+
+
+CASES = [  # (B, T, Hq, Hkv, D, ps, tree, dtype)
+    (3, 1, 6, 2, 64, 16, False, jnp.float32),  # decode, GQA 3
+    (4, 1, 8, 1, 128, 16, False, jnp.bfloat16),  # decode, GQA 8, bf16
+    (2, 21, 8, 8, 64, 16, False, jnp.float32),  # extend, MHA
+    (2, 8, 9, 3, 64, 32, True, jnp.float32),  # tree verify
+    (2, 40, 4, 1, 128, 16, True, jnp.float32),  # tree verify over two bit words
+]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,dtype", CASES)
+def test_paged_attention_kernel_matches_reference(b, t, hq, hkv, d, ps, tree, dtype):
+    rng = np.random.default_rng(b * 100 + t)
+    n_pages, width, layers = 48, 6, 2
+    k = jnp.asarray(rng.standard_normal((layers, n_pages, ps, hkv, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((layers, n_pages, ps, hkv, d)), dtype)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
+    # ragged: empty prefix, one token, page boundaries, a full table
+    kv_lens = np.array([0, ps, 2 * ps - 1, 3 * ps + 1][:b] + [0] * max(0, b - 4), np.int32)
+    q_lens = np.array([t, max(t - 1, 0), 1, t][:b] + [t] * max(0, b - 4), np.int32)
+    if t == 1:
+        q_lens[:] = 1
+    pt = rng.permutation(np.arange(1, n_pages))[: b * width].reshape(b, width).astype(np.int32)
+    mask = None
+    if tree:
+        mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
+    out = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=True)
+    ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
+                              kv_lens, q_lens, mask)
+    valid = (np.arange(t)[None] < q_lens[:, None])[:, :, None, None]
+    out, ref = np.asarray(out, np.float32), np.asarray(ref)
+    assert np.isfinite(out).all()
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    err = np.abs(np.where(valid, out - ref, 0)).max()
+    assert err < tol, err
+
+
+def test_tree_mask_ancestors_and_depth():
+    rng = np.random.default_rng(0)
+    par = random_parents(rng, 3, 12)
+    num = np.array([12, 5, 1], np.int32)
+    mask, depth = tree_attention_mask(jnp.asarray(par), jnp.asarray(num))
+    mask, depth = np.asarray(mask), np.asarray(depth)
+    for b in range(3):
+        for i in range(num[b]):
+            anc, j = {i}, i
+            while par[b, j] >= 0:
+                j = par[b, j]
+                anc.add(j)
+            assert set(np.nonzero(mask[b, i])[0]) == anc
+            assert depth[b, i] == len(anc) - 1
+        for i in range(num[b], 12):  # padding sees only itself
+            assert set(np.nonzero(mask[b, i])[0]) == {i}
+
+
+def test_accept_tree_matches_python():
+    rng = np.random.default_rng(1)
+    b, n = 64, 10
+    par = random_parents(rng, b, n)
+    tokens = rng.integers(0, 3, (b, n)).astype(np.int32)  # few symbols, so paths are long
+    target = rng.integers(0, 3, (b, n)).astype(np.int32)
+    num = rng.integers(1, n + 1, b).astype(np.int32)
+    path, count = accept_tree(jnp.asarray(tokens), jnp.asarray(par), jnp.asarray(target), jnp.asarray(num))
+    rpath, rcount = accept_tree_ref(tokens, par, target, num)
+    np.testing.assert_array_equal(np.asarray(count), rcount)
+    for r in range(b):
+        np.testing.assert_array_equal(np.asarray(path)[r, :rcount[r] + 1], rpath[r, :rcount[r] + 1])
+    assert rcount.max() >= 2
+
+
+def test_accept_by_sampling_reproduces_target_distribution():
+    """Two-token draft tree on a 4-symbol vocabulary: the first emitted token must be distributed as
+    the target's p, whatever the draft proposed (chi-square, fixed seed)."""
+    p = np.array([0.1, 0.2, 0.3, 0.4])
+    n_trials = 20000
+    key = jax.random.key(0)
+    target = jax.random.categorical(key, jnp.log(jnp.asarray(p)), shape=(n_trials, 3)).astype(jnp.int32)
+    tokens = jnp.tile(jnp.array([[0, 3, 1]], jnp.int32), (n_trials, 1))  # root, then two sibling drafts
+    parents = jnp.tile(jnp.array([[-1, 0, 0]], jnp.int32), (n_trials, 1))
+    path, count = accept_tree(tokens, parents, target, jnp.full((n_trials,), 3, jnp.int32))
+    first = np.asarray(jnp.take_along_axis(target, path, axis=1)[:, 0])
+    counts = np.bincount(first, minlength=4)
+    chi2 = ((counts - p * n_trials) ** 2 / (p * n_trials)).sum()
+    assert chi2 < 16.3  # p = 0.001 at 3 degrees of freedom
+    # and the drafts were really used: a draft is accepted exactly when the target drew it
+    acc = np.asarray(count) > 0
+    assert abs(acc.mean() - (p[3] + p[1])) < 0.02

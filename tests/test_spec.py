@@ -1,0 +1,142 @@
+"""Speculative decoding (NGRAM + tree verify): lossless greedy and sampling, stops, page accounting."""
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec import Generator, SamplingParams, SpecConfig
+from jaxspec.drafters.ngram import NgramCache
+from jaxspec.models import Llama, ModelConfig
+
+from conftest import TINY
+
+
+def test_ngram_cache_insert_match_evict():
+    c = NgramCache(max_trie_depth=5, capacity=10_000)
+    c.insert([1, 2, 3, 4, 5])
+    c.insert([1, 2, 3, 9])
+    node, w = c.match([7, 1, 2, 3], max_window=3)
+    assert w == 3 and set(node.children) == {4, 9}
+    assert node.children[4].count == 1
+    c.insert([2, 3, 4])
+    assert c.match([2, 3])[0].children[4].count == 2
+    assert c.match([8, 8])[0] is None  # no suffix known
+    toks, par = c.draft([1, 2, 3], budget=3, match_type="BFS", breadth=8, branch_length=4)
+    assert sorted(toks[:2]) == [4, 9] and par[:2] == [0, 0]  # both children of the match
+    assert toks[2] == 5 and par[2] == 1 + toks.index(4)  # 4's child follows, below it
+    toks, par = c.draft([1, 2, 3], budget=2, match_type="PROB", breadth=8, branch_length=4)
+    assert len(toks) == 2 and par[0] == 0
+    small = NgramCache(max_trie_depth=3, capacity=20)
+    for i in range(30):
+        small.insert([100 + i, 200 + i, 300 + i])
+        small.evict_if_full()
+    assert small.size <= 20 + 9
+    assert small.match([129, 229])[0] is not None  # the most recent survive
+    assert small.match([100, 200])[0] is None  # the oldest are gone
+
+
+def repetitive_prompts(rng, n):
+    out = []
+    for _ in range(n):
+        motif = list(map(int, rng.integers(0, 62, rng.integers(2, 6))))
+        out.append((motif * 8)[: rng.integers(3, 30)])
+    return out
+
+
+@pytest.mark.parametrize("draft,match,ps", [(2, "BFS", 4), (8, "BFS", 16), (16, "PROB", 4)])
+def test_ngram_greedy_equals_plain(tiny, draft, match, ps):
+    rng = np.random.default_rng(draft)
+    prompts = repetitive_prompts(rng, 7)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(max_batch=8, max_seq_len=128, num_pages=300, page_size=ps)
+    plain = Generator(tiny, None, **kw).generate(prompts, params)
+    spec_gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=draft, ngram_match_type=match).build(tiny), **kw)
+    spec = spec_gen.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert max(c.mean_accept_length for c in spec) > 1.5  # drafts were accepted, not just verified
+    assert spec_gen.scheduler.pool.in_use == 0
+
+
+def test_ngram_greedy_equals_plain_smollm(smollm):
+    model, tok = smollm
+    prompts = [[{"role": "user", "content": "Write the numbers one to twelve as words, comma separated."}],
+               "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+               "The quick brown fox"]
+    params = SamplingParams(max_tokens=40)
+    kw = dict(max_batch=4, max_seq_len=256, num_pages=80)
+    plain = Generator(model, tok, **kw).generate(prompts, params)
+    spec = Generator(model, tok, drafter=SpecConfig(num_draft_tokens=8).build(model), **kw).generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert max(c.mean_accept_length for c in spec) > 1.3
+
+
+def test_stops_inside_accepted_runs(tiny):
+    rng = np.random.default_rng(5)
+    prompts = repetitive_prompts(rng, 6)
+    kw = dict(max_batch=8, max_seq_len=128, num_pages=300, page_size=4)
+    plain = Generator(tiny, None, **kw).generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    spec = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=8).build(tiny), **kw)
+    for p, ref in zip(prompts, plain):
+        stop = ref.token_ids[12]
+        got = spec.generate([p], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop]))[0]
+        assert got.token_ids == ref.token_ids[: ref.token_ids.index(stop) + 1] and got.finish_reason == "stop"
+        got = spec.generate([p], SamplingParams(max_tokens=7, ignore_eos=True))[0]
+        assert got.token_ids == ref.token_ids[:7] and got.finish_reason == "length"
+    assert spec.scheduler.pool.in_use == 0
+
+
+SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=6, eos_token_ids=())
+
+
+def test_ngram_sampling_is_lossless():
+    """Two-sample chi-square on the joint of the first three sampled tokens: plain vs speculative."""
+    model = Llama(SMALL_VOCAB, rngs=nnx.Rngs(11))
+    model.embed = nnx.Param(model.embed[...] * 0.3)  # flatter next-token distributions: a test with power
+    n = 2000
+    prompt = [1, 2, 1, 2, 1, 2, 1]
+    kw = dict(max_batch=64, max_seq_len=64, num_pages=1100, page_size=4)
+
+    def joint(gen, temperature=1.0):
+        ps = [SamplingParams(max_tokens=3, temperature=temperature, seed=s) for s in range(n)]
+        outs = gen.generate([prompt] * n, ps)
+        return np.bincount([a * 36 + b * 6 + c for a, b, c in (o.token_ids for o in outs)], minlength=216)
+
+    plain = joint(Generator(model, None, **kw))
+    spec_gen = Generator(model, None, drafter=SpecConfig(num_draft_tokens=4).build(model), **kw)
+    spec = joint(spec_gen)
+    assert spec_gen.scheduler.stats["emitted"] > spec_gen.scheduler.stats["verify_steps"]  # drafts accepted
+    def chi2_two_sample(a, b):
+        keep = (a + b) >= 10  # pool sparse cells
+        a, b = np.append(a[keep], a[~keep].sum()), np.append(b[keep], b[~keep].sum())
+        dof = len(a) - 1
+        return (((a - b) ** 2) / np.maximum(a + b, 1)).sum(), dof + 4 * np.sqrt(2 * dof)  # ~ p < 0.001
+
+    stat, limit = chi2_two_sample(plain, spec)
+    assert stat < limit, (stat, limit)
+    # the test has power: a wrong sampler (temperature 0.5 instead of 1) is caught
+    stat, limit = chi2_two_sample(plain, joint(Generator(model, None, **kw), temperature=0.5))
+    assert stat > limit, (stat, limit)
+
+
+def test_no_leaked_pages_after_many_mixed_requests(tiny):
+    rng = np.random.default_rng(9)
+    gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=4).build(tiny), max_batch=32,
+                    max_seq_len=64, num_pages=120, page_size=4)
+    sched = gen.scheduler
+    reqs = []
+    for i in range(1000):
+        prompt = list(map(int, rng.integers(0, 64, rng.integers(1, 20))))
+        p = SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0.0, 1.0])),
+                           seed=i, stop_token_ids=[int(rng.integers(0, 64))])
+        reqs.append(sched.add(prompt, p))
+        if i % 7 == 0:
+            sched.step()
+        if i % 5 == 0:  # abort a random one: waiting, running or already finished
+            sched.abort(reqs[int(rng.integers(0, len(reqs)))])
+    while sched.has_work:
+        sched.step()
+    assert all(r.finished for r in reqs)
+    assert sum(r.finish_reason == "abort" for r in reqs) > 10
+    sched.pool.check()
+    assert sched.pool.in_use == 0
