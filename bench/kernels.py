@@ -1,0 +1,127 @@
+"""Kernels against their XLA references: error, time, and bandwidth over measured copy bandwidth.
+
+decode and verify use Llama-3-8B heads (32 q / 8 kv, head_dim 128, bf16, page 16); decode is
+also run through jax.experimental.pallas.ops.gpu.paged_attention at the same shapes.
+    python bench/kernels.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common import copy_bandwidth, print_table, time_fn, write_results
+from jaxspec.pallas.accept import accept_tree
+from jaxspec.pallas.attention_ref import paged_attention_ref
+from jaxspec.pallas.paged_attention import paged_attention
+from jaxspec.pallas.tree_mask import tree_attention_mask
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+
+
+def setup(b, t, ctx, seed=0):
+    rng = np.random.default_rng(seed)
+    pages_per = -(-(ctx + t) // PS)
+    n = b * pages_per + 1
+    k = jax.random.normal(jax.random.key(seed), (1, n, PS, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(jax.random.key(seed + 1), (1, n, PS, HKV, D), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(seed + 2), (b, t, HQ, D), jnp.bfloat16)
+    pt = jnp.asarray(1 + rng.permutation(n - 1).reshape(b, pages_per), jnp.int32)
+    kv_lens = jnp.full((b,), ctx, jnp.int32)
+    q_lens = jnp.full((b,), t, jnp.int32)
+    return q, k, v, pt, kv_lens, q_lens
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def random_tree(b, t, seed=0):
+    rng = np.random.default_rng(seed)
+    par = np.full((b, t), -1, np.int32)
+    for j in range(1, t):
+        par[:, j] = rng.integers(max(0, j - 4), j, b)
+    return jnp.asarray(par)
+
+
+def main():
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    rows = []
+
+    def attn_row(kernel, b, t, ctx, tree, variants):
+        q, k, v, pt, kv_lens, q_lens = setup(b, t, ctx)
+        mask = None
+        if tree:
+            mask, _ = tree_attention_mask(random_tree(b, t), jnp.full((b,), t, jnp.int32))
+        ref_fn = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))
+        ref = ref_fn(q, k, v)
+        kv_bytes = b * (ctx + t) * HKV * D * 2 * 2
+        t_ref = time_fn(ref_fn, q, k, v)
+        rows.append(dict(kernel=kernel, impl="xla-ref", batch=b, q_tokens=t, context=ctx, time_us=t_ref * 1e6,
+                         bandwidth_fraction=kv_bytes / t_ref / bw, rel_err=0.0))
+        best = None
+        for name, kw in variants:
+            f = jax.jit(lambda q, k, v, kw=kw: paged_attention(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
+            try:
+                out = f(q, k, v)
+                tt = time_fn(f, q, k, v)
+            except Exception as e:  # a variant that fails to lower is reported, not fatal
+                print(f"{kernel} {name}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            rows.append(dict(kernel=kernel, impl=f"pallas[{name}]", batch=b, q_tokens=t, context=ctx,
+                             time_us=tt * 1e6, bandwidth_fraction=kv_bytes / tt / bw, rel_err=rel_err(out, ref)))
+            best = tt if best is None else min(best, tt)
+        print_table(rows[-len(variants) - 1:], ["kernel", "impl", "batch", "q_tokens", "time_us", "bandwidth_fraction", "rel_err"])
+        return best
+
+    variants = [("w4", dict(num_warps=4)), ("w8", dict(num_warps=8))]
+    dec = {}
+    for b in (1, 64):
+        dec[b] = attn_row("decode", b, 1, 2048, False, variants)
+        # the deprecated upstream kernel at the same shapes
+        try:
+            from jax.experimental.pallas.ops.gpu import paged_attention as upstream
+            q, k, v, pt, kv_lens, _ = setup(b, 1, 2048)
+            kt, vt = k[0].transpose(2, 0, 1, 3), v[0].transpose(2, 0, 1, 3)  # [Hkv, N, ps, D]
+            f = jax.jit(lambda q, kt, vt: upstream.paged_attention(q[:, 0], kt, vt, pt, kv_lens + 1))
+            ref = paged_attention_ref(q, k[0], v[0], pt, kv_lens, jnp.ones_like(kv_lens))
+            out = f(q, kt, vt)
+            tt = time_fn(f, q, kt, vt)
+            kv_bytes = b * 2049 * HKV * D * 4
+            rows.append(dict(kernel="decode", impl="jax.experimental paged_attention", batch=b, q_tokens=1,
+                             context=2048, time_us=tt * 1e6, bandwidth_fraction=kv_bytes / tt / bw,
+                             rel_err=rel_err(out, ref[:, 0])))
+            print_table(rows[-1:], ["kernel", "impl", "batch", "time_us", "bandwidth_fraction", "rel_err"])
+        except Exception as e:
+            print(f"upstream paged_attention: {type(e).__name__}: {str(e)[:300]}")
+    for t in (16, 64):
+        tv = attn_row("verify", 64, t, 2048, True, variants)
+        if tv and dec[64]:
+            rows[-1]["over_decode"] = tv / dec[64]
+    attn_row("extend", 4, 512, 1024, False, [("w4", dict(num_warps=4)), ("w8", dict(num_warps=8))])
+
+    par = jnp.tile(random_tree(1, 64), (64, 1))
+    nn = jnp.full((64,), 64, jnp.int32)
+    f = jax.jit(tree_attention_mask)
+    rows.append(dict(kernel="tree_mask", impl="xla", batch=64, q_tokens=64, time_us=time_fn(f, par, nn) * 1e6))
+    toks = jax.random.randint(jax.random.key(0), (64, 64), 0, 4)
+    tgt = jax.random.randint(jax.random.key(1), (64, 64), 0, 4)
+    f = jax.jit(accept_tree)
+    rows.append(dict(kernel="accept", impl="xla", batch=64, q_tokens=64, time_us=time_fn(f, toks, par, tgt, nn) * 1e6))
+    print()
+    print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction", "rel_err", "over_decode"])
+    print(write_results("kernels", rows, {"copy_bandwidth_GBps": bw / 1e9}))
+
+
+if __name__ == "__main__":
+    main()
