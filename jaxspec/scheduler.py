@@ -59,7 +59,8 @@ class Request:
 
 class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
-                 prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None):
+                 prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
+                 spec_max_verify_tokens=128, spec_min_nodes=4):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
@@ -77,6 +78,10 @@ class Scheduler:
         self.cache = KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         self.programs = Programs(model, attn_impl=attn_impl, jit=jit)
         self.drafter = drafter
+        # Large batches are compute-bound already: verifying big trees there costs more than it saves.
+        # The tree shrinks to fit spec_max_verify_tokens per step, and below spec_min_nodes the step
+        # falls back to plain decoding (the drafter still sees every token).
+        self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -122,10 +127,19 @@ class Scheduler:
         if prefill:
             self._run_prefill(prefill)
         if decode:
-            decode = self._reserve(decode, self.drafter.num_nodes if self.drafter else 1)
-            if decode:
-                (self._run_verify if self.drafter else self._run_decode)(decode)
+            nodes = self.tree_size(len(decode))
+            decode = self._reserve(decode, nodes)
+            if decode and nodes > 1:
+                self._run_verify(decode, nodes)
+            elif decode:
+                self._run_decode(decode)
         self.stats["steps"] += 1
+
+    def tree_size(self, batch: int) -> int:
+        if self.drafter is None:
+            return 1
+        nodes = min(self.drafter.num_nodes, self.spec_max_verify_tokens // max(batch, 1))
+        return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
 
     def _pages_needed(self, req, extra):
         return -(-(req.kv_len + req.todo + extra) // self.page_size)
@@ -241,16 +255,16 @@ class Scheduler:
             self._emit(r, [int(nxt[i])], [float(lp[i])], None if top is None else [(top[0][i], top[1][i])])
         self.stats["decode_time"] += time.perf_counter() - t0
 
-    def _run_verify(self, reqs):
+    def _run_verify(self, reqs, nodes):
         t0 = time.perf_counter()
         rows = bucket(len(reqs), BATCH_BUCKETS)
-        n = bucket(self.drafter.num_nodes, TREE_BUCKETS)
+        n = bucket(nodes, TREE_BUCKETS)
         tokens = np.zeros((rows, n), np.int32)
         parents = np.full((rows, n), -1, np.int32)
         num_nodes = np.ones(rows, np.int32)
         kv_lens = np.zeros(rows, np.int32)
         for i, r in enumerate(reqs):
-            d_tok, d_par = self.drafter.propose(r)
+            d_tok, d_par = self.drafter.propose(r, nodes)
             m = 1 + len(d_tok)
             tokens[i, 0] = r.tokens[r.kv_len]
             tokens[i, 1:m] = d_tok

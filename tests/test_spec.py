@@ -71,6 +71,17 @@ def test_ngram_greedy_equals_plain_smollm(smollm):
     assert max(c.mean_accept_length for c in spec) > 1.3
 
 
+def test_tree_shrinks_then_falls_back_to_plain_at_large_batch(tiny):
+    gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=16).build(tiny), max_batch=64, max_seq_len=64,
+                    num_pages=200, spec_max_verify_tokens=128, spec_min_nodes=4)
+    sizes = [gen.scheduler.tree_size(b) for b in (1, 8, 16, 32, 33, 64)]
+    assert sizes == [16, 16, 8, 4, 1, 1]
+    outs = gen.generate([[1, 2, 3, 1, 2, 3]] * 40, SamplingParams(max_tokens=6, ignore_eos=True))
+    plain = Generator(tiny, None, max_batch=64, max_seq_len=64, num_pages=200).generate(
+        [[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert all(o.token_ids == plain.token_ids for o in outs)
+
+
 def test_stops_inside_accepted_runs(tiny):
     rng = np.random.default_rng(5)
     prompts = repetitive_prompts(rng, 6)
@@ -103,7 +114,8 @@ def test_ngram_sampling_is_lossless():
         return np.bincount([a * 36 + b * 6 + c for a, b, c in (o.token_ids for o in outs)], minlength=216)
 
     plain = joint(Generator(model, None, **kw))
-    spec_gen = Generator(model, None, drafter=SpecConfig(num_draft_tokens=4).build(model), **kw)
+    spec_gen = Generator(model, None, drafter=SpecConfig(num_draft_tokens=4).build(model),
+                         spec_max_verify_tokens=4096, **kw)  # keep verifying trees at batch 64
     spec = joint(spec_gen)
     assert spec_gen.scheduler.stats["emitted"] > spec_gen.scheduler.stats["verify_steps"]  # drafts accepted
     def chi2_two_sample(a, b):

@@ -129,12 +129,12 @@ class NgramDrafter:
         self.cursors: dict[int, list] = {}
         self.host_time = 0.0
 
-    def propose(self, req):
+    def propose(self, req, max_nodes=None):
         t0 = time.perf_counter()
         toks = req.prompt_ids + req.output_ids
         if req.rid not in self.cursors:
             self.cursors[req.rid] = self.cache.insert(toks)
-        out = self.cache.draft(toks, self.num_nodes - 1, **self.opts)
+        out = self.cache.draft(toks, (max_nodes or self.num_nodes) - 1, **self.opts)
         self.host_time += time.perf_counter() - t0
         return out
 

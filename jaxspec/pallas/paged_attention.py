@@ -79,9 +79,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
-                    interpret=False, block_rows=None, softcap=None, num_warps=4):
+                    interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D]."""
     b, t, hq, d = q.shape
     _, _, ps, hkv, _ = k_pages.shape
@@ -107,12 +107,12 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         out_specs=qspec,
         out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
         interpret=interpret,
-        compiler_params=None if interpret else _triton_params(num_warps),
+        compiler_params=None if interpret else _triton_params(num_warps, num_stages),
     )(layer, page_table, kv_lens, q_lens, bits, qr, k_pages, v_pages)
     out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, hq, d)
 
 
-def _triton_params(num_warps):
+def _triton_params(num_warps, num_stages):
     from jax.experimental.pallas import triton as plgpu
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
