@@ -27,13 +27,13 @@ def device_name() -> str:
 
 def write_results(bench: str, rows: list, extra: dict | None = None) -> str:
     os.makedirs(RESULTS, exist_ok=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or os.environ.get("JAXSPEC_COMMIT", "")
-    except OSError:
-        commit = os.environ.get("JAXSPEC_COMMIT", "")
+    # the GPU machine gets a copy of the tree without .git: the caller passes the commit in JAXSPEC_COMMIT
+    commit = os.environ.get("JAXSPEC_COMMIT", "")
+    if not commit:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__))
+        commit = r.stdout.strip() if r.returncode == 0 else ""
     out = {"bench": bench, "device": device_name(), "date": datetime.date.today().isoformat(),
-           "commit": commit or os.environ.get("JAXSPEC_COMMIT", "unknown"),
+           "commit": commit or "unknown",
            "command": " ".join(["python"] + sys.argv), "jax": jax.__version__, **(extra or {}), "rows": rows}
     path = os.path.join(os.environ.get("BENCH_OUT", RESULTS), f"{bench}-{out['device']}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
