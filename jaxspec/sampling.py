@@ -193,20 +193,22 @@ def target_logits(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=N
     return logits, scaled
 
 
-def sample(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None):
-    """logits [B, N, V] float32 -> tokens [B, N]. Node n of request b draws with key
-    (seed_b, step_b, n), so a request's stream does not depend on its batch neighbours."""
+def sample(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None, depth=None):
+    """logits [B, N, V] float32 -> tokens [B, N].
+
+    The key of a draw is (seed, position in the output): step_b + depth[b, n]. A speculative step
+    thus draws the token at each output position with the key plain decoding would use there, so a
+    seeded request gives the same tokens with or without speculation, whatever trees were drafted;
+    draws at different positions along any root path use distinct keys, which keeps it lossless.
+    """
     penalised, scaled = target_logits(logits, sb, flags, extra_tokens)
     greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
     if not flags.sample:
         return greedy
-    n = logits.shape[1]
-
-    def keys_for(seed, step):
-        base = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(n))
-
-    keys = jax.vmap(keys_for)(sb.seed, sb.step)  # [B, N]
+    b, n = logits.shape[:2]
+    depth = jnp.zeros((b, n), jnp.int32) if depth is None else depth
+    pos = sb.step[:, None] + depth
+    keys = jax.vmap(jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p), (None, 0)))(sb.seed, pos)
     drawn = jax.vmap(jax.vmap(lambda k, l: jax.random.categorical(k, l)))(keys, scaled).astype(jnp.int32)
     return jnp.where(sb.temperature[:, None] > 0, drawn, greedy)
 

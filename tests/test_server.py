@@ -1,0 +1,149 @@
+"""The real server on loopback, driven by the official openai client and raw HTTP."""
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+
+@pytest.fixture(scope="module")
+def server(smollm):
+    import server as srv
+    from jaxspec import SpecConfig
+    from jaxspec.generator import Generator
+    model, tok = smollm
+    gen = Generator(model, tok, drafter=SpecConfig(num_draft_tokens=4).build(model), max_batch=8,
+                    max_seq_len=256, num_pages=100)
+    app = srv.create_app(gen, "smollm2-135m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield url, app
+    server.should_exit = True
+    th.join(timeout=30)
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def pages_in_use(url):
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("jaxspec_kv_pages_in_use "):
+            return int(line.split()[1])
+
+
+def wait_idle(url):
+    for _ in range(100):
+        if pages_in_use(url) == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_completions_stream_and_not(server):
+    url, _ = server
+    c = client(url)
+    assert [m.id for m in c.models.list().data] == ["smollm2-135m"]
+    full = c.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    assert "Paris" in text and full.usage.completion_tokens == 12
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=12, temperature=0, stream=True))
+    assert streamed == text
+    lp = c.completions.create(model="smollm2-135m", prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=2)
+    assert len(lp.choices[0].logprobs.token_logprobs) == 4 and len(lp.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def test_chat_n_stop_and_seed(server):
+    url, _ = server
+    c = client(url)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=20, temperature=0)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=20, temperature=0, stop=["Paris"])
+    assert "Paris" not in r.choices[0].message.content
+    r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=3,
+                                  logprobs=True, top_logprobs=2)
+    assert len(r.choices) == 3 and all(len(ch.logprobs.content) == len(ch.logprobs.content) for ch in r.choices)
+    again = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=3)
+    assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in r.choices]
+    chunks = list(c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=20, temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks).strip().startswith("The capital")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_requests_match_solo(server):
+    url, _ = server
+    c = client(url)
+    prompts = [f"Count: {i}, {i + 1}," for i in range(8)]
+
+    def one(p):
+        return c.completions.create(model="smollm2-135m", prompt=p, max_tokens=10, temperature=0).choices[0].text
+
+    solo = [one(p) for p in prompts[:3]]
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(one, prompts))
+    assert together[:3] == solo
+    assert wait_idle(url)
+
+
+def test_abort_mid_stream_frees_pages(server):
+    url, _ = server
+    body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+            if got >= 3:
+                break  # leaving the block closes the connection mid-stream
+    assert wait_idle(url)
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def test_bad_requests_get_4xx_and_server_stays_healthy(server):
+    url, _ = server
+    post = lambda path, **kw: httpx.post(url + path, timeout=30, **kw)
+    r = post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"prompt": "hi", "max_tokens": "ten"})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"prompt": "hi", "temperature": -1})
+    assert r.status_code == 400 and "temperature must be >= 0" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"prompt": "hi", "top_p": 1.5})
+    assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"prompt": "word " * 400, "max_tokens": 10})
+    assert r.status_code == 400 and "exceeds the maximum sequence length" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"model": "gpt-17", "prompt": "hi"})
+    assert r.status_code == 404 and "gpt-17" in r.json()["error"]["message"]
+    r = post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert r.status_code == 400 and "content" in r.json()["error"]["message"]
+    r = post("/v1/chat/completions", json={"messages": [], "max_tokens": 3})
+    assert r.status_code == 400
+    r = post("/v1/completions", json={"prompt": "hi", "n": 99})
+    assert r.status_code == 400 and "n must be in" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        client(url).completions.create(model="smollm2-135m", prompt="hi", max_tokens=0)
+    assert httpx.get(url + "/health").status_code == 200
+    assert wait_idle(url)
+    ok = client(url).completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert ok.choices[0].text
