@@ -40,8 +40,11 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = batch * this (batch 1: 8)")
     ap.add_argument("--draft-tokens", default="8")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bf16 on GPU")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
-    model, tok = load(args.model)
+    import jax.numpy as jnp
+    model, tok = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
     algos = [("plain", None)] + [(f"ngram", SpecConfig("NGRAM", num_draft_tokens=int(n)))
                                  for n in args.draft_tokens.split(",")]
     gens = {}
@@ -68,7 +71,8 @@ def main():
                 outs, secs = run(gen, ps, b, args.max_tokens)
                 st = gen.scheduler.stats
                 toks = sum(len(o.token_ids) for o in outs)
-                row = dict(model=args.model, algorithm=name, dataset=ds, batch=b, draft_tokens=nd or None,
+                row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
+                           algorithm=name, dataset=ds, batch=b, draft_tokens=nd or None,
                            tokens_per_s=toks / secs, requests=len(ps), tokens=toks)
                 if base is None:
                     base = (row["tokens_per_s"], [o.token_ids for o in outs])
@@ -84,7 +88,7 @@ def main():
     print()
     print_table(rows, ["algorithm", "dataset", "batch", "draft_tokens", "tokens_per_s", "speedup", "accept_length",
                        "identical_to_plain", "draft_host_ms_per_step"])
-    print(write_results("spec", rows))
+    print(write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)}))
 
 
 if __name__ == "__main__":
