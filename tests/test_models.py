@@ -88,6 +88,14 @@ def test_hf_directory_matches_transformers(tmp_path, family):
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(run_contiguous(model, ids), ref, atol=1e-4, rtol=1e-4)
+    if family == "llama":  # sharded with an index, and stored in bf16
+        sharded = tmp_path / "sharded"
+        ref_model.to(torch.bfloat16).save_pretrained(sharded, safe_serialization=True, max_shard_size="40KB")
+        assert (sharded / "model.safetensors.index.json").exists()
+        model, _ = load(str(sharded), jnp.float32)
+        with torch.no_grad():
+            ref = ref_model(torch.tensor([ids])).logits[0].float().numpy()
+        np.testing.assert_allclose(run_contiguous(model, ids), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_checkpoint_errors_name_the_file(tmp_path):
