@@ -36,6 +36,19 @@ def test_ngram_cache_insert_match_evict():
     assert small.match([100, 200])[0] is None  # the oldest are gone
 
 
+def test_cursor_match_equals_walk_from_root():
+    rng = np.random.default_rng(0)
+    c = NgramCache(max_trie_depth=6)
+    for _ in range(20):
+        c.insert(list(rng.integers(0, 5, 30)))
+    for _ in range(50):
+        seq = list(map(int, rng.integers(0, 5, int(rng.integers(1, 15)))))
+        cursors = c.insert(seq)
+        for lo, hi in [(1, 5), (2, 3), (1, 1)]:
+            walked, cur = c.match(seq, lo, hi), c.match_cursors(cursors, lo, hi)
+            assert walked[1] == cur[1] and walked[0] is cur[0]
+
+
 def repetitive_prompts(rng, n):
     out = []
     for _ in range(n):

@@ -80,6 +80,19 @@ class NgramCache:
         """Draft tree below the request's last token: (tokens, parents) with parents indexing the
         full tree (0 = the root, i.e. the last token), at most `budget` nodes."""
         node, _ = self.match(tokens, min_window, max_window)
+        return self.draft_below(node, budget, match_type=match_type, breadth=breadth, branch_length=branch_length)
+
+    @staticmethod
+    def match_cursors(cursors, min_window=1, max_window=12):
+        """The same node as `match`, read off a request's open insertion paths: the cursor of depth
+        d sits at the trie node of the request's last d tokens, so no walk from the root is needed."""
+        best = None
+        for node, d in cursors:
+            if min_window <= d <= max_window and node.children and (best is None or d > best[1]):
+                best = (node, d)
+        return best or (None, 0)
+
+    def draft_below(self, node, budget, *, match_type="BFS", breadth=8, branch_length=18):
         out_tok, out_par = [], []
         if node is None or budget <= 0:
             return out_tok, out_par
@@ -131,10 +144,12 @@ class NgramDrafter:
 
     def propose(self, req, max_nodes=None):
         t0 = time.perf_counter()
-        toks = req.prompt_ids + req.output_ids
         if req.rid not in self.cursors:
-            self.cursors[req.rid] = self.cache.insert(toks)
-        out = self.cache.draft(toks, (max_nodes or self.num_nodes) - 1, **self.opts)
+            self.cursors[req.rid] = self.cache.insert(req.prompt_ids + req.output_ids)
+        o = self.opts
+        node, _ = self.cache.match_cursors(self.cursors[req.rid], o["min_window"], o["max_window"])
+        out = self.cache.draft_below(node, (max_nodes or self.num_nodes) - 1, match_type=o["match_type"],
+                                     breadth=o["breadth"], branch_length=o["branch_length"])
         self.host_time += time.perf_counter() - t0
         return out
 
