@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
 
-from jaxspec.generator import Generator, _text_of
+from jaxspec.generator import Generator, _text_of, streamable_text
 from jaxspec.sampling import SamplingParams
 
 
@@ -294,8 +294,6 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
                                  "choices": choices, "usage": usage()})
 
-        hold = max((len(s) for s in params.stop), default=1) - 1
-
         async def events():
             sent_text = [0] * n
             sent_tok = [0] * n
@@ -315,10 +313,8 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
                 while done < n:
                     i, finished = await merged.get()
                     req = handles[i].req
-                    text = _text_of(tok, req)
-                    end = len(text) if req.finished else max(sent_text[i], len(text) - hold)
-                    if not req.finished and text.endswith("\ufffd"):
-                        end = min(end, len(text) - 1)
+                    text = streamable_text(tok, req)
+                    end = max(sent_text[i], len(text))
                     piece = text[sent_text[i]:end]
                     lp = None
                     if params.logprobs is not None:
@@ -368,6 +364,27 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
         return await run(request, ids, params, body.n, True, body.stream)
 
     return app
+
+
+def start_in_thread(app, host="127.0.0.1"):
+    """Serve app on a free loopback port in a daemon thread; returns (url, uvicorn server, thread).
+    For tests and benchmarks; set server.should_exit = True to stop it."""
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    url = f"http://{host}:{port}"
+    import httpx
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return url, server, th
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError("server did not start")
 
 
 def main(argv=None):

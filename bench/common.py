@@ -5,7 +5,6 @@ import datetime
 import glob
 import gzip
 import importlib.metadata
-import io
 import json
 import os
 import subprocess

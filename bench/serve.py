@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import socket
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -18,7 +16,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx
 import numpy as np
-import uvicorn
 
 import server as srv
 from common import mt_bench_prompts, print_table, write_results
@@ -28,21 +25,7 @@ from jaxspec.models.loading import load
 
 
 def serve(gen, name):
-    app = srv.create_app(gen, name)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return url, server, th
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise RuntimeError("server did not start")
+    return srv.start_in_thread(srv.create_app(gen, name))
 
 
 def load_test(url, prompts, concurrency, max_tokens):

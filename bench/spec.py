@@ -45,7 +45,7 @@ def main():
     args = ap.parse_args()
     import jax.numpy as jnp
     model, tok = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
-    algos = [("plain", None)] + [(f"ngram", SpecConfig("NGRAM", num_draft_tokens=int(n)))
+    algos = [("plain", None)] + [("ngram", SpecConfig("NGRAM", num_draft_tokens=int(n)))
                                  for n in args.draft_tokens.split(",")]
     gens = {}
     for name, spec in algos:

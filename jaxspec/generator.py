@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Iterator, Sequence
 
 from jaxspec.models.loading import load
@@ -34,6 +33,19 @@ def _text_of(tokenizer, req: Request) -> str:
     if req.stop_text_len is not None:
         text = text[:req.stop_text_len]
     return text
+
+
+def streamable_text(tokenizer, req: Request) -> str:
+    """The part of the output text that can be sent now: while the request runs, hold back what a
+    stop string could still cut and a trailing incomplete multi-byte character."""
+    text = _text_of(tokenizer, req)
+    if req.finished:
+        return text
+    hold = max((len(s) for s in req.params.stop), default=1) - 1
+    end = len(text) - hold
+    if text.endswith("\ufffd"):
+        end = min(end, len(text) - 1)
+    return text[:max(end, 0)]
 
 
 def _completion(tokenizer, req: Request) -> Completion:
@@ -117,23 +129,16 @@ class Generator:
         character may still be forming). Closing the iterator early aborts the request."""
         req = self.submit(prompt, params)
         sent = 0
-        hold = max((len(s) for s in req.params.stop), default=1) - 1
         try:
             while True:
                 if not req.finished:
                     self.scheduler.step()
-                text = _text_of(self.tokenizer, req)
-                end = len(text) if req.finished else max(sent, len(text) - hold)
-                if not req.finished and text.endswith("\ufffd"):
-                    end = min(end, len(text) - 1)
-                if end > sent:
-                    yield text[sent:end]
-                    sent = end
+                text = streamable_text(self.tokenizer, req)
+                if len(text) > sent:
+                    yield text[sent:]
+                    sent = len(text)
                 if req.finished:
                     return
         finally:
             if not req.finished:
                 self.scheduler.abort(req)
-
-    def last_completion(self, req: Request) -> Completion:
-        return _completion(self.tokenizer, req)

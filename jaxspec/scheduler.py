@@ -13,11 +13,10 @@ import itertools
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
 from jaxspec.kv_cache import KVCache
-from jaxspec.paging import OutOfPages, PagePool
+from jaxspec.paging import PagePool
 from jaxspec.programs import BATCH_BUCKETS, TOKEN_BUCKETS, TREE_BUCKETS, Programs, bucket, page_bucket
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 
@@ -47,6 +46,13 @@ class Request:
     @property
     def tokens(self):
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start, end):
+        """tokens[start:end] without building prompt + output (this runs every step)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:end] + self.output_ids[:max(0, end - p)]
 
     @property
     def todo(self) -> int:
@@ -204,23 +210,30 @@ class Scheduler:
                                    [len(r.output_ids) for r in reqs], hist, num_prompt, pad_to=rows)
 
     def _run_prefill(self, reqs):
-        t0 = time.perf_counter()
-        budget = self.prefill_chunk
-        batch = []
+        budget, batch = self.prefill_chunk, []
         for r in reqs:
             if budget <= 0 or len(batch) == self.max_batch:
                 break
             n = min(r.todo, budget)
             batch.append((r, n))
             budget -= n
+        self.stats["prefill_tokens"] += sum(n for _, n in batch)
+        self._run_extend(batch, "prefill_time")
+
+    def _run_decode(self, reqs):
+        self._run_extend([(r, 1) for r in reqs], "decode_time")
+
+    def _run_extend(self, batch, timer):
+        """Feed n new tokens per request; a request whose tokens are then all cached gets the
+        sampled next token (the last prefill chunk, or a decode step)."""
+        t0 = time.perf_counter()
         reqs = [r for r, _ in batch]
         rows = bucket(len(batch), BATCH_BUCKETS)
-        t = bucket(max(n for _, n in batch), TOKEN_BUCKETS)
-        tokens = np.zeros((rows, t), np.int32)
+        tokens = np.zeros((rows, bucket(max(n for _, n in batch), TOKEN_BUCKETS)), np.int32)
         kv_lens = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
         for i, (r, n) in enumerate(batch):
-            tokens[i, :n] = r.tokens[r.kv_len:r.kv_len + n]
+            tokens[i, :n] = r.token_slice(r.kv_len, r.kv_len + n)
             kv_lens[i], q_lens[i] = r.kv_len, n
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
@@ -228,32 +241,11 @@ class Scheduler:
             self.programs.state, self.cache, tokens, pt, kv_lens, q_lens, self._sampling(reqs, rows, flags), flags=flags)
         nxt, lp = np.asarray(nxt), np.asarray(lp)
         top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
-        self.stats["prefill_tokens"] += int(q_lens.sum())
         for i, (r, n) in enumerate(batch):
             r.kv_len += n
-            if r.todo == 0:  # the chunk reached the end of the sequence: its sample is the next token
+            if r.todo == 0:
                 self._emit(r, [int(nxt[i])], [float(lp[i])], None if top is None else [(top[0][i], top[1][i])])
-        self.stats["prefill_time"] += time.perf_counter() - t0
-
-    def _run_decode(self, reqs):
-        t0 = time.perf_counter()
-        rows = bucket(len(reqs), BATCH_BUCKETS)
-        tokens = np.zeros((rows, 1), np.int32)
-        kv_lens = np.zeros(rows, np.int32)
-        q_lens = np.zeros(rows, np.int32)
-        for i, r in enumerate(reqs):
-            tokens[i, 0] = r.tokens[r.kv_len]
-            kv_lens[i], q_lens[i] = r.kv_len, 1
-        flags = SamplerFlags.of([r.params for r in reqs])
-        pt = self._page_table(reqs, rows, int(kv_lens.max()) + 1)
-        nxt, lp, top_v, top_i, self.cache = self.programs.extend(
-            self.programs.state, self.cache, tokens, pt, kv_lens, q_lens, self._sampling(reqs, rows, flags), flags=flags)
-        nxt, lp = np.asarray(nxt), np.asarray(lp)
-        top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
-        for i, r in enumerate(reqs):
-            r.kv_len += 1
-            self._emit(r, [int(nxt[i])], [float(lp[i])], None if top is None else [(top[0][i], top[1][i])])
-        self.stats["decode_time"] += time.perf_counter() - t0
+        self.stats[timer] += time.perf_counter() - t0
 
     def _run_verify(self, reqs, nodes):
         t0 = time.perf_counter()
@@ -266,7 +258,7 @@ class Scheduler:
         for i, r in enumerate(reqs):
             d_tok, d_par = self.drafter.propose(r, nodes)
             m = 1 + len(d_tok)
-            tokens[i, 0] = r.tokens[r.kv_len]
+            tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
             tokens[i, 1:m] = d_tok
             parents[i, 1:m] = d_par
             num_nodes[i], kv_lens[i] = m, r.kv_len

@@ -10,7 +10,6 @@ from jaxspec.kv_cache import KVCache
 from jaxspec.paging import OutOfPages, PagePool
 from jaxspec.scheduler import Scheduler
 
-from conftest import TINY
 
 
 def logits_with_page_size(model, ids, ps, shuffle):

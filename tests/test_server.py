@@ -1,8 +1,5 @@
 """The real server on loopback, driven by the official openai client and raw HTTP."""
 import concurrent.futures
-import json
-import socket
-import threading
 import time
 
 import httpx
@@ -21,20 +18,7 @@ def server(smollm):
     gen = Generator(model, tok, drafter=SpecConfig(num_draft_tokens=4).build(model), max_batch=8,
                     max_seq_len=256, num_pages=100)
     app = srv.create_app(gen, "smollm2-135m")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
+    url, server, th = srv.start_in_thread(app)
     yield url, app
     server.should_exit = True
     th.join(timeout=30)

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.drafters.ngram import NgramCache
-from jaxspec.models import Llama, ModelConfig
+from jaxspec.models import Llama
 
 from conftest import TINY
 
