@@ -1,6 +1,7 @@
 """Speculative vs plain decoding through the real engine (Generator), side by side in one run.
 
     python bench/spec.py --model smollm2-135m [--datasets humaneval,mt-bench] [--batches 1,8,64]
+        [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16]   (eagle3:steps:topk:tokens)
 
 Each (dataset, batch) runs its prompts once to compile, then again timed; tokens/s counts emitted
 tokens over wall time with `batch` requests in flight. Greedy; outputs of every algorithm are
@@ -39,18 +40,29 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = batch * this (batch 1: 8)")
-    ap.add_argument("--draft-tokens", default="8")
+    ap.add_argument("--algos", default="plain,ngram:8",
+                    help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>")
+    ap.add_argument("--draft-model", default=None, help="EAGLE head directory (default: the shipped one)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bf16 on GPU")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     import jax.numpy as jnp
     model, tok = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
-    algos = [("plain", None)] + [("ngram", SpecConfig("NGRAM", num_draft_tokens=int(n)))
-                                 for n in args.draft_tokens.split(",")]
     gens = {}
-    for name, spec in algos:
-        gens[(name, spec.num_draft_tokens if spec else 0)] = Generator(
-            model, tok, drafter=spec.build(model) if spec else None, max_batch=64, max_seq_len=1024, page_size=16)
+    for a in args.algos.split(","):
+        name, *nums = a.split(":")
+        nums = [int(x) for x in nums]
+        if name == "plain":
+            spec = None
+        elif name == "ngram":
+            spec = SpecConfig("NGRAM", num_draft_tokens=nums[0] if nums else 8)
+        elif name == "naive_eagle":
+            spec = SpecConfig("NAIVE_EAGLE", draft_model_path=args.draft_model, num_steps=nums[0] if nums else 1)
+        else:
+            spec = SpecConfig(name.upper(), draft_model_path=args.draft_model, num_steps=nums[0], eagle_topk=nums[1],
+                              num_draft_tokens=nums[2])
+        drafter = spec.build(model, args.model) if spec else None
+        gens[(name, a)] = Generator(model, tok, drafter=drafter, max_batch=64, max_seq_len=1024, page_size=16)
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":
@@ -61,7 +73,7 @@ def main():
             n = 8 if b == 1 else b * args.prompts_per_batch
             ps = prompts[:n]
             base = None
-            for (name, nd), gen in gens.items():
+            for (name, label), gen in gens.items():
                 # compile every shape this workload meets; twice, so the prefix cache is in the state
                 # the timed run will find it (its hits change prefill shapes)
                 run(gen, ps, b, args.max_tokens)
@@ -72,7 +84,8 @@ def main():
                 st = gen.scheduler.stats
                 toks = sum(len(o.token_ids) for o in outs)
                 row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
-                           algorithm=name, dataset=ds, batch=b, draft_tokens=nd or None,
+                           algorithm=name, config=label, dataset=ds, batch=b,
+                           draft_tokens=getattr(gen.scheduler.drafter, "num_nodes", None),
                            tokens_per_s=toks / secs, requests=len(ps), tokens=toks)
                 if base is None:
                     base = (row["tokens_per_s"], [o.token_ids for o in outs])
@@ -81,12 +94,15 @@ def main():
                     acc = [a for o in outs for a in (o.accept_lengths or [])]
                     row.update(speedup=row["tokens_per_s"] / base[0], accept_length=sum(acc) / max(len(acc), 1),
                                identical_to_plain=[o.token_ids for o in outs] == base[1],
-                               draft_host_ms_per_step=1e3 * (gen.scheduler.drafter.host_time - h0) / max(vs, 1))
+                               verify_steps=vs, emitted=st["emitted"] - s0["emitted"])
+                    if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host
+                        row["draft_host_ms_per_step"] = 1e3 * (gen.scheduler.drafter.host_time - h0) / max(vs, 1)
                 rows.append(row)
-                print_table(rows[-1:], ["algorithm", "dataset", "batch", "tokens_per_s", "speedup", "accept_length",
+                print_table(rows[-1:], ["config", "dataset", "batch", "tokens_per_s", "speedup", "accept_length",
                                         "identical_to_plain", "draft_host_ms_per_step"])
+                write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)})  # partial results survive
     print()
-    print_table(rows, ["algorithm", "dataset", "batch", "draft_tokens", "tokens_per_s", "speedup", "accept_length",
+    print_table(rows, ["config", "dataset", "batch", "draft_tokens", "tokens_per_s", "speedup", "accept_length",
                        "identical_to_plain", "draft_host_ms_per_step"])
     print(write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)}))
 

@@ -68,7 +68,7 @@ class Generator:
         """name_or_path: a short name of an embedded model (e.g. 'smollm2-135m'), a .gguf file, or an
         HF directory. speculative: a `jaxspec.SpecConfig` (None = plain decoding)."""
         model, tokenizer = load(name_or_path, dtype)
-        drafter = speculative.build(model) if speculative is not None else None
+        drafter = speculative.build(model, name_or_path) if speculative is not None else None
         return cls(model, tokenizer, drafter=drafter, **scheduler_kwargs)
 
     # -- prompts -------------------------------------------------------------------------------

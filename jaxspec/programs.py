@@ -4,6 +4,10 @@
 after the last one. `verify_tree` runs a draft tree through the target, accepts the longest
 matching root path, compacts the accepted K/V and returns the emitted tokens. The cache is
 donated to both; neither syncs with the host.
+
+With a device drafter (EAGLE heads) both programs come from the drafter's step module instead and
+also keep the head in step and draft the next tree (drafters/eagle_step.py); the signatures are
+the same, so the scheduler drives either.
 """
 from __future__ import annotations
 
@@ -36,19 +40,28 @@ def page_bucket(n: int) -> int:
 
 
 class Programs:
-    def __init__(self, model, attn_impl: str = "auto", jit: bool = True):
-        self.graphdef, self.state = nnx.split(model)
+    def __init__(self, model, attn_impl: str = "auto", jit: bool = True, drafter=None):
         self.cfg = model.cfg
         self.attn_impl = attn_impl
+        head = getattr(drafter, "head", None)
+        if head is None:
+            graphdef, self.state = nnx.split(model)
+            extend = functools.partial(_extend, graphdef, attn_impl)
+            verify = functools.partial(_verify_tree, graphdef, attn_impl)
+        else:
+            from jaxspec.drafters import eagle_step
+            (g_target, s_target), (g_head, s_head) = nnx.split(model), nnx.split(head)
+            self.state = (s_target, s_head)
+            extend = functools.partial(eagle_step.extend, (g_target, g_head), drafter.tree, attn_impl)
+            verify = functools.partial(eagle_step.verify, (g_target, g_head), drafter.tree, attn_impl)
         wrap = (lambda f, **kw: jax.jit(f, **kw)) if jit else (lambda f, **kw: f)
-        self.extend = wrap(functools.partial(_extend, self.graphdef, attn_impl),
-                           static_argnames=("flags",), donate_argnames=("cache",))
-        self.verify_tree = wrap(functools.partial(_verify_tree, self.graphdef, attn_impl),
-                                static_argnames=("flags",), donate_argnames=("cache",))
+        self.extend = wrap(extend, static_argnames=("flags", "draft"), donate_argnames=("cache",))
+        self.verify_tree = wrap(verify, static_argnames=("flags",), donate_argnames=("cache",))
 
 
-def _extend(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, q_lens, sb, flags):
-    """tokens [B, T] at positions kv_len.. -> next token [B], its logprob [B], top-n, cache."""
+def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, flags, draft):
+    """tokens [B, T] at positions kv_len.. -> next token [B], its logprob [B], top-n, None (no
+    draft tree), cache. next_tokens and draft serve device drafters only."""
     model = nnx.merge(graphdef, state)
     t = tokens.shape[1]
     positions = kv_lens[:, None] + jnp.arange(t)[None]
@@ -58,7 +71,7 @@ def _extend(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, q_le
     nxt = sampling.sample(logits, sb, flags)
     lp, top_v, top_i = sampling.logprobs_of(logits, nxt, flags.top_logprobs)
     squeeze = (lambda x: None if x is None else x[:, 0])
-    return nxt[:, 0], lp[:, 0], squeeze(top_v), squeeze(top_i), cache
+    return nxt[:, 0], lp[:, 0], squeeze(top_v), squeeze(top_i), None, cache
 
 
 def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):
@@ -67,7 +80,8 @@ def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table,
     tokens [B, N]: node 0 is the request's pending token (sampled last step, not yet cached),
     nodes 1.. the draft, in an order where parents come first; parents [B, N] (-1 for the root and
     padding). Returns emitted tokens [B, N] (accepted drafts then the bonus token), their count
-    [B], logprobs [B, N], top-n, and the cache with the accepted path's K/V moved into place.
+    [B], logprobs [B, N], top-n, None (no next tree) and the cache with the accepted path's K/V
+    moved into place.
     """
     model = nnx.merge(graphdef, state)
     mask, depth = tree_attention_mask(parents, num_nodes)
@@ -88,4 +102,4 @@ def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table,
     lp_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
     lp, top_v, top_i = sampling.logprobs_of(lp_logits, out, flags.top_logprobs)
     cache = move_slots(cache, page_table, kv_lens, path, count)
-    return out, count, lp, top_v, top_i, cache
+    return out, count, lp, top_v, top_i, None, cache

@@ -42,6 +42,7 @@ class Request:
     finish_time: float | None = None
     accept_lengths: list = dataclasses.field(default_factory=list)
     aborted: bool = False
+    draft: tuple | None = None  # (tokens, parents) drafted on device for the next step (EAGLE)
 
     @property
     def tokens(self):
@@ -82,7 +83,11 @@ class Scheduler:
         self.pool = PagePool(num_pages, page_size)
         dtype = kv_dtype or model.embed[...].dtype
         self.cache = KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        self.programs = Programs(model, attn_impl=attn_impl, jit=jit)
+        # a device drafter (EAGLE head) keeps its own one-layer cache in the same pages
+        self.device_drafter = getattr(drafter, "head", None) is not None
+        if self.device_drafter:
+            self.cache = (self.cache, drafter.create_cache(num_pages, page_size, dtype))
+        self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter)
         self.drafter = drafter
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.
         # The tree shrinks to fit spec_max_verify_tokens per step, and below spec_min_nodes the step
@@ -189,7 +194,7 @@ class Scheduler:
 
     def _preempt(self, req):
         self.pool.release(req.pages, req.tokens[:req.kv_len])
-        req.pages, req.kv_len = [], 0
+        req.pages, req.kv_len, req.draft = [], 0, None
         self.running.remove(req)
         self.waiting.insert(0, req)
         self.stats["preemptions"] += 1
@@ -232,18 +237,26 @@ class Scheduler:
         tokens = np.zeros((rows, bucket(max(n for _, n in batch), TOKEN_BUCKETS)), np.int32)
         kv_lens = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
+        next_tokens = np.full(rows, -1, np.int32)  # the token after a chunk that does not end the prompt
         for i, (r, n) in enumerate(batch):
             tokens[i, :n] = r.token_slice(r.kv_len, r.kv_len + n)
             kv_lens[i], q_lens[i] = r.kv_len, n
+            if r.todo > n:
+                next_tokens[i] = r.token_slice(r.kv_len + n, r.kv_len + n + 1)[0]
+        draft = self.device_drafter and bool((next_tokens[:len(batch)] < 0).any())
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
-        nxt, lp, top_v, top_i, self.cache = self.programs.extend(
-            self.programs.state, self.cache, tokens, pt, kv_lens, q_lens, self._sampling(reqs, rows, flags), flags=flags)
+        nxt, lp, top_v, top_i, tree, self.cache = self.programs.extend(
+            self.programs.state, self.cache, tokens, next_tokens, pt, kv_lens, q_lens,
+            self._sampling(reqs, rows, flags), flags=flags, draft=draft)
         nxt, lp = np.asarray(nxt), np.asarray(lp)
         top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
+        tree = None if tree is None else (np.asarray(tree[0]), np.asarray(tree[1]))
         for i, (r, n) in enumerate(batch):
             r.kv_len += n
             if r.todo == 0:
+                if tree is not None:
+                    r.draft = (tree[0][i], tree[1][i])
                 self._emit(r, [int(nxt[i])], [float(lp[i])], None if top is None else [(top[0][i], top[1][i])])
         self.stats[timer] += time.perf_counter() - t0
 
@@ -265,13 +278,16 @@ class Scheduler:
         t1 = time.perf_counter()
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows, int(kv_lens.max()) + n)
-        out, count, lp, top_v, top_i, self.cache = self.programs.verify_tree(
+        out, count, lp, top_v, top_i, tree, self.cache = self.programs.verify_tree(
             self.programs.state, self.cache, tokens, parents, pt, kv_lens, num_nodes,
             self._sampling(reqs, rows, flags), flags=flags)
         out, count, lp = np.asarray(out), np.asarray(count), np.asarray(lp)
         top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
+        tree = None if tree is None else (np.asarray(tree[0]), np.asarray(tree[1]))
         for i, r in enumerate(reqs):
             c = int(count[i])
+            if tree is not None:
+                r.draft = (tree[0][i], tree[1][i])
             r.kv_len += c
             r.accept_lengths.append(c)
             self._emit(r, [int(x) for x in out[i, :c]], [float(x) for x in lp[i, :c]],

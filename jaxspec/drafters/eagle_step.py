@@ -1,0 +1,199 @@
+"""EAGLE's fused step: target verify -> accept -> KV compaction -> draft catch-up -> next draft tree,
+one jitted program with the target and draft caches donated (the JAX analogue of SGLang's one CUDA
+graph per batch size; seed 000's naive EAGLE is the configuration steps=1, topk=1, tokens=2).
+
+The draft cache holds one K/V row per committed position, in the target's pages (same page table,
+its own one-layer storage). Slot i holds the pair (feature_i, token_{i+1}): the target's feature
+at position i with the token that followed it; its output predicts token_{i+2}. After a verify
+step accepted `count` tokens, exactly those `count` pairs are new, so the catch-up runs the head
+on them alone (q_len = count: the rejected tree positions are never drafted, seed 004's skip).
+
+Drafting the next tree is EAGLE-2's dynamic tree, as SGLang builds it: `steps` rounds; each
+expands the `topk` best frontier nodes by their `topk` best children, and keeps the `topk` children
+with the highest cumulative log-probability as the next frontier; finally the `num_draft_tokens-1`
+best candidates overall become the tree. A child never outscores its parent, so the chosen set is
+closed under parents, and candidates are numbered in creation order, so sorting puts parents first.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec import attention, sampling
+from jaxspec.kv_cache import KVCache, move_slots, slot_coordinates, write_layer
+from jaxspec.pallas.accept import accept_tree
+from jaxspec.pallas.attention_ref import NEG_INF
+from jaxspec.pallas.tree_mask import tree_attention_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    steps: int = 3  # speculative_num_steps: tree depth
+    topk: int = 4  # speculative_eagle_topk: branching per step
+    num_draft_tokens: int = 8  # speculative_num_draft_tokens: verified nodes, the root included
+
+    def __post_init__(self):
+        if self.steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
+            raise ValueError(f"invalid tree: steps={self.steps}, topk={self.topk}, num_draft_tokens={self.num_draft_tokens} "
+                             "(need steps >= 1, topk >= 1, num_draft_tokens >= 2)")
+        most = 1 + self.topk + (self.steps - 1) * self.topk ** 2
+        if self.num_draft_tokens > most:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} exceeds the {most} nodes that steps={self.steps}, "
+                             f"topk={self.topk} can draft")
+        if self.topk == 1 and self.num_draft_tokens > self.steps + 1:
+            raise ValueError(f"a chain (topk=1) of {self.steps} steps drafts {self.steps} tokens; "
+                             f"num_draft_tokens={self.num_draft_tokens} needs steps >= {self.num_draft_tokens - 1}")
+
+
+def catch_up(head, target, dcache: KVCache, feats, next_tokens, page_table, kv_lens, q_lens, attn_impl):
+    """Run the head on pairs (feats[:, i], next_tokens[:, i]) at slots kv_len + i, i < q_len, writing
+    the draft cache; returns the head's outputs [B, T, H] and the cache."""
+    t = next_tokens.shape[1]
+    positions = kv_lens[:, None] + jnp.arange(t)[None]
+    q, k, v, res = head.qkv(target.embed_tokens(next_tokens), feats, positions)
+    page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, dcache.page_size)
+    kp = write_layer(dcache.k, 0, k, page, offset)
+    vp = write_layer(dcache.v, 0, v, page, offset)
+    o = attention.paged_attention(q, kp, vp, 0, page_table, kv_lens, q_lens, None, impl=attn_impl)
+    return head.finish(o, res), KVCache(kp, vp)
+
+
+def attend_prefix_and_tree(q, k_pre, v_pre, prefix_len, tree_k, tree_v, tree_mask):
+    """q [B, K, Hq, D] over a gathered prefix k_pre/v_pre [B, S, Hkv, D] (first prefix_len valid)
+    plus the tree nodes drafted so far tree_k/v [B, M, Hkv, D] where tree_mask [B, K, M]."""
+    b, kq, hq, d = q.shape
+    hkv = k_pre.shape[2]
+    qg = q.reshape(b, kq, hkv, hq // hkv, d)
+    s_pre = jnp.einsum("bqhgd,bshd->bhgqs", qg, k_pre, preferred_element_type=jnp.float32)
+    s_tree = jnp.einsum("bqhgd,bmhd->bhgqm", qg, tree_k, preferred_element_type=jnp.float32)
+    pre_ok = jnp.arange(k_pre.shape[1])[None, :] < prefix_len[:, None]  # [B, S]
+    s_pre = jnp.where(pre_ok[:, None, None, None, :], s_pre, NEG_INF)
+    s_tree = jnp.where(tree_mask[:, None, None], s_tree, NEG_INF)
+    p = jax.nn.softmax(jnp.concatenate([s_pre, s_tree], axis=-1) * d ** -0.5, axis=-1)
+    s = k_pre.shape[1]
+    o = (jnp.einsum("bhgqs,bshd->bqhgd", p[..., :s].astype(v_pre.dtype), v_pre, preferred_element_type=jnp.float32)
+         + jnp.einsum("bhgqm,bmhd->bqhgd", p[..., s:].astype(tree_v.dtype), tree_v, preferred_element_type=jnp.float32))
+    return o.reshape(b, kq, hq, d).astype(q.dtype)
+
+
+def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, root, tree: TreeShape):
+    """Draft the next tree from the head's output at the last committed slot (prefix_len - 1).
+
+    last_out [B, H]; root [B] the pending token. Returns tokens [B, N] (node 0 = root) and parents
+    [B, N] (-1 at the root), N = tree.num_draft_tokens, in parent-first order.
+    """
+    b = root.shape[0]
+    k, n = tree.topk, tree.num_draft_tokens
+    score, tok = jax.lax.top_k(jax.nn.log_softmax(head.logits(target, last_out)), k)  # [B, k]
+    cand_score, cand_tok, cand_parent = [score], [tok], [jnp.full((b, k), -1, jnp.int32)]
+    frontier_id = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate ids of the frontier
+    hidden = jnp.broadcast_to(last_out[:, None], (b, k, last_out.shape[-1]))
+    if tree.steps > 1:
+        hkv, d = dcache.k.shape[-2:]
+        # the committed prefix, gathered once and shared by every drafting round
+        k_pre = dcache.k[0][page_table].reshape(b, -1, hkv, d)
+        v_pre = dcache.v[0][page_table].reshape(b, -1, hkv, d)
+        m = (tree.steps - 1) * k
+        tree_k = jnp.zeros((b, m, hkv, d), dcache.k.dtype)
+        tree_v = jnp.zeros_like(tree_k)
+        anc = jnp.zeros((b, k, m), bool)  # each frontier node's ancestors among drafted rows
+    next_id = k
+    for s in range(1, tree.steps):
+        slots = (s - 1) * k + jnp.arange(k)
+        pos = jnp.broadcast_to((prefix_len + s - 1)[:, None], (b, k))
+        q, kk, vv, res = head.qkv(target.embed_tokens(head.to_target(tok)), hidden, pos)
+        tree_k = tree_k.at[:, slots].set(kk.astype(tree_k.dtype))
+        tree_v = tree_v.at[:, slots].set(vv.astype(tree_v.dtype))
+        anc = anc | (jnp.arange(m)[None, None, :] == slots[None, :, None])
+        out = head.finish(attend_prefix_and_tree(q, k_pre, v_pre, prefix_len, tree_k, tree_v, anc), res)
+        child_lp, child_tok = jax.lax.top_k(jax.nn.log_softmax(head.logits(target, out)), k)  # [B, k, k]
+        expanded = (score[:, :, None] + child_lp).reshape(b, k * k)
+        cand_score.append(expanded)
+        cand_tok.append(child_tok.reshape(b, k * k))
+        cand_parent.append(jnp.repeat(frontier_id, k, axis=1))
+        score, pick = jax.lax.top_k(expanded, k)
+        row = pick // k
+        tok = jnp.take_along_axis(child_tok.reshape(b, k * k), pick, axis=1)
+        hidden = jnp.take_along_axis(out, row[:, :, None], axis=1)
+        anc = jnp.take_along_axis(anc, row[:, :, None], axis=1)
+        frontier_id = next_id + pick
+        next_id += k * k
+    all_score = jnp.concatenate(cand_score, axis=1)
+    all_tok = jnp.concatenate(cand_tok, axis=1)
+    all_parent = jnp.concatenate(cand_parent, axis=1)
+    _, sel = jax.lax.top_k(all_score, n - 1)  # ties go to the lower id, i.e. to the parent
+    sel = jnp.sort(sel, axis=1)
+    par_c = jnp.take_along_axis(all_parent, sel, axis=1)
+    par_pos = jax.vmap(jnp.searchsorted)(sel, par_c)
+    parents = jnp.where(par_c < 0, 0, par_pos + 1).astype(jnp.int32)
+    tokens = head.to_target(jnp.take_along_axis(all_tok, sel, axis=1)).astype(jnp.int32)
+    return (jnp.concatenate([root[:, None].astype(jnp.int32), tokens], axis=1),
+            jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1))
+
+
+# -- the two programs ----------------------------------------------------------------------------------
+def extend(graphs, tree: TreeShape, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens,
+           sb, flags, draft):
+    """Prefill chunk / plain decode step with the head kept in step.
+
+    next_tokens [B]: the token after each row's chunk when the host knows it (the next prompt
+    chunk's first), else -1 and the token sampled here is used. With `draft` (static) also drafts
+    the next tree. Returns (next token, logprob, top-n values, top-n ids, (tree tokens, parents) or
+    None, (target cache, draft cache)).
+    """
+    target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
+    tcache, dcache = cache
+    b, t = tokens.shape
+    positions = kv_lens[:, None] + jnp.arange(t)[None]
+    h, tcache, layers = target(tokens, positions, tcache, page_table, kv_lens, q_lens,
+                               hidden_layers=head.cfg.feature_layers, attn_impl=attn_impl)
+    last_i = jnp.maximum(q_lens - 1, 0)
+    logits = target.logits(jnp.take_along_axis(h, last_i[:, None, None], axis=1))
+    nxt = sampling.sample(logits, sb, flags)[:, 0]
+    lp, top_v, top_i = sampling.logprobs_of(logits, nxt[:, None], flags.top_logprobs)
+    follow = jnp.where(next_tokens >= 0, next_tokens, nxt)
+    rows = jnp.arange(b)
+    pair_tokens = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, last_i].set(follow)
+    out, dcache = catch_up(head, target, dcache, head.features(h, layers), pair_tokens, page_table, kv_lens, q_lens,
+                           attn_impl)
+    tree_out = None
+    if draft:
+        last_out = out[rows, last_i]
+        tree_out = draft_tree(head, target, dcache, page_table, kv_lens + q_lens, last_out, follow, tree)
+    squeeze = (lambda x: None if x is None else x[:, 0])
+    return nxt, lp[:, 0], squeeze(top_v), squeeze(top_i), tree_out, (tcache, dcache)
+
+
+def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb,
+           flags):
+    """Verify the drafted tree, accept, compact the target's K/V, catch the head up on the accepted
+    tokens and draft the next tree. Returns (emitted tokens [B, N], count [B], logprobs, top-n
+    values, top-n ids, (next tree tokens, parents), (target cache, draft cache))."""
+    target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
+    tcache, dcache = cache
+    mask, depth = tree_attention_mask(parents, num_nodes)
+    h, tcache, layers = target(tokens, kv_lens[:, None] + depth, tcache, page_table, kv_lens, num_nodes,
+                               tree_mask=mask, hidden_layers=head.cfg.feature_layers, attn_impl=attn_impl)
+    logits = target.logits(h)
+    extra = None
+    if flags.penalties:
+        n = tokens.shape[1]
+        anc = mask & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n)[None, None] > 0)
+        extra = jnp.where(anc, tokens[:, None, :], -1)
+    target_tok = sampling.sample(logits, sb, flags, extra, depth)
+    path, num_accepted = accept_tree(tokens, parents, target_tok, num_nodes)
+    count = num_accepted + 1
+    idx = jnp.arange(tokens.shape[1])[None]
+    out = jnp.where(idx < count[:, None], jnp.take_along_axis(target_tok, path, axis=1), 0)
+    lp, top_v, top_i = sampling.logprobs_of(jnp.take_along_axis(logits, path[:, :, None], axis=1), out,
+                                            flags.top_logprobs)
+    tcache = move_slots(tcache, page_table, kv_lens, path, count)
+    feats = jnp.take_along_axis(head.features(h, layers), path[:, :, None], axis=1)
+    d_out, dcache = catch_up(head, target, dcache, feats, out, page_table, kv_lens, count, attn_impl)
+    rows = jnp.arange(tokens.shape[0])
+    last = count - 1
+    tree_out = draft_tree(head, target, dcache, page_table, kv_lens + count, d_out[rows, last], out[rows, last], tree)
+    return out, count, lp, top_v, top_i, tree_out, (tcache, dcache)

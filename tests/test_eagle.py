@@ -1,0 +1,328 @@
+"""EAGLE / EAGLE-3 / naive EAGLE: fused verify-accept-catch-up-draft step, lossless, checkpoint
+layouts, training."""
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec import Generator, SamplingParams, SpecConfig
+from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig, export_head, load_head
+from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.models import Llama
+from jaxspec.models.loading import CheckpointError
+
+from conftest import TINY
+
+KW = dict(max_batch=8, max_seq_len=128, num_pages=300)
+
+
+def train_tiny_head(tmp, kind, model=None, steps=80):
+    from jaxspec import train
+    argv = ["--run", str(tmp), "--kind", kind, "--num-prompts", "96", "--max-new-tokens", "40", "--seq-len", "64",
+            "--steps", str(steps), "--batch", "8", "--ttt", "3", "--draft-vocab", "48", "--log-every", "20",
+            "--save-every", "1000", "--gen-batch", "48", "--lr", "3e-3", "--export", str(tmp / "head"),
+            "--export-dtype", "float32"]
+    return train.train(train.parse_args(argv), model or Llama(TINY, rngs=nnx.Rngs(3)))
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3(tmp_path_factory, tiny):
+    tmp = tmp_path_factory.mktemp("eagle3")
+    train_tiny_head(tmp, "eagle3", tiny)
+    return tmp
+
+
+def random_prompts(seed, n, lo=3, hi=30):
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(0, 62, int(rng.integers(lo, hi))))) for _ in range(n)]
+
+
+def eagle_generator(model, head, tree, **kw):
+    return Generator(model, None, drafter=EagleDrafter(head, tree), **{**KW, **kw})
+
+
+def test_training_reduces_loss_and_export_round_trips(tiny_eagle3, tiny):
+    rows = [json.loads(l) for l in open(tiny_eagle3 / "metrics.jsonl")]
+    train = [r for r in rows if r["split"] == "train"]
+    assert train[-1]["loss"] < 0.7 * train[0]["loss"]
+    assert train[-1]["acc"][0] > train[0]["acc"][0] + 0.2
+    card = json.load(open(tiny_eagle3 / "head" / "card.json"))
+    assert card["steps"] == 80 and card["draft_vocab"] == 48
+    # the exported file loads back to the same head outputs
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    data = np.load(tiny_eagle3 / "data.npz")
+    assert data["tokens"].shape[0] == 96
+    assert head.cfg.kind == "eagle3" and head.cfg.draft_vocab_size == 48
+    assert sorted(set(np.asarray(head.draft_to_target[...]).tolist())) == np.asarray(head.draft_to_target[...]).tolist()
+
+
+def test_training_resumes_from_checkpoint(tmp_path, tiny):
+    head_a, step = train_tiny_head(tmp_path / "a", "eagle", tiny, steps=6)
+    assert step == 6
+    from jaxspec import train
+    # a run stopped by --max-minutes resumes where its checkpoint left off
+    argv = ["--run", str(tmp_path / "a"), "--kind", "eagle", "--steps", "9", "--batch", "8", "--ttt", "3",
+            "--seq-len", "64", "--save-every", "1000", "--log-every", "3"]
+    _, step = train.train(train.parse_args(argv), tiny)
+    assert step == 9
+    steps = [json.loads(l)["step"] for l in open(tmp_path / "a" / "metrics.jsonl") if '"train"' in l]
+    assert steps == [6, 9]  # the second run logged steps 7-9 only: nothing retrained
+
+
+TREES = [TreeShape(3, 2, 6), TreeShape(1, 1, 2), TreeShape(4, 1, 5), TreeShape(3, 4, 16)]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+@pytest.mark.parametrize("ps", [4, 16])
+def test_eagle3_greedy_equals_plain(tiny, tiny_eagle3, tree, ps):
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompts = random_prompts(ps + tree.num_draft_tokens, 9)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = Generator(tiny, None, page_size=ps, **KW).generate(prompts, params)
+    gen = eagle_generator(tiny, head, tree, page_size=ps)
+    spec = gen.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert np.mean([c.mean_accept_length for c in spec]) > 1.5  # the trained head's drafts are accepted
+    assert gen.scheduler.pool.in_use == 0
+
+
+def test_eagle_head_greedy_equals_plain_and_debug_mode_agrees(tiny):
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle"), rngs=nnx.Rngs(5))
+    prompts = random_prompts(1, 5)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = Generator(tiny, None, **KW).generate(prompts, params)
+    jitted = eagle_generator(tiny, head, TreeShape(2, 2, 4)).generate(prompts, params)
+    eager = eagle_generator(tiny, head, TreeShape(2, 2, 4), jit=False).generate(prompts, params)
+    assert [c.token_ids for c in jitted] == [c.token_ids for c in plain] == [c.token_ids for c in eager]
+    assert [c.accept_lengths for c in jitted] == [c.accept_lengths for c in eager]
+
+
+def test_draft_tree_is_parent_first_with_distinct_siblings(tiny, tiny_eagle3):
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    gen = eagle_generator(tiny, head, TreeShape(3, 4, 16))
+    reqs = [gen.submit(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in random_prompts(3, 4)]
+    seen = 0
+    while gen.scheduler.has_work:
+        gen.scheduler.step()
+        for r in reqs:
+            if r.draft is None:
+                continue
+            tok, par = map(np.asarray, r.draft)
+            assert par[0] == -1 and all(0 <= par[i] < i for i in range(1, len(par)))
+            for p in set(par[1:].tolist()):
+                kids = tok[1:][par[1:] == p]
+                assert len(set(kids.tolist())) == len(kids)
+            assert tok[0] == r.output_ids[-1]  # the root is the pending token
+            seen += 1
+    assert seen > 4
+
+
+def test_eagle3_sampling_is_lossless(tiny, tiny_eagle3):
+    """Seeded sampling: speculative draws equal plain draws (keys follow output positions), and a
+    chi-square of the sampled second token against its exact marginal under the target."""
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompt, n = [5, 9, 5, 9, 5], 1500
+    ps = [SamplingParams(max_tokens=2, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    kw = dict(max_batch=64, num_pages=1200, page_size=4, max_seq_len=64)
+    gen = eagle_generator(tiny, head, TreeShape(2, 2, 4), spec_max_verify_tokens=4096, **kw)
+    spec = [o.token_ids for o in gen.generate([prompt] * n, ps)]
+    plain = [o.token_ids for o in Generator(tiny, None, **kw).generate([prompt] * n, ps)]
+    assert spec == plain
+    assert gen.scheduler.stats["emitted"] > gen.scheduler.stats["verify_steps"]
+    # exact marginal of the second token: sum over first tokens of p(x1) p(x2 | x1)
+    p1 = _full_dist(tiny, prompt)
+    p2 = sum(p1[a] * _full_dist(tiny, prompt + [a]) for a in range(TINY.vocab_size))
+    counts = np.bincount([t[1] for t in spec], minlength=TINY.vocab_size)
+    expected = n * p2
+    keep = expected >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    stat, dof = ((obs - exp) ** 2 / exp).sum(), len(obs) - 1
+    assert stat < dof + 4 * np.sqrt(2 * dof), (stat, dof)
+    # power: the first token's distribution is not the second's
+    wrong = n * p1
+    assert ((counts[keep] - wrong[keep]) ** 2 / np.maximum(wrong[keep], 1e-9)).sum() > dof + 4 * np.sqrt(2 * dof)
+
+
+def _full_dist(model, prompt):
+    from jaxspec.kv_cache import KVCache
+    cfg = model.cfg
+    t = len(prompt)
+    cache = KVCache.create(cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+    h, _, _ = model(jnp.asarray([prompt]), jnp.arange(t)[None], cache, jnp.ones((1, 1), jnp.int32),
+                    jnp.zeros(1, jnp.int32), jnp.full((1,), t, jnp.int32))
+    return np.asarray(jax.nn.softmax(model.logits(h[0, -1])), np.float64)
+
+
+def test_stops_inside_accepted_runs_and_max_tokens_one(tiny, tiny_eagle3):
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompts = random_prompts(7, 5)
+    plain = Generator(tiny, None, page_size=4, **KW).generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    gen = eagle_generator(tiny, head, TreeShape(4, 2, 8), page_size=4)
+    for p, ref in zip(prompts, plain):
+        stop = ref.token_ids[12]
+        got = gen.generate([p], SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop]))[0]
+        assert got.token_ids == ref.token_ids[: ref.token_ids.index(stop) + 1] and got.finish_reason == "stop"
+        got = gen.generate([p], SamplingParams(max_tokens=7, ignore_eos=True, logprobs=0))[0]
+        assert got.token_ids == ref.token_ids[:7] and got.finish_reason == "length" and len(got.logprobs) == 7
+        got = gen.generate([p], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+        assert got.token_ids == ref.token_ids[:1]
+    assert gen.scheduler.pool.in_use == 0
+
+
+def test_logprobs_and_penalties_match_plain(tiny, tiny_eagle3):
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompts = random_prompts(11, 4)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=3, repetition_penalty=1.3, presence_penalty=0.5)
+    plain = Generator(tiny, None, **KW).generate(prompts, params)
+    spec = eagle_generator(tiny, head, TreeShape(3, 2, 6)).generate(prompts, params)
+    for a, b in zip(spec, plain):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_no_leaked_pages_after_many_mixed_requests(tiny, tiny_eagle3):
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    rng = np.random.default_rng(9)
+    gen = eagle_generator(tiny, head, TreeShape(2, 2, 4), max_batch=32, max_seq_len=64, num_pages=120, page_size=4)
+    sched = gen.scheduler
+    reqs = []
+    for i in range(1000):
+        prompt = list(map(int, rng.integers(0, 64, rng.integers(1, 20))))
+        p = SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0.0, 1.0])),
+                           seed=i, stop_token_ids=[int(rng.integers(0, 64))])
+        reqs.append(sched.add(prompt, p))
+        if i % 7 == 0:
+            sched.step()
+        if i % 5 == 0:
+            sched.abort(reqs[int(rng.integers(0, len(reqs)))])
+    while sched.has_work:
+        sched.step()
+    assert all(r.finished for r in reqs)
+    assert sum(r.finish_reason == "abort" for r in reqs) > 10
+    sched.pool.check()
+    assert sched.pool.in_use == 0
+
+
+# -- checkpoint layouts ----------------------------------------------------------------------------------
+def torch_eagle3_reference(sd, cfg, emb, hidden, positions):
+    """SGLang's LlamaForCausalLMEagle3 forward for a single sequence (causal), written with torch
+    from its checkpoint names: an independent reading of the layout."""
+    import torch
+    t = lambda k: torch.tensor(np.asarray(sd[k], np.float32))
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+    h = torch.tensor(hidden) @ t("fc.weight").T
+    e = rms(torch.tensor(emb), t("midlayer.input_layernorm.weight"))
+    x = torch.cat([e, rms(h, t("midlayer.hidden_norm.weight"))], -1)
+    n, d = len(positions), cfg.head_dim
+    q = (x @ t("midlayer.self_attn.q_proj.weight").T).view(n, cfg.num_heads, d)
+    k = (x @ t("midlayer.self_attn.k_proj.weight").T).view(n, cfg.num_kv_heads, d)
+    v = (x @ t("midlayer.self_attn.v_proj.weight").T).view(n, cfg.num_kv_heads, d)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.tensor(positions).float()[:, None] * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    rot = lambda z: torch.cat([-z[..., d // 2:], z[..., :d // 2]], -1)
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    g = cfg.num_heads // cfg.num_kv_heads
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    att = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+    att = att.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), -1e30).softmax(-1)
+    o = torch.einsum("hqk,khd->qhd", att, v).reshape(n, -1) @ t("midlayer.self_attn.o_proj.weight").T
+    r = h + o
+    m = rms(r, t("midlayer.post_attention_layernorm.weight"))
+    m = (torch.nn.functional.silu(m @ t("midlayer.mlp.gate_proj.weight").T) * (m @ t("midlayer.mlp.up_proj.weight").T)) @ t("midlayer.mlp.down_proj.weight").T
+    logits = rms(m + r, t("norm.weight")) @ t("lm_head.weight").T
+    return logits.numpy(), (np.arange(len(sd["d2t"])) + np.asarray(sd["d2t"], np.int64))
+
+
+def test_sglang_eagle3_layout_matches_torch_reading(tmp_path, tiny):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+    cfg = HeadConfig.for_target(TINY, "eagle3", draft_vocab_size=16)
+    rng = np.random.default_rng(0)
+    H, hq, hk = TINY.hidden_size, TINY.num_heads * TINY.head_dim, TINY.num_kv_heads * TINY.head_dim
+    shapes = {"fc.weight": (H, 3 * H), "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+              "midlayer.self_attn.q_proj.weight": (hq, 2 * H), "midlayer.self_attn.k_proj.weight": (hk, 2 * H),
+              "midlayer.self_attn.v_proj.weight": (hk, 2 * H), "midlayer.self_attn.o_proj.weight": (H, hq),
+              "midlayer.post_attention_layernorm.weight": (H,), "midlayer.mlp.gate_proj.weight": (64, H),
+              "midlayer.mlp.up_proj.weight": (64, H), "midlayer.mlp.down_proj.weight": (H, 64),
+              "norm.weight": (H,), "lm_head.weight": (16, H)}
+    sd = {k: torch.tensor(rng.normal(0, 0.2, s).astype(np.float32) + (1.0 if len(s) == 1 else 0.0)) for k, s in shapes.items()}
+    hot = np.sort(rng.choice(TINY.vocab_size, 16, replace=False))
+    sd["d2t"] = torch.tensor(hot - np.arange(16), dtype=torch.int64)
+    t2d = np.zeros(TINY.vocab_size, bool)
+    t2d[hot] = True
+    sd["t2d"] = torch.tensor(t2d)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    json.dump({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, "num_attention_heads": TINY.num_heads,
+               "head_dim": TINY.head_dim,
+               "num_key_value_heads": TINY.num_kv_heads, "intermediate_size": 64, "num_hidden_layers": 1,
+               "vocab_size": TINY.vocab_size, "draft_vocab_size": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 1]}},
+              open(tmp_path / "config.json", "w"))
+    head = load_head(str(tmp_path), TINY, tiny)
+    assert head.cfg.feature_layers == (0, 0, 1) and not head.cfg.fc_bias
+    n = 7
+    emb = rng.normal(size=(n, H)).astype(np.float32)
+    hidden = rng.normal(size=(n, 3 * H)).astype(np.float32)
+    ref_logits, ref_d2t = torch_eagle3_reference({k: v.numpy() for k, v in sd.items()}, cfg, emb, hidden, list(range(n)))
+    # ours: fc'd features, dense causal attention
+    from jaxspec.train import ttt_attention
+    q, k, v, res = head.qkv(jnp.asarray(emb)[None], jnp.asarray(hidden)[None] @ head.fc[...], jnp.arange(n)[None])
+    out = head.finish(ttt_attention(q, [k], [v]), res)
+    np.testing.assert_allclose(np.asarray(head.logits(tiny, out))[0], ref_logits, atol=2e-4, rtol=2e-4)
+    np.testing.assert_array_equal(np.asarray(head.to_target(jnp.arange(16))), ref_d2t)
+    # export writes the same layout back
+    export_head(head, str(tmp_path / "again"), TINY)
+    again = load_head(str(tmp_path / "again"), TINY, tiny)
+    for name in ("fc", "wq", "lm_head", "draft_to_target"):
+        np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]), np.asarray(getattr(head, name)[...]))
+
+
+def test_safeailab_eagle_bin_layout_loads(tmp_path, tiny):
+    torch = pytest.importorskip("torch")
+    H, hq, hk = TINY.hidden_size, TINY.num_heads * TINY.head_dim, TINY.num_kv_heads * TINY.head_dim
+    rng = np.random.default_rng(1)
+    shapes = {"fc.weight": (H, 2 * H), "fc.bias": (H,), "layers.0.self_attn.q_proj.weight": (hq, H),
+              "layers.0.self_attn.k_proj.weight": (hk, H), "layers.0.self_attn.v_proj.weight": (hk, H),
+              "layers.0.self_attn.o_proj.weight": (H, hq), "layers.0.post_attention_layernorm.weight": (H,),
+              "layers.0.mlp.gate_proj.weight": (64, H), "layers.0.mlp.up_proj.weight": (64, H),
+              "layers.0.mlp.down_proj.weight": (H, 64), "embed_tokens.weight": (TINY.vocab_size, H)}
+    sd = {k: torch.tensor(rng.normal(0, 0.2, s).astype(np.float32)).to(torch.bfloat16 if "mlp" in k else torch.float32)
+          for k, s in shapes.items()}
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": H, "num_attention_heads": TINY.num_heads,
+               "head_dim": TINY.head_dim,
+               "num_key_value_heads": TINY.num_kv_heads, "intermediate_size": 64, "num_hidden_layers": 1,
+               "vocab_size": TINY.vocab_size, "bias": True}, open(tmp_path / "config.json", "w"))
+    head = load_head(str(tmp_path), TINY, tiny)
+    assert head.cfg.kind == "eagle" and head.cfg.fc_bias
+    np.testing.assert_array_equal(np.asarray(head.fc[...]), sd["fc.weight"].numpy().T)
+    np.testing.assert_array_equal(np.asarray(head.w_up[...]), sd["layers.0.mlp.up_proj.weight"].float().numpy().T)
+    np.testing.assert_array_equal(np.asarray(head.fc_bias[...]), sd["fc.bias"].numpy())
+    # and it drafts losslessly
+    prompts = random_prompts(4, 3)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    assert ([c.token_ids for c in eagle_generator(tiny, head, TreeShape(2, 2, 4)).generate(prompts, params)]
+            == [c.token_ids for c in Generator(tiny, None, **KW).generate(prompts, params)])
+
+
+def test_bad_draft_checkpoints_and_options_are_named(tmp_path, tiny, tiny_eagle3):
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_head(str(tmp_path / "nope"), TINY, tiny)
+    other = dataclasses.replace(TINY, hidden_size=48, head_dim=12)
+    with pytest.raises(CheckpointError, match="hidden_size 32 != target's 48"):
+        load_head(str(tiny_eagle3 / "head"), other)
+    with pytest.raises(ValueError, match="holds an EAGLE3 head"):
+        SpecConfig(algorithm="EAGLE", draft_model_path=str(tiny_eagle3 / "head")).build(tiny)
+    with pytest.raises(ValueError, match="needs draft_model_path"):
+        SpecConfig(algorithm="EAGLE3").build(tiny)
+    with pytest.raises(ValueError, match="exceeds the 7 nodes"):
+        TreeShape(2, 2, 8)
+    naive = SpecConfig(algorithm="NAIVE_EAGLE", draft_model_path=str(tiny_eagle3 / "head")).build(tiny)
+    assert (naive.tree.steps, naive.tree.topk, naive.tree.num_draft_tokens) == (1, 1, 2)
