@@ -43,65 +43,28 @@ OPENERS = [
 
 
 # -- 1. data -------------------------------------------------------------------------------------------
-# Generation runs through `jaxspec.rollout` (the whole decode loop as one jitted program, greedy or
-# sampled, with in-graph prompt-lookup drafting): thousands of short generations in a few calls, no
-# host scheduling per token.
-def generate_batched(target, prompts, max_new_tokens: int, temperature: float, seed: int, eos_id: int,
-                     batch: int, desc: str):
-    """prompts: lists of token ids -> lists of generated ids (the EOS included when reached)."""
-    import functools
-
-    from tqdm import tqdm
-
-    from jaxspec.rollout import rollout
-    graphdef, state = nnx.split(target)
-    width = -(-max(len(p) for p in prompts) // 64) * 64  # one prompt width: one compile
-    fn = jax.jit(functools.partial(rollout, graphdef, max_new_tokens=max_new_tokens, num_draft=4, ngram=2,
-                                   temperature=temperature, eos_id=eos_id))
-    outs = []
-    for i in tqdm(range(0, len(prompts), batch), desc=desc, mininterval=5):
-        chunk = prompts[i:i + batch]
-        toks = np.zeros((batch, width), np.int32)
-        lens = np.ones(batch, np.int32)
-        for j, p in enumerate(chunk):
-            toks[j, :len(p)] = p
-            lens[j] = len(p)
-        out, n = fn(state, toks, lens, jnp.arange(seed + i, seed + i + batch, dtype=jnp.int32))
-        out, n = np.asarray(out), np.asarray(n)
-        outs += [out[j, :n[j]].tolist() for j in range(len(chunk))]
-    return outs
-
-
-def invent_prompts(target, tokenizer, n: int, seed: int, batch: int, max_tokens: int = 48) -> list[list[int]]:
-    """User prompts written by the target (sampled after the chat template's user header, seeded
-    with generic openers), returned as chat-templated prompt ids ready to be answered."""
+def invent_prompts(gen, n: int, seed: int, max_tokens: int = 48) -> list[str]:
+    """User prompts written by the target: sampled after the chat template's user header."""
+    from jaxspec.sampling import SamplingParams
+    tok = gen.tokenizer
     marker = "\x00"
-    templ = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                          add_generation_prompt=False)
+    templ = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=False)
     header = templ[:templ.index(marker)]
     starts = [OPENERS[i % len(OPENERS)] for i in range(n)]
-    eos = tokenizer.eos_token_id
-    outs = generate_batched(target, [tokenizer.encode(header + s, add_special_tokens=False) for s in starts],
-                            max_tokens, 1.0, seed, eos, batch, "invent prompts")
-    prompts = []
-    for s, o in zip(starts, outs):
-        text = (s + tokenizer.decode([t for t in o if t != eos], skip_special_tokens=True)).strip()
-        if len(text) > len(s) + 8:
-            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-            prompts.append(tokenizer.encode(chat, add_special_tokens=False))
-    return prompts
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed + i) for i in range(n)]
+    outs = gen.generate([tok.encode(header + s, add_special_tokens=False) for s in starts], params, progress=True)
+    return [(s + o.text).strip() for s, o in zip(starts, outs) if len(o.text.strip()) > 8]
 
 
-def distill(target, prompts, max_new_tokens: int, sampled_fraction: float, seed: int, eos_id: int, batch: int):
-    """The target answers each prompt, greedily or (a fraction) sampled at T=0.7; returns the
-    sequences (prompt + answer) and the prompt lengths."""
-    n_sampled = int(len(prompts) * sampled_fraction)
-    answers = generate_batched(target, prompts[n_sampled:], max_new_tokens, 0.0, seed, eos_id, batch, "answer greedy")
-    if n_sampled:
-        answers = generate_batched(target, prompts[:n_sampled], max_new_tokens, 0.7, seed, eos_id, batch,
-                                   "answer sampled") + answers
-    return [p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts]
+def distill(gen, prompts, max_new_tokens: int, sampled_fraction: float, seed: int):
+    """The target answers each prompt; returns (sequences of token ids, prompt lengths)."""
+    from jaxspec.sampling import SamplingParams
+    params = []
+    for i in range(len(prompts)):
+        t = 0.7 if (i * 7919 % 1000) / 1000 < sampled_fraction else 0.0
+        params.append(SamplingParams(max_tokens=max_new_tokens, temperature=t, seed=seed + i))
+    outs = gen.generate(prompts, params, progress=True)
+    return [o.prompt_token_ids + o.token_ids for o in outs], [len(o.prompt_token_ids) for o in outs]
 
 
 def pack(seqs, seq_len: int):
@@ -267,17 +230,18 @@ def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
 
 # -- driver -------------------------------------------------------------------------------------------------
 def build_data(args, target, tokenizer, data_path):
+    from jaxspec.generator import Generator
     t0 = time.time()
+    gen = Generator(target, tokenizer, max_batch=args.gen_batch, max_seq_len=args.seq_len + args.max_new_tokens + 64,
+                    page_size=16)
     if tokenizer is None:  # token-id-only targets (tests): random prompts
         rng = np.random.default_rng(args.seed)
         prompts = [list(map(int, rng.integers(0, target.cfg.vocab_size, int(rng.integers(4, 16)))))
                    for _ in range(args.num_prompts)]
-        eos = target.cfg.eos_token_ids[0] if target.cfg.eos_token_ids else -1
     else:
-        prompts = invent_prompts(target, tokenizer, args.num_prompts, args.seed, args.gen_batch)
-        eos = tokenizer.eos_token_id
-    seqs, plens = distill(target, prompts, args.max_new_tokens, args.sampled_fraction, args.seed + 10**6, eos,
-                          args.gen_batch)
+        texts = invent_prompts(gen, args.num_prompts, args.seed)
+        prompts = [[{"role": "user", "content": t}] for t in texts]
+    seqs, plens = distill(gen, prompts, args.max_new_tokens, args.sampled_fraction, args.seed)
     tokens, lengths = pack(seqs, args.seq_len)
     np.savez(data_path, tokens=tokens, lengths=lengths, prompt_lengths=np.array(plens, np.int32),
              seconds=time.time() - t0)
@@ -293,7 +257,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--sampled-fraction", type=float, default=0.25, help="answers sampled at T=0.7 instead of greedy")
-    ap.add_argument("--gen-batch", type=int, default=256, help="sequences per generation call")
+    ap.add_argument("--gen-batch", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--intermediate-size", type=int, default=None)
