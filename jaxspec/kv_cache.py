@@ -8,6 +8,7 @@ and unused page-table entries point there, so no write needs a branch.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,12 @@ def slot_coordinates(page_table, kv_lens, q_lens, num_tokens, page_size):
 
 
 def write_layer(pages, layer, new, page, offset):
-    """pages [L, N, ps, kvh, hd]; new [B, T, kvh, hd] -> pages with the new rows written at `layer`."""
-    return pages.at[layer, page, offset].set(new.astype(pages.dtype))
+    """pages [L, N, ps, kvh, hd]; new [B, T, kvh, hd] -> pages with the new rows written at `layer`.
+
+    JAXSPEC_UNIQUE_SCATTER=1 declares the slots unique (only trash-page padding repeats, and which
+    padding row wins there does not matter); under test on the H100 (bench/scatter_probe.py)."""
+    unique = os.environ.get("JAXSPEC_UNIQUE_SCATTER", "0") == "1"
+    return pages.at[layer, page, offset].set(new.astype(pages.dtype), unique_indices=unique)
 
 
 def move_slots(cache: KVCache, page_table, kv_lens, src, dst_count):
