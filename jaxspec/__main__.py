@@ -20,8 +20,11 @@ def main(argv=None):
     g.add_argument("--seed", type=int)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--dtype", choices=["float32", "bfloat16"])
-    g.add_argument("--speculative-algorithm", default="NGRAM", help="NGRAM or NONE")
+    g.add_argument("--speculative-algorithm", default="NGRAM", help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE or NONE")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=8)
+    g.add_argument("--speculative-draft-model-path", help="EAGLE head directory (default: the one shipped for the model)")
+    g.add_argument("--speculative-num-steps", type=int)
+    g.add_argument("--speculative-eagle-topk", type=int, default=4)
     g.add_argument("--max-batch", type=int, default=32)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-seq-len", type=int, default=2048)
@@ -42,7 +45,9 @@ def main(argv=None):
         prompts = ["What is the capital of France?"]
     spec = None
     if args.speculative_algorithm.upper() != "NONE":
-        spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens)
+        spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
+                          draft_model_path=args.speculative_draft_model_path, num_steps=args.speculative_num_steps,
+                          eagle_topk=args.speculative_eagle_topk)
     try:
         gen = Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
                                         speculative=spec, max_batch=args.max_batch, page_size=args.page_size,

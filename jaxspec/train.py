@@ -294,6 +294,11 @@ def train(args, target=None, tokenizer=None):
         tokens, lengths = d["tokens"], d["lengths"]
     else:
         tokens, lengths = build_data(args, target, tokenizer, data_path)
+        # On the H100 the training step ran ~40x slower in the process that had just generated the
+        # data than in a fresh one (3.7 s vs 0.06 s a step); free the generator's cache and programs.
+        import gc
+        gc.collect()
+        jax.clear_caches()
     n_val = max(1, int(len(tokens) * args.val_fraction))
     val_tok, val_len = tokens[:n_val], lengths[:n_val]
     tr_tok, tr_len = tokens[n_val:], lengths[n_val:]

@@ -77,8 +77,7 @@ def test_training_resumes_from_checkpoint(tmp_path, tiny):
 TREES = [TreeShape(3, 2, 6), TreeShape(1, 1, 2), TreeShape(4, 1, 5), TreeShape(3, 4, 16)]
 
 
-@pytest.mark.parametrize("tree", TREES, ids=str)
-@pytest.mark.parametrize("ps", [4, 16])
+@pytest.mark.parametrize("tree,ps", [(t, 4) for t in TREES] + [(TREES[0], 16)], ids=str)
 def test_eagle3_greedy_equals_plain(tiny, tiny_eagle3, tree, ps):
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
     prompts = random_prompts(ps + tree.num_draft_tokens, 9)
@@ -93,8 +92,8 @@ def test_eagle3_greedy_equals_plain(tiny, tiny_eagle3, tree, ps):
 
 def test_eagle_head_greedy_equals_plain_and_debug_mode_agrees(tiny):
     head = DraftHead(HeadConfig.for_target(TINY, "eagle"), rngs=nnx.Rngs(5))
-    prompts = random_prompts(1, 5)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = random_prompts(1, 3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     plain = Generator(tiny, None, **KW).generate(prompts, params)
     jitted = eagle_generator(tiny, head, TreeShape(2, 2, 4)).generate(prompts, params)
     eager = eagle_generator(tiny, head, TreeShape(2, 2, 4), jit=False).generate(prompts, params)
@@ -126,7 +125,7 @@ def test_eagle3_sampling_is_lossless(tiny, tiny_eagle3):
     """Seeded sampling: speculative draws equal plain draws (keys follow output positions), and a
     chi-square of the sampled second token against its exact marginal under the target."""
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
-    prompt, n = [5, 9, 5, 9, 5], 1500
+    prompt, n = [5, 9, 5, 9, 5], 1000
     ps = [SamplingParams(max_tokens=2, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
     kw = dict(max_batch=64, num_pages=1200, page_size=4, max_seq_len=64)
     gen = eagle_generator(tiny, head, TreeShape(2, 2, 4), spec_max_verify_tokens=4096, **kw)
@@ -326,3 +325,17 @@ def test_bad_draft_checkpoints_and_options_are_named(tmp_path, tiny, tiny_eagle3
         TreeShape(2, 2, 8)
     naive = SpecConfig(algorithm="NAIVE_EAGLE", draft_model_path=str(tiny_eagle3 / "head")).build(tiny)
     assert (naive.tree.steps, naive.tree.topk, naive.tree.num_draft_tokens) == (1, 1, 2)
+
+
+def test_shipped_smollm2_head_is_lossless(smollm):
+    """The default head for the embedded model loads by name and drafts tokens the target accepts."""
+    model, tok = smollm
+    prompts = [[{"role": "user", "content": "Write a Python function that reverses a list."}],
+               [{"role": "user", "content": "Explain what a hash map is."}]]
+    params = SamplingParams(max_tokens=24)
+    kw = dict(max_batch=4, max_seq_len=256, num_pages=80)
+    plain = Generator(model, tok, **kw).generate(prompts, params)
+    drafter = SpecConfig("EAGLE3", num_steps=4, eagle_topk=4, num_draft_tokens=8).build(model, "smollm2-135m")
+    spec = Generator(model, tok, drafter=drafter, **kw).generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert np.mean([c.mean_accept_length for c in spec]) > 1.3
