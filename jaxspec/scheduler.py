@@ -226,9 +226,10 @@ class Scheduler:
         self._run_extend(batch, "prefill_time")
 
     def _run_decode(self, reqs):
-        self._run_extend([(r, 1) for r in reqs], "decode_time")
+        # with a device drafter this is the large-batch fallback: keep the head caught up, skip drafting
+        self._run_extend([(r, 1) for r in reqs], "decode_time", draft_next=False)
 
-    def _run_extend(self, batch, timer):
+    def _run_extend(self, batch, timer, draft_next=True):
         """Feed n new tokens per request; a request whose tokens are then all cached gets the
         sampled next token (the last prefill chunk, or a decode step)."""
         t0 = time.perf_counter()
@@ -243,7 +244,7 @@ class Scheduler:
             kv_lens[i], q_lens[i] = r.kv_len, n
             if r.todo > n:
                 next_tokens[i] = r.token_slice(r.kv_len + n, r.kv_len + n + 1)[0]
-        draft = self.device_drafter and bool((next_tokens[:len(batch)] < 0).any())
+        draft = self.device_drafter and draft_next and bool((next_tokens[:len(batch)] < 0).any())
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
         nxt, lp, top_v, top_i, tree, self.cache = self.programs.extend(
@@ -255,8 +256,7 @@ class Scheduler:
         for i, (r, n) in enumerate(batch):
             r.kv_len += n
             if r.todo == 0:
-                if tree is not None:
-                    r.draft = (tree[0][i], tree[1][i])
+                r.draft = None if tree is None else (tree[0][i], tree[1][i])
                 self._emit(r, [int(nxt[i])], [float(lp[i])], None if top is None else [(top[0][i], top[1][i])])
         self.stats[timer] += time.perf_counter() - t0
 

@@ -23,3 +23,26 @@ TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_laye
 def tiny():
     from flax import nnx
     return Llama(TINY, rngs=nnx.Rngs(3))
+
+
+def run_mixed_requests_with_aborts(gen, rng, n=1000):
+    """n random requests (greedy/sampled, random stops and lengths); every fifth call aborts a
+    random request (waiting, running or finished). Afterwards no page may be in use."""
+    from jaxspec import SamplingParams
+    sched = gen.scheduler
+    reqs = []
+    for i in range(n):
+        prompt = list(map(int, rng.integers(0, 64, rng.integers(1, 20))))
+        p = SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0.0, 1.0])),
+                           seed=i, stop_token_ids=[int(rng.integers(0, 64))])
+        reqs.append(sched.add(prompt, p))
+        if i % 7 == 0:
+            sched.step()
+        if i % 5 == 0:
+            sched.abort(reqs[int(rng.integers(0, len(reqs)))])
+    while sched.has_work:
+        sched.step()
+    assert all(r.finished for r in reqs)
+    assert sum(r.finish_reason == "abort" for r in reqs) > 10
+    sched.pool.check()
+    assert sched.pool.in_use == 0

@@ -2,7 +2,6 @@
 layouts, training."""
 import dataclasses
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models import Llama
 from jaxspec.models.loading import CheckpointError
 
-from conftest import TINY
+from conftest import TINY, run_mixed_requests_with_aborts
 
 KW = dict(max_batch=8, max_seq_len=128, num_pages=300)
 
@@ -189,23 +188,7 @@ def test_no_leaked_pages_after_many_mixed_requests(tiny, tiny_eagle3):
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
     rng = np.random.default_rng(9)
     gen = eagle_generator(tiny, head, TreeShape(2, 2, 4), max_batch=32, max_seq_len=64, num_pages=120, page_size=4)
-    sched = gen.scheduler
-    reqs = []
-    for i in range(1000):
-        prompt = list(map(int, rng.integers(0, 64, rng.integers(1, 20))))
-        p = SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0.0, 1.0])),
-                           seed=i, stop_token_ids=[int(rng.integers(0, 64))])
-        reqs.append(sched.add(prompt, p))
-        if i % 7 == 0:
-            sched.step()
-        if i % 5 == 0:
-            sched.abort(reqs[int(rng.integers(0, len(reqs)))])
-    while sched.has_work:
-        sched.step()
-    assert all(r.finished for r in reqs)
-    assert sum(r.finish_reason == "abort" for r in reqs) > 10
-    sched.pool.check()
-    assert sched.pool.in_use == 0
+    run_mixed_requests_with_aborts(gen, rng)
 
 
 # -- checkpoint layouts ----------------------------------------------------------------------------------
@@ -339,3 +322,17 @@ def test_shipped_smollm2_head_is_lossless(smollm):
     spec = Generator(model, tok, drafter=drafter, **kw).generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert np.mean([c.mean_accept_length for c in spec]) > 1.3
+
+
+def test_large_batch_fallback_then_trees_again(tiny, tiny_eagle3):
+    """Above spec_max_verify_tokens / nodes requests the step decodes plainly (head caught up, no
+    drafting); as requests finish, trees come back. Output stays the plain greedy output."""
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompts = random_prompts(21, 8)
+    params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(8)]
+    plain = Generator(tiny, None, **KW).generate(prompts, params)
+    gen = eagle_generator(tiny, head, TreeShape(2, 2, 4), spec_max_verify_tokens=16)
+    spec = gen.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    st = gen.scheduler.stats
+    assert st["decode_time"] > 0 and st["verify_steps"] > 0

@@ -9,7 +9,7 @@ from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.drafters.ngram import NgramCache
 from jaxspec.models import Llama
 
-from conftest import TINY
+from conftest import TINY, run_mixed_requests_with_aborts
 
 
 def test_ngram_cache_insert_match_evict():
@@ -150,20 +150,4 @@ def test_no_leaked_pages_after_many_mixed_requests(tiny):
     rng = np.random.default_rng(9)
     gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=4).build(tiny), max_batch=32,
                     max_seq_len=64, num_pages=120, page_size=4)
-    sched = gen.scheduler
-    reqs = []
-    for i in range(1000):
-        prompt = list(map(int, rng.integers(0, 64, rng.integers(1, 20))))
-        p = SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0.0, 1.0])),
-                           seed=i, stop_token_ids=[int(rng.integers(0, 64))])
-        reqs.append(sched.add(prompt, p))
-        if i % 7 == 0:
-            sched.step()
-        if i % 5 == 0:  # abort a random one: waiting, running or already finished
-            sched.abort(reqs[int(rng.integers(0, len(reqs)))])
-    while sched.has_work:
-        sched.step()
-    assert all(r.finished for r in reqs)
-    assert sum(r.finish_reason == "abort" for r in reqs) > 10
-    sched.pool.check()
-    assert sched.pool.in_use == 0
+    run_mixed_requests_with_aborts(gen, rng)
