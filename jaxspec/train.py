@@ -5,7 +5,8 @@
 
 1. data (once per run directory): the target invents user prompts (sampled after the chat
    template's user header, seeded with generic openers) and answers them itself, greedily and
-   partly sampled, as EAGLE regenerates ShareGPT with its target. No benchmark prompt is used.
+   partly sampled, as EAGLE regenerates ShareGPT with its target (jaxspec/train_data.py). No
+   benchmark prompt is used. `--data-only` stops after writing data.npz.
 2. training: the target runs in the training step (features and its distribution over the draft
    vocabulary are recomputed each step, nothing large is stored); the head is unrolled `--ttt`
    steps on its own outputs (EAGLE-3's training-time test) and learns the target's distribution
@@ -30,61 +31,7 @@ from flax import nnx
 from jaxspec.drafters.eagle import DraftHead, HeadConfig, export_head
 from jaxspec.kv_cache import KVCache
 from jaxspec.pallas.attention_ref import NEG_INF
-
-# Generic openers for self-generated user prompts (diversity only; the target writes the rest).
-OPENERS = [
-    "Write a Python function that", "Explain", "How do I", "What is the difference between", "Can you help me",
-    "Give me a list of", "Write a short story about", "Summarize", "Why does", "Write an email to",
-    "What are the benefits of", "Describe", "Write a poem about", "How can I improve", "Compare",
-    "Write a JavaScript function to", "What happens when", "Plan a", "Translate into French:", "Solve:",
-    "Write a SQL query that", "Give me tips for", "What is the best way to", "Tell me about", "Write a recipe for",
-    "How does", "Write a bash script that", "List the steps to", "What should I know about", "Create a",
-]
-
-
-# -- 1. data -------------------------------------------------------------------------------------------
-def invent_prompts(gen, n: int, seed: int, max_tokens: int = 48) -> list[str]:
-    """User prompts written by the target: sampled after the chat template's user header."""
-    from jaxspec.sampling import SamplingParams
-    tok = gen.tokenizer
-    marker = "\x00"
-    templ = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=False)
-    header = templ[:templ.index(marker)]
-    starts = [OPENERS[i % len(OPENERS)] for i in range(n)]
-    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed + i) for i in range(n)]
-    outs = gen.generate([tok.encode(header + s, add_special_tokens=False) for s in starts], params, progress=True)
-    return [(s + o.text).strip() for s, o in zip(starts, outs) if len(o.text.strip()) > 8]
-
-
-def distill(gen, prompts, max_new_tokens: int, sampled_fraction: float, seed: int):
-    """The target answers each prompt; returns (sequences of token ids, prompt lengths)."""
-    from jaxspec.sampling import SamplingParams
-    params = []
-    for i in range(len(prompts)):
-        t = 0.7 if (i * 7919 % 1000) / 1000 < sampled_fraction else 0.0
-        params.append(SamplingParams(max_tokens=max_new_tokens, temperature=t, seed=seed + i))
-    outs = gen.generate(prompts, params, progress=True)
-    return [o.prompt_token_ids + o.token_ids for o in outs], [len(o.prompt_token_ids) for o in outs]
-
-
-def pack(seqs, seq_len: int):
-    tokens = np.zeros((len(seqs), seq_len), np.int32)
-    lengths = np.zeros(len(seqs), np.int32)
-    for i, s in enumerate(seqs):
-        s = s[:seq_len]
-        tokens[i, :len(s)] = s
-        lengths[i] = len(s)
-    return tokens, lengths
-
-
-def draft_vocabulary(tokens, lengths, vocab_size: int, size: int):
-    """The `size` most frequent target ids in the data (sorted), FR-Spec's hot vocabulary."""
-    counts = np.zeros(vocab_size, np.int64)
-    for row, n in zip(tokens, lengths):
-        np.add.at(counts, row[:n], 1)
-    hot = np.sort(np.argsort(-counts, kind="stable")[:size])
-    return hot.astype(np.int32), float(counts[hot].sum() / max(counts.sum(), 1))
-
+from jaxspec.train_data import build_data, draft_vocabulary, pack
 
 # -- 2. the training step --------------------------------------------------------------------------------
 def target_outputs(target, tokens, lengths, head_cfg: HeadConfig, hot):
@@ -229,25 +176,6 @@ def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
 
 
 # -- driver -------------------------------------------------------------------------------------------------
-def build_data(args, target, tokenizer, data_path):
-    from jaxspec.generator import Generator
-    t0 = time.time()
-    gen = Generator(target, tokenizer, max_batch=args.gen_batch, max_seq_len=args.seq_len + args.max_new_tokens + 64,
-                    page_size=16)
-    if tokenizer is None:  # token-id-only targets (tests): random prompts
-        rng = np.random.default_rng(args.seed)
-        prompts = [list(map(int, rng.integers(0, target.cfg.vocab_size, int(rng.integers(4, 16)))))
-                   for _ in range(args.num_prompts)]
-    else:
-        texts = invent_prompts(gen, args.num_prompts, args.seed)
-        prompts = [[{"role": "user", "content": t}] for t in texts]
-    seqs, plens = distill(gen, prompts, args.max_new_tokens, args.sampled_fraction, args.seed)
-    tokens, lengths = pack(seqs, args.seq_len)
-    np.savez(data_path, tokens=tokens, lengths=lengths, prompt_lengths=np.array(plens, np.int32),
-             seconds=time.time() - t0)
-    return tokens, lengths
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jaxspec.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -271,6 +199,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this long")
     ap.add_argument("--export-dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-only", action="store_true", help="generate the run's data.npz and stop")
     ap.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, float32 on CPU)")
     return ap.parse_args(argv)
 
@@ -293,12 +222,15 @@ def train(args, target=None, tokenizer=None):
         d = np.load(data_path)
         tokens, lengths = d["tokens"], d["lengths"]
     else:
-        tokens, lengths = build_data(args, target, tokenizer, data_path)
-        # On the H100 the training step ran ~40x slower in the process that had just generated the
-        # data than in a fresh one (3.7 s vs 0.06 s a step); free the generator's cache and programs.
-        import gc
-        gc.collect()
-        jax.clear_caches()
+        t0 = time.time()
+        seqs, plens = build_data(target, tokenizer, args.num_prompts, args.max_new_tokens, args.sampled_fraction,
+                                 args.seed, args.gen_batch)
+        tokens, lengths = pack(seqs, args.seq_len)
+        np.savez_compressed(data_path, tokens=tokens, lengths=lengths, prompt_lengths=np.array(plens, np.int32),
+                 seconds=time.time() - t0)
+        print(f"data: {len(seqs)} sequences, {int(lengths.sum())} tokens in {time.time() - t0:.0f} s")
+    if args.data_only:
+        return None, 0
     n_val = max(1, int(len(tokens) * args.val_fraction))
     val_tok, val_len = tokens[:n_val], lengths[:n_val]
     tr_tok, tr_len = tokens[n_val:], lengths[n_val:]

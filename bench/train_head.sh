@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# How the shipped SmolLM2-135M EAGLE-3 head is made on one GPU, in runs of < 10 minutes each:
+#   bash bench/train_head.sh data   GGUF RUN            # the target writes prompts and answers
+#   bash bench/train_head.sh train  GGUF RUN MINUTES    # train (resumes from RUN/checkpoints)
+# Data and training run in separate processes on purpose (the training step once ran ~60x slower in
+# the process that had generated the data; bench/results/train-attempts/).
+set -euo pipefail
+stage=$1 gguf=$2 run=$3
+common=(--model "$gguf" --kind eagle3 --run "$run" --num-prompts 32768 --gen-batch 1024 --max-new-tokens 256
+        --seq-len 384 --draft-vocab 4096 --steps 12000 --batch 32 --ttt 4 --lr 1e-3 --save-every 1000
+        --log-every 50)
+case $stage in
+  data) python -m jaxspec.train "${common[@]}" --data-only ;;
+  train) python -m jaxspec.train "${common[@]}" --max-minutes "$4" --export "$run/head" ;;
+  *) echo "stage must be data or train" >&2; exit 2 ;;
+esac

@@ -1,0 +1,155 @@
+"""Training data for draft heads: the target writes its own prompts and answers them.
+
+Generation here is a plain batched sampler with the whole loop on device: one dense cache page
+per request, `lax.fori_loop` over decode steps, fixed shapes so it compiles once per run. It skips
+the serving engine on purpose: data generation is a throughput job (thousands of sequences of the
+same length budget), where the engine's per-step host round trip and continuous batching only cost
+(the engine answered 12.7 requests/s on the H100; bench/results/train-attempts/).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxspec.kv_cache import KVCache
+
+# Generic openers for self-generated user prompts (diversity only; the target writes the rest).
+OPENERS = [
+    "Write a Python function that", "Explain", "How do I", "What is the difference between", "Can you help me",
+    "Give me a list of", "Write a short story about", "Summarize", "Why does", "Write an email to",
+    "What are the benefits of", "Describe", "Write a poem about", "How can I improve", "Compare",
+    "Write a JavaScript function to", "What happens when", "Plan a", "Translate into French:", "Solve:",
+    "Write a SQL query that", "Give me tips for", "What is the best way to", "Tell me about", "Write a recipe for",
+    "How does", "Write a bash script that", "List the steps to", "What should I know about", "Create a",
+]
+
+
+def generate_dense(graphdef, state, prompts, prompt_lens, temperature, seeds, *, max_new_tokens: int,
+                   eos_ids: tuple, top_k: int = 0):
+    """prompts [B, P] right-padded, prompt_lens [B] (>= 1), temperature [B] (0: greedy), seeds [B]
+    -> (new tokens [B, max_new_tokens], counts [B]: tokens up to and including the first EOS)."""
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    b, p = prompts.shape
+    cache = KVCache.create(cfg.num_layers, b + 1, p + max_new_tokens, cfg.num_kv_heads, cfg.head_dim,
+                           model.embed[...].dtype)
+    page_table = (1 + jnp.arange(b, dtype=jnp.int32))[:, None]
+    keys = jax.vmap(jax.random.key)(seeds.astype(jnp.uint32))
+    eos = jnp.asarray(eos_ids, jnp.int32)
+
+    def pick(h, i):
+        logits = model.logits(h)
+        if top_k:
+            logits, ids = jax.lax.top_k(logits, top_k)
+        g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, i), logits.shape[-1:]))(keys)
+        t = temperature[:, None]
+        choice = jnp.argmax(jnp.where(t > 0, logits / jnp.maximum(t, 1e-6) + g, logits), axis=-1)
+        return jnp.take_along_axis(ids, choice[:, None], 1)[:, 0] if top_k else choice
+
+    positions = jnp.broadcast_to(jnp.arange(p)[None], (b, p))
+    h, cache, _ = model(prompts, positions, cache, page_table, jnp.zeros(b, jnp.int32), prompt_lens, attn_impl="ref")
+    first = pick(jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], 1)[:, 0], 0)
+    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    ones = jnp.ones(b, jnp.int32)
+
+    def step(i, carry):  # token i-1 is known; compute token i
+        cache, out = carry
+        kv = prompt_lens + i - 1
+        h, cache, _ = model(jax.lax.dynamic_slice_in_dim(out, i - 1, 1, 1), kv[:, None], cache, page_table, kv, ones,
+                            attn_impl="ref")
+        return cache, out.at[:, i].set(pick(h[:, 0], i))
+
+    _, out = jax.lax.fori_loop(1, max_new_tokens, step, (cache, out))
+    is_eos = (out[..., None] == eos).any(-1)
+    counts = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1) + 1, max_new_tokens)
+    return out, counts
+
+
+def self_generate(target, prompts, temperatures, seed: int, max_new_tokens: int, eos_ids, batch: int,
+                  top_k: int = 0, desc: str = "generate"):
+    """Answer every prompt (lists of token ids) -> lists of new token ids (EOS kept, nothing after)."""
+    graphdef, state = nnx.split(target)
+    fn = jax.jit(functools.partial(generate_dense, graphdef, max_new_tokens=max_new_tokens,
+                                   eos_ids=tuple(eos_ids), top_k=top_k))
+    plen = max(len(x) for x in prompts)
+    plen = -(-plen // 32) * 32  # one prompt width for the whole run: one compile
+    outs = []
+    for s in tqdm(range(0, len(prompts), batch), desc=desc, mininterval=5):
+        chunk = prompts[s:s + batch]
+        toks = np.zeros((batch, plen), np.int32)
+        lens = np.ones(batch, np.int32)
+        temps = np.zeros(batch, np.float32)
+        for i, x in enumerate(chunk):
+            toks[i, :len(x)], lens[i], temps[i] = x, len(x), temperatures[s + i]
+        out, counts = fn(state, toks, lens, temps, np.arange(s, s + batch, dtype=np.uint32) + np.uint32(seed))
+        out, counts = np.asarray(out), np.asarray(counts)
+        outs += [list(map(int, out[i, :counts[i]])) for i in range(len(chunk))]
+    return outs
+
+
+def eos_of(target, tokenizer):
+    ids = set(target.cfg.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def invent_prompts(target, tokenizer, n: int, seed: int, batch: int, max_tokens: int = 48) -> list[str]:
+    """User prompts written by the target: sampled (T=1, top-50) after the chat template's user header."""
+    marker = "\x00"
+    templ = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                          add_generation_prompt=False)
+    header = templ[:templ.index(marker)]
+    starts = [OPENERS[i % len(OPENERS)] for i in range(n)]
+    ids = [tokenizer.encode(header + s, add_special_tokens=False) for s in starts]
+    outs = self_generate(target, ids, np.ones(n), seed, max_tokens, eos_of(target, tokenizer), batch, top_k=50,
+                         desc="invent prompts")
+    eos = set(eos_of(target, tokenizer))
+    texts = [(s + tokenizer.decode([t for t in o if t not in eos])).strip() for s, o in zip(starts, outs)]
+    return [t for t, s in zip(texts, starts) if len(t) > len(s) + 8]
+
+
+def distill(target, prompts, max_new_tokens: int, sampled_fraction: float, seed: int, batch: int, eos_ids):
+    """The target answers each prompt (token ids), greedily or at T=0.7 -> (sequences, prompt lengths)."""
+    temps = np.array([0.7 if (i * 7919 % 1000) / 1000 < sampled_fraction else 0.0 for i in range(len(prompts))])
+    outs = self_generate(target, prompts, temps, seed, max_new_tokens, eos_ids, batch, desc="answer prompts")
+    return [p + o for p, o in zip(prompts, outs)], [len(p) for p in prompts]
+
+
+def build_data(target, tokenizer, num_prompts: int, max_new_tokens: int, sampled_fraction: float, seed: int,
+               batch: int):
+    """(sequences, prompt lengths) written by the target. Without a tokenizer (tests): random prompts."""
+    if tokenizer is None:
+        rng = np.random.default_rng(seed)
+        prompts = [list(map(int, rng.integers(0, target.cfg.vocab_size, int(rng.integers(4, 16)))))
+                   for _ in range(num_prompts)]
+    else:
+        texts = invent_prompts(target, tokenizer, num_prompts, seed, batch)
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                                  add_generation_prompt=True),
+                                    add_special_tokens=False) for t in texts]
+    return distill(target, prompts, max_new_tokens, sampled_fraction, seed, batch, eos_of(target, tokenizer))
+
+
+def pack(seqs, seq_len: int):
+    tokens = np.zeros((len(seqs), seq_len), np.int32)
+    lengths = np.zeros(len(seqs), np.int32)
+    for i, s in enumerate(seqs):
+        s = s[:seq_len]
+        tokens[i, :len(s)] = s
+        lengths[i] = len(s)
+    return tokens, lengths
+
+
+def draft_vocabulary(tokens, lengths, vocab_size: int, size: int):
+    """The `size` most frequent target ids in the data (sorted), FR-Spec's hot vocabulary."""
+    counts = np.zeros(vocab_size, np.int64)
+    for row, n in zip(tokens, lengths):
+        np.add.at(counts, row[:n], 1)
+    hot = np.sort(np.argsort(-counts, kind="stable")[:size])
+    return hot.astype(np.int32), float(counts[hot].sum() / max(counts.sum(), 1))
