@@ -1,7 +1,7 @@
 """Training data for draft heads: the target writes its own prompts and answers them.
 
-Generation here is a plain batched sampler with the whole loop on device: one dense cache page
-per request, `lax.fori_loop` over decode steps, fixed shapes so it compiles once per run. It skips
+Generation here is a plain batched sampler: one dense cache page per request, fixed shapes so
+it compiles once per run. It skips
 the serving engine on purpose: data generation is a throughput job (thousands of sequences of the
 same length budget), where the engine's per-step host round trip and continuous batching only cost
 (the engine answered 12.7 requests/s on the H100; bench/results/train-attempts/).
@@ -29,53 +29,68 @@ OPENERS = [
 ]
 
 
-def generate_dense(graphdef, state, prompts, prompt_lens, temperature, seeds, *, max_new_tokens: int,
-                   eos_ids: tuple, top_k: int = 0):
-    """prompts [B, P] right-padded, prompt_lens [B] (>= 1), temperature [B] (0: greedy), seeds [B]
-    -> (new tokens [B, max_new_tokens], counts [B]: tokens up to and including the first EOS)."""
+def _pick(model, h, temperature, seeds, i, top_k: int):
+    """Greedy where temperature is 0, else a Gumbel-max sample (top-k when top_k > 0); keyed by
+    (seed, output position) so a row's sample does not depend on its batch."""
+    logits = model.logits(h)
+    if top_k:
+        logits, ids = jax.lax.top_k(logits, top_k)
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), i))(seeds.astype(jnp.uint32))
+    g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
+    t = temperature[:, None]
+    choice = jnp.argmax(jnp.where(t > 0, logits / jnp.maximum(t, 1e-6) + g, logits), axis=-1)
+    return jnp.take_along_axis(ids, choice[:, None], 1)[:, 0] if top_k else choice.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k"), donate_argnames=("cache",))
+def prefill(graphdef, state, cache, prompts, prompt_lens, temperature, seeds, *, top_k: int):
+    """All prompts [B, P] (right-padded) into the cache (one page per request) -> (cache, first token)."""
     model = nnx.merge(graphdef, state)
-    cfg = model.cfg
     b, p = prompts.shape
-    cache = KVCache.create(cfg.num_layers, b + 1, p + max_new_tokens, cfg.num_kv_heads, cfg.head_dim,
-                           model.embed[...].dtype)
     page_table = (1 + jnp.arange(b, dtype=jnp.int32))[:, None]
-    keys = jax.vmap(jax.random.key)(seeds.astype(jnp.uint32))
-    eos = jnp.asarray(eos_ids, jnp.int32)
-
-    def pick(h, i):
-        logits = model.logits(h)
-        if top_k:
-            logits, ids = jax.lax.top_k(logits, top_k)
-        g = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, i), logits.shape[-1:]))(keys)
-        t = temperature[:, None]
-        choice = jnp.argmax(jnp.where(t > 0, logits / jnp.maximum(t, 1e-6) + g, logits), axis=-1)
-        return jnp.take_along_axis(ids, choice[:, None], 1)[:, 0] if top_k else choice
-
     positions = jnp.broadcast_to(jnp.arange(p)[None], (b, p))
     h, cache, _ = model(prompts, positions, cache, page_table, jnp.zeros(b, jnp.int32), prompt_lens, attn_impl="ref")
-    first = pick(jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], 1)[:, 0], 0)
-    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
-    ones = jnp.ones(b, jnp.int32)
+    last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], 1)[:, 0]
+    return cache, _pick(model, last, temperature, seeds, 0, top_k)
 
-    def step(i, carry):  # token i-1 is known; compute token i
-        cache, out = carry
-        kv = prompt_lens + i - 1
-        h, cache, _ = model(jax.lax.dynamic_slice_in_dim(out, i - 1, 1, 1), kv[:, None], cache, page_table, kv, ones,
-                            attn_impl="ref")
-        return cache, out.at[:, i].set(pick(h[:, 0], i))
 
-    _, out = jax.lax.fori_loop(1, max_new_tokens, step, (cache, out))
-    is_eos = (out[..., None] == eos).any(-1)
-    counts = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1) + 1, max_new_tokens)
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k"), donate_argnames=("cache",))
+def decode(graphdef, state, cache, token, kv_lens, temperature, seeds, i, *, top_k: int):
+    """One token per request at slot kv_lens -> (cache, the next token, output position i)."""
+    model = nnx.merge(graphdef, state)
+    b = token.shape[0]
+    page_table = (1 + jnp.arange(b, dtype=jnp.int32))[:, None]
+    h, cache, _ = model(token[:, None], kv_lens[:, None], cache, page_table, kv_lens, jnp.ones(b, jnp.int32),
+                        attn_impl="ref")
+    return cache, _pick(model, h[:, 0], temperature, seeds, i, top_k)
+
+
+def generate_dense(target, prompts, prompt_lens, temperature, seeds, *, max_new_tokens: int, eos_ids, top_k=0):
+    """prompts [B, P] right-padded, prompt_lens [B] (>= 1), temperature [B] (0: greedy), seeds [B]
+    -> (new tokens [B, max_new_tokens], counts [B]: tokens up to and including the first EOS).
+
+    A host loop of donated single-step programs, as the engine runs: on the H100 the same loop as
+    one `lax.fori_loop` program ran ~180 ms a step at batch 1024 (the cache carried through the
+    loop and the layer scan), far slower than separate steps."""
+    cfg = target.cfg
+    graphdef, state = nnx.split(target)
+    b, p = prompts.shape
+    cache = KVCache.create(cfg.num_layers, b + 1, p + max_new_tokens, cfg.num_kv_heads, cfg.head_dim,
+                           target.embed[...].dtype)
+    cache, tok = prefill(graphdef, state, cache, prompts, prompt_lens, temperature, seeds, top_k=top_k)
+    out = [tok]
+    for i in range(1, max_new_tokens):  # dispatch is asynchronous: nothing waits on the device here
+        cache, tok = decode(graphdef, state, cache, tok, prompt_lens + i - 1, temperature, seeds, i, top_k=top_k)
+        out.append(tok)
+    out = np.stack([np.asarray(t) for t in out], 1)
+    is_eos = np.isin(out, np.asarray(eos_ids))
+    counts = np.where(is_eos.any(1), np.argmax(is_eos, 1) + 1, max_new_tokens)
     return out, counts
 
 
 def self_generate(target, prompts, temperatures, seed: int, max_new_tokens: int, eos_ids, batch: int,
                   top_k: int = 0, desc: str = "generate"):
     """Answer every prompt (lists of token ids) -> lists of new token ids (EOS kept, nothing after)."""
-    graphdef, state = nnx.split(target)
-    fn = jax.jit(functools.partial(generate_dense, graphdef, max_new_tokens=max_new_tokens,
-                                   eos_ids=tuple(eos_ids), top_k=top_k))
     plen = max(len(x) for x in prompts)
     plen = -(-plen // 32) * 32  # one prompt width for the whole run: one compile
     outs = []
@@ -86,8 +101,9 @@ def self_generate(target, prompts, temperatures, seed: int, max_new_tokens: int,
         temps = np.zeros(batch, np.float32)
         for i, x in enumerate(chunk):
             toks[i, :len(x)], lens[i], temps[i] = x, len(x), temperatures[s + i]
-        out, counts = fn(state, toks, lens, temps, np.arange(s, s + batch, dtype=np.uint32) + np.uint32(seed))
-        out, counts = np.asarray(out), np.asarray(counts)
+        seeds = np.arange(s, s + batch, dtype=np.uint32) + np.uint32(seed)
+        out, counts = generate_dense(target, jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(temps),
+                                     jnp.asarray(seeds), max_new_tokens=max_new_tokens, eos_ids=eos_ids, top_k=top_k)
         outs += [list(map(int, out[i, :counts[i]])) for i in range(len(chunk))]
     return outs
 
