@@ -17,6 +17,10 @@ from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.models.config import ModelConfig
 
 
+# lax.scan's unroll for the layer loop (bench/step_probe.py compares 1 with the full depth).
+LAYER_UNROLL = 1
+
+
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -129,6 +133,6 @@ class Llama(nnx.Module):
             return (x, k_pages, v_pages), (x if hidden_layers else None)
 
         (x, k_pages, v_pages), per_layer = jax.lax.scan(
-            layer, (x, cache.k, cache.v), (self.layer_weights(), jnp.arange(cfg.num_layers)))
+            layer, (x, cache.k, cache.v), (self.layer_weights(), jnp.arange(cfg.num_layers)), unroll=LAYER_UNROLL)
         hidden = per_layer[jnp.array(hidden_layers)] if hidden_layers else None
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
