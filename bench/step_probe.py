@@ -3,7 +3,7 @@
 with the layer scan rolled and unrolled, the forward and the sampling alone, and counts the copies
 of cache-sized buffers in the compiled step. Writes bench/results/step_probe-<device>.json.
 
-    python bench/step_probe.py
+    python bench/step_probe.py [--model /path/to/smollm2.gguf]
 """
 import os
 import sys
@@ -40,14 +40,34 @@ def cache_copies(compiled_text, cache_shape):
     return sum(1 for l in compiled_text.splitlines() if " copy(" in l and f"[{dims}]" in l)
 
 
+def time_self_generate(model, label):
+    """Whole batches through train_data.self_generate (prefill + 48 steps at batch 1024)."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(100, 40000, int(rng.integers(20, 30))))) for _ in range(2048)]
+    t0 = time.perf_counter()
+    train_data.self_generate(model, prompts[:1024], np.full(1024, 0.8), 0, 48, [2], 1024)  # compiles
+    t1 = time.perf_counter()
+    train_data.self_generate(model, prompts, np.full(2048, 0.8), 0, 48, [2], 1024)
+    t2 = time.perf_counter()
+    row = dict(what="self_generate", model=label, batch=1024, new_tokens=48, first_batch_s=t1 - t0,
+               batch_s=(t2 - t1) / 2, dtype=str(model.embed[...].dtype),
+               weights_on=str(list(model.embed[...].devices())[0]))
+    print(row, flush=True)
+    return row
+
+
 def main():
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="also time the real model's generation (a GGUF path or name)")
+    args = ap.parse_args()
     model = Llama(SMOL, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     g, st = nnx.split(model)
     rows = []
     real_attention, real_write = llama.attention.paged_attention, llama.write_layer
-    for unroll, b, s, skip in [(1, 64, 160, ""), (1, 256, 160, ""), (1, 1024, 160, ""), (1, 1024, 640, ""),
-                               (30, 1024, 160, ""), (30, 1024, 640, ""), (1, 1024, 640, "attention"),
-                               (1, 1024, 640, "kv_write")]:
+    for unroll, b, s, skip in [(1, 64, 160, ""), (1, 1024, 160, ""), (1, 1024, 640, ""), (30, 1024, 640, ""),
+                               (1, 1024, 640, "attention"), (1, 1024, 640, "kv_write")]:
         llama.LAYER_UNROLL = unroll
         # without attention (queries pass through) or without the K/V write: which part scales with the cache
         llama.attention.paged_attention = (lambda q, *a, **k: q) if skip == "attention" else real_attention
@@ -74,6 +94,12 @@ def main():
         del cache
     llama.LAYER_UNROLL = 1
     llama.attention.paged_attention, llama.write_layer = real_attention, real_write
+    jax.clear_caches()
+    rows.append(time_self_generate(model, "random"))
+    if args.model:
+        from jaxspec.models.loading import load
+        real, _ = load(args.model)
+        rows.append(time_self_generate(real, args.model))
     write_results("step_probe", rows)
 
 
