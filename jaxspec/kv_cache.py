@@ -2,18 +2,21 @@
 
 Layout: k, v of shape [layers, num_pages, page_size, kv_heads, head_dim]. A request owns a list of
 page ids (its row of the page table); token slot s of the request lives at
-(page_table[s // page_size], s % page_size). Page 0 is never allocated: padded tokens write there
-and unused page-table entries point there, so no write needs a branch.
+(page_table[s // page_size], s % page_size). Page 0 is never allocated: unused page-table entries
+point there, so reads need no branch. Padded tokens write nowhere: their page is DROP, which the
+scatter skips (mode="drop"). Sending them all to one trash slot instead made every padded write
+collide, and XLA serialises colliding scatters on the GPU: a decode step of batch 1024 took
+~400 ms instead of 10 (bench/results/step_probe-*.json).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 
 TRASH_PAGE = 0
+DROP_PAGE = 2**30  # out of range: scatters with mode='drop' skip the write
 
 
 @jax.tree_util.register_dataclass
@@ -37,24 +40,21 @@ class KVCache:
 
 
 def slot_coordinates(page_table, kv_lens, q_lens, num_tokens, page_size):
-    """(page, offset) for the T new tokens of each request; padding goes to the trash page."""
+    """(page, offset) for the T new tokens of each request; padding gets DROP_PAGE (not written)."""
     t = jnp.arange(num_tokens)[None, :]
     slot = kv_lens[:, None] + t
     valid = t < q_lens[:, None]
     page_idx = jnp.clip(slot // page_size, 0, page_table.shape[1] - 1)
     page = jnp.take_along_axis(page_table, page_idx, axis=1)
-    page = jnp.where(valid, page, TRASH_PAGE)
+    page = jnp.where(valid, page, DROP_PAGE)
     offset = jnp.where(valid, slot % page_size, 0)
     return page, offset
 
 
 def write_layer(pages, layer, new, page, offset):
     """pages [L, N, ps, kvh, hd]; new [B, T, kvh, hd] -> pages with the new rows written at `layer`.
-
-    JAXSPEC_UNIQUE_SCATTER=1 declares the slots unique (only trash-page padding repeats, and which
-    padding row wins there does not matter); under test on the H100 (bench/scatter_probe.py)."""
-    unique = os.environ.get("JAXSPEC_UNIQUE_SCATTER", "0") == "1"
-    return pages.at[layer, page, offset].set(new.astype(pages.dtype), unique_indices=unique)
+    Valid slots are unique (a request writes only its own new slots) and padding is dropped."""
+    return pages.at[layer, page, offset].set(new.astype(pages.dtype), mode="drop", unique_indices=True)
 
 
 def move_slots(cache: KVCache, page_table, kv_lens, src, dst_count):
@@ -74,6 +74,7 @@ def move_slots(cache: KVCache, page_table, kv_lens, src, dst_count):
 
     sp, so = coords(src)
     dp, do = coords(jnp.broadcast_to(i, src.shape))
-    k = cache.k.at[:, dp, do].set(cache.k[:, sp, so])
-    v = cache.v.at[:, dp, do].set(cache.v[:, sp, so])
+    dp = jnp.where(i < dst_count[:, None], dp, DROP_PAGE)  # no self-copies: they would collide on padding rows
+    k = cache.k.at[:, dp, do].set(cache.k[:, sp, so], mode="drop", unique_indices=True)
+    v = cache.v.at[:, dp, do].set(cache.v[:, sp, so], mode="drop", unique_indices=True)
     return KVCache(k, v)
