@@ -105,3 +105,30 @@ def test_accept_by_sampling_reproduces_target_distribution():
     # and the drafts were really used: a draft is accepted exactly when the target drew it
     acc = np.asarray(count) > 0
     assert abs(acc.mean() - (p[3] + p[1])) < 0.02
+
+
+def test_kv_writes_skip_padding_and_compaction_moves_only_accepted():
+    """Padded tokens (beyond q_len, or whole padded batch rows) write nothing, not even to the trash
+    page; valid tokens land at (page_table[slot // ps], slot % ps); move_slots touches only the
+    accepted destinations."""
+    from jaxspec.kv_cache import KVCache, move_slots, slot_coordinates, write_layer
+    L, N, ps, h, d = 2, 6, 4, 1, 2
+    pages = jnp.full((L, N, ps, h, d), -1.0)
+    page_table = jnp.array([[1, 2], [3, 4], [0, 0]], jnp.int32)  # row 2: a padded batch row
+    kv_lens, q_lens = jnp.array([3, 0, 0]), jnp.array([2, 3, 0])
+    new = jnp.arange(3 * 4 * h * d, dtype=jnp.float32).reshape(3, 4, h, d)
+    page, off = slot_coordinates(page_table, kv_lens, q_lens, 4, ps)
+    out = np.asarray(write_layer(pages, 1, new, page, off))
+    want = np.full(pages.shape, -1.0)
+    for b, (kv, q) in enumerate(zip([3, 0], [2, 3])):
+        for j in range(q):
+            s = kv + j
+            want[1, int(page_table[b, s // ps]), s % ps] = np.asarray(new[b, j])
+    np.testing.assert_array_equal(out, want)
+    cache = KVCache(jnp.asarray(out), jnp.asarray(out))
+    # row 0 accepts tree nodes [0, 1] -> slots 3, 4 take slots 3 and 4; row 1 keeps node 2 at slot 1
+    src = jnp.array([[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 0, 0]], jnp.int32)
+    moved = np.asarray(move_slots(cache, page_table, jnp.array([3, 0, 0]), src, jnp.array([2, 2, 0])).k)
+    want2 = out.copy()
+    want2[:, 3, 1] = out[:, 3, 2]
+    np.testing.assert_array_equal(moved, want2)
