@@ -214,6 +214,12 @@ class Scheduler:
         return SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
                                    [len(r.output_ids) for r in reqs], hist, num_prompt, pad_to=rows)
 
+    def _host_work_while_device_runs(self):
+        """Dispatch is asynchronous: until the step's outputs are read, the host is free."""
+        prepare = getattr(self.drafter, "prepare", None)
+        if prepare is not None:
+            prepare(self.running)
+
     def _run_prefill(self, reqs):
         budget, batch = self.prefill_chunk, []
         for r in reqs:
@@ -250,6 +256,7 @@ class Scheduler:
         nxt, lp, top_v, top_i, tree, self.cache = self.programs.extend(
             self.programs.state, self.cache, tokens, next_tokens, pt, kv_lens, q_lens,
             self._sampling(reqs, rows, flags), flags=flags, draft=draft)
+        self._host_work_while_device_runs()
         nxt, lp = np.asarray(nxt), np.asarray(lp)
         top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
         tree = None if tree is None else (np.asarray(tree[0]), np.asarray(tree[1]))
@@ -281,6 +288,7 @@ class Scheduler:
         out, count, lp, top_v, top_i, tree, self.cache = self.programs.verify_tree(
             self.programs.state, self.cache, tokens, parents, pt, kv_lens, num_nodes,
             self._sampling(reqs, rows, flags), flags=flags)
+        self._host_work_while_device_runs()
         out, count, lp = np.asarray(out), np.asarray(count), np.asarray(lp)
         top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
         tree = None if tree is None else (np.asarray(tree[0]), np.asarray(tree[1]))

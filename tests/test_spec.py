@@ -71,6 +71,35 @@ def test_ngram_greedy_equals_plain(tiny, draft, match, ps):
     assert spec_gen.scheduler.pool.in_use == 0
 
 
+def test_ngram_prompt_insertion_happens_while_the_device_runs(tiny, monkeypatch):
+    """Prompts enter the trie during the prefill step's device time (between dispatch and the
+    read of its outputs), so the first propose only matches; drafts stay lossless."""
+    from jaxspec.programs import Programs
+    gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=8).build(tiny), max_batch=8, max_seq_len=128,
+                    num_pages=300)
+    drafter, sched = gen.scheduler.drafter, gen.scheduler
+    events = []
+    real_extend = sched.programs.extend
+
+    def extend(*a, **k):
+        out = real_extend(*a, **k)
+        events.append(("dispatched", set(drafter.cursors)))
+        return out
+    monkeypatch.setattr(sched.programs, "extend", extend)
+    real_prepare = drafter.prepare
+    monkeypatch.setattr(drafter, "prepare", lambda reqs: (real_prepare(reqs), events.append(("prepared", set(drafter.cursors)))))
+    prompt = [5, 6, 7, 8] * 6
+    req = gen.submit(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    sched.step()  # prefill
+    assert events[0] == ("dispatched", set()) and events[1] == ("prepared", {req.rid})
+    assert drafter.overlapped_time > 0
+    while sched.has_work:
+        sched.step()
+    plain = Generator(tiny, None, max_batch=8, max_seq_len=128, num_pages=300).generate(
+        [prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert req.output_ids == plain.token_ids and max(req.accept_lengths) > 1
+
+
 def test_ngram_greedy_equals_plain_smollm(smollm):
     model, tok = smollm
     prompts = [[{"role": "user", "content": "Write the numbers one to twelve as words, comma separated."}],
