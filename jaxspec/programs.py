@@ -74,19 +74,19 @@ def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, 
     return nxt[:, 0], lp[:, 0], squeeze(top_v), squeeze(top_i), None, cache
 
 
-def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):
-    """One speculative step over a draft tree.
+def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
+                      hidden_layers: tuple = ()):
+    """The target over a draft tree, then accept. Shared by every tree-verifying step.
 
     tokens [B, N]: node 0 is the request's pending token (sampled last step, not yet cached),
     nodes 1.. the draft, in an order where parents come first; parents [B, N] (-1 for the root and
-    padding). Returns emitted tokens [B, N] (accepted drafts then the bonus token), their count
-    [B], logprobs [B, N], top-n, None (no next tree) and the cache with the accepted path's K/V
-    moved into place.
+    padding). Returns (emitted tokens [B, N]: accepted drafts then the bonus token, their count
+    [B], logprobs, top-n values, top-n ids, the accepted path [B, N], the target's final hidden
+    [B, N, H] and hidden_layers' states, the cache with the accepted path's K/V moved into place).
     """
-    model = nnx.merge(graphdef, state)
     mask, depth = tree_attention_mask(parents, num_nodes)
-    positions = kv_lens[:, None] + depth
-    h, cache, _ = model(tokens, positions, cache, page_table, kv_lens, num_nodes, tree_mask=mask, attn_impl=attn_impl)
+    h, cache, layers = model(tokens, kv_lens[:, None] + depth, cache, page_table, kv_lens, num_nodes, tree_mask=mask,
+                             hidden_layers=hidden_layers, attn_impl=attn_impl)
     logits = model.logits(h)  # [B, N, V]
     extra = None
     if flags.penalties:  # each node's penalty sees the draft tokens above it
@@ -99,7 +99,15 @@ def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table,
     # accepted drafts, then the bonus) are simply the target's tokens at the path's nodes.
     count = num_accepted + 1
     out = jnp.where(jnp.arange(tokens.shape[1])[None] < count[:, None], jnp.take_along_axis(target, path, axis=1), 0)
-    lp_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)
-    lp, top_v, top_i = sampling.logprobs_of(lp_logits, out, flags.top_logprobs)
+    lp, top_v, top_i = sampling.logprobs_of(jnp.take_along_axis(logits, path[:, :, None], axis=1), out,
+                                            flags.top_logprobs)
     cache = move_slots(cache, page_table, kv_lens, path, count)
+    return out, count, lp, top_v, top_i, path, h, layers, cache
+
+
+def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):
+    """One speculative step over a draft tree (verify_and_accept); no next tree: the host drafts."""
+    model = nnx.merge(graphdef, state)
+    out, count, lp, top_v, top_i, _, _, _, cache = verify_and_accept(
+        model, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl)
     return out, count, lp, top_v, top_i, None, cache

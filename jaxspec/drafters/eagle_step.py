@@ -23,10 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import attention, sampling
-from jaxspec.kv_cache import KVCache, move_slots, slot_coordinates, write_layer
-from jaxspec.pallas.accept import accept_tree
+from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.pallas.attention_ref import NEG_INF
-from jaxspec.pallas.tree_mask import tree_attention_mask
+from jaxspec.programs import verify_and_accept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,23 +173,9 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
     values, top-n ids, (next tree tokens, parents), (target cache, draft cache))."""
     target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
     tcache, dcache = cache
-    mask, depth = tree_attention_mask(parents, num_nodes)
-    h, tcache, layers = target(tokens, kv_lens[:, None] + depth, tcache, page_table, kv_lens, num_nodes,
-                               tree_mask=mask, hidden_layers=head.cfg.feature_layers, attn_impl=attn_impl)
-    logits = target.logits(h)
-    extra = None
-    if flags.penalties:
-        n = tokens.shape[1]
-        anc = mask & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n)[None, None] > 0)
-        extra = jnp.where(anc, tokens[:, None, :], -1)
-    target_tok = sampling.sample(logits, sb, flags, extra, depth)
-    path, num_accepted = accept_tree(tokens, parents, target_tok, num_nodes)
-    count = num_accepted + 1
-    idx = jnp.arange(tokens.shape[1])[None]
-    out = jnp.where(idx < count[:, None], jnp.take_along_axis(target_tok, path, axis=1), 0)
-    lp, top_v, top_i = sampling.logprobs_of(jnp.take_along_axis(logits, path[:, :, None], axis=1), out,
-                                            flags.top_logprobs)
-    tcache = move_slots(tcache, page_table, kv_lens, path, count)
+    out, count, lp, top_v, top_i, path, h, layers, tcache = verify_and_accept(
+        target, tcache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
+        hidden_layers=head.cfg.feature_layers)
     feats = jnp.take_along_axis(head.features(h, layers), path[:, :, None], axis=1)
     d_out, dcache = catch_up(head, target, dcache, feats, out, page_table, kv_lens, count, attn_impl)
     rows = jnp.arange(tokens.shape[0])
