@@ -1,10 +1,9 @@
 """Training data for draft heads: the target writes its own prompts and answers them.
 
 Generation here is a plain batched sampler: one dense cache page per request, fixed shapes so
-it compiles once per run. It skips
-the serving engine on purpose: data generation is a throughput job (thousands of sequences of the
-same length budget), where the engine's per-step host round trip and continuous batching only cost
-(the engine answered 12.7 requests/s on the H100; bench/results/train-attempts/).
+it compiles once per run. It skips the serving engine on purpose: data generation is a
+throughput job (thousands of sequences of the same length budget), where continuous batching,
+paging and the per-step host bookkeeping buy nothing.
 """
 from __future__ import annotations
 
@@ -69,9 +68,8 @@ def generate_dense(target, prompts, prompt_lens, temperature, seeds, *, max_new_
     """prompts [B, P] right-padded, prompt_lens [B] (>= 1), temperature [B] (0: greedy), seeds [B]
     -> (new tokens [B, max_new_tokens], counts [B]: tokens up to and including the first EOS).
 
-    A host loop of donated single-step programs, as the engine runs: on the H100 the same loop as
-    one `lax.fori_loop` program ran ~180 ms a step at batch 1024 (the cache carried through the
-    loop and the layer scan), far slower than separate steps."""
+    A host loop of donated single-step programs, as the engine runs; dispatch is asynchronous, so
+    the host does not wait between steps."""
     cfg = target.cfg
     graphdef, state = nnx.split(target)
     b, p = prompts.shape
@@ -116,8 +114,7 @@ def eos_of(target, tokenizer):
 
 
 def invent_prompts(target, tokenizer, n: int, seed: int, batch: int, max_tokens: int = 48) -> list[str]:
-    """User prompts written by the target: sampled (T=0.8) after the chat template's user header.
-    (No top-k: lax.top_k over the 49k vocabulary made each H100 step of batch 1024 take ~180 ms.)"""
+    """User prompts written by the target: sampled (T=0.8) after the chat template's user header."""
     marker = "\x00"
     templ = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
                                           add_generation_prompt=False)
