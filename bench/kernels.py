@@ -24,6 +24,9 @@ from jaxspec.pallas.paged_attention import paged_attention
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
 HQ, HKV, D, PS = 32, 8, 128, 16
+# --smoke: tiny shapes through the interpreter, to check this script on a CPU before a GPU call
+SMOKE = "--smoke" in sys.argv
+CTX, BIG_BATCH = (64, 2) if SMOKE else (2048, 64)
 
 
 def setup(b, t, ctx, seed=0):
@@ -70,7 +73,8 @@ def main():
                          bandwidth_fraction=kv_bytes / t_ref / bw, rel_err=0.0))
         best = None
         for name, kw in variants:
-            f = jax.jit(lambda q, k, v, kw=kw: paged_attention(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
+            f = jax.jit(lambda q, k, v, kw=kw: paged_attention(q, k, v, 0, pt, kv_lens, q_lens, mask, interpret=SMOKE,
+                                                               **kw))
             try:
                 out = f(q, k, v)
                 tt = time_fn(f, q, k, v)
@@ -79,15 +83,26 @@ def main():
                 continue
             rows.append(dict(kernel=kernel, impl=f"pallas[{name}]", batch=b, q_tokens=t, context=ctx,
                              time_us=tt * 1e6, bandwidth_fraction=kv_bytes / tt / bw, rel_err=rel_err(out, ref)))
-            best = tt if best is None else min(best, tt)
+            if rows[-1]["rel_err"] < 2e-2:  # a wrong variant is no candidate
+                best = tt if best is None else min(best, tt)
         print_table(rows[-len(variants) - 1:], ["kernel", "impl", "batch", "q_tokens", "time_us", "bandwidth_fraction", "rel_err"])
         return best
 
-    variants = [("w4", dict(num_warps=4)), ("w2", dict(num_warps=2)), ("w4s3", dict(num_warps=4, num_stages=3)),
-                ("w4s1", dict(num_warps=4, num_stages=1))]
+    # (name, kwargs): "auto" is what the engine runs (choose_blocking); ppb = pages per tile,
+    # sN = split-K into N key ranges, wN = warps, stN = pipeline stages
+    variants = [("auto", {}), ("ppb1 s1", dict(pages_per_block=1, splits=1)),
+                ("ppb4", dict(pages_per_block=4)), ("ppb8 w8", dict(pages_per_block=8, num_warps=8)),
+                ("ppb8 w2", dict(pages_per_block=8, num_warps=2)), ("ppb8 st3", dict(pages_per_block=8, num_stages=3)),
+                ("ppb4 s2", dict(pages_per_block=4, splits=2)), ("ppb8 s1", dict(pages_per_block=8, splits=1))]
+    b1_variants = [("auto", {}), ("ppb1 s1", dict(pages_per_block=1, splits=1)),
+                   ("ppb8 s8", dict(pages_per_block=8, splits=8)), ("ppb8 s16", dict(pages_per_block=8, splits=16)),
+                   ("ppb4 s32", dict(pages_per_block=4, splits=32)), ("ppb8 s16 w8", dict(pages_per_block=8, splits=16,
+                                                                                        num_warps=8))]
     dec = {}
-    for b in (1, 64):
-        dec[b] = attn_row("decode", b, 1, 2048, False, variants)
+    for b in (1, BIG_BATCH):
+        dec[b] = attn_row("decode", b, 1, CTX, False, b1_variants if b == 1 else variants)
+        if SMOKE:
+            continue
         # the deprecated upstream kernel at the same shapes
         try:
             from jax.experimental.pallas.ops.gpu import paged_attention as upstream
@@ -104,11 +119,11 @@ def main():
             print_table(rows[-1:], ["kernel", "impl", "batch", "time_us", "bandwidth_fraction", "rel_err"])
         except Exception as e:
             print(f"upstream paged_attention: {type(e).__name__}: {str(e)[:300]}")
-    for t in (16, 64):
-        tv = attn_row("verify", 64, t, 2048, True, variants)
-        if tv and dec[64]:
-            rows[-1]["over_decode"] = tv / dec[64]
-    attn_row("extend", 4, 512, 1024, False, [("w4", dict(num_warps=4)), ("w8", dict(num_warps=8))])
+    for t in (16, 32, 64):
+        tv = attn_row("verify", BIG_BATCH, t, CTX, True, variants)
+        if tv and dec[BIG_BATCH]:
+            rows[-1]["over_decode"] = tv / dec[BIG_BATCH]  # best verify variant over best decode variant
+    attn_row("extend", 4, 64 if SMOKE else 512, CTX // 2, False, [("auto", {}), ("ppb8 w8", dict(pages_per_block=8, num_warps=8))])
 
     par = jnp.tile(random_tree(1, 64), (64, 1))
     nn = jnp.full((64,), 64, jnp.int32)
@@ -120,6 +135,8 @@ def main():
     rows.append(dict(kernel="accept", impl="xla", batch=64, q_tokens=64, time_us=time_fn(f, toks, par, tgt, nn) * 1e6))
     print()
     print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction", "rel_err", "over_decode"])
+    if SMOKE:
+        return
     print(write_results("kernels", rows, {"copy_bandwidth_GBps": bw / 1e9}))
 
 

@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--draft-model", default=None, help="EAGLE head directory (default: the shipped one)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bf16 on GPU")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--spec-max-verify-tokens", type=int, default=None,
+                    help="scheduler's tree budget per step over the batch (default: the scheduler's)")
     args = ap.parse_args()
     import jax.numpy as jnp
     model, tok = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
@@ -62,7 +64,8 @@ def main():
             spec = SpecConfig(name.upper(), draft_model_path=args.draft_model, num_steps=nums[0], eagle_topk=nums[1],
                               num_draft_tokens=nums[2])
         drafter = spec.build(model, args.model) if spec else None
-        gens[(name, a)] = Generator(model, tok, drafter=drafter, max_batch=64, max_seq_len=1024, page_size=16)
+        kw = {} if args.spec_max_verify_tokens is None else dict(spec_max_verify_tokens=args.spec_max_verify_tokens)
+        gens[(name, a)] = Generator(model, tok, drafter=drafter, max_batch=64, max_seq_len=1024, page_size=16, **kw)
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":

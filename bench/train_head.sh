@@ -6,8 +6,8 @@
 # the process that had generated the data; bench/results/train-attempts/).
 set -euo pipefail
 stage=$1 gguf=$2 run=$3
-common=(--model "$gguf" --kind eagle3 --run "$run" --num-prompts 20480 --gen-batch 1024 --max-new-tokens 256
-        --seq-len 384 --draft-vocab 4096 --steps 5000 --batch 32 --ttt 4 --lr 1e-3 --save-every 1000
+common=(--model "$gguf" --kind eagle3 --run "$run" --num-prompts 49152 --gen-batch 1024 --max-new-tokens 256
+        --seq-len 384 --draft-vocab 8192 --steps 8000 --batch 32 --ttt 6 --lr 1e-3 --save-every 1000
         --log-every 50)
 case $stage in
   data) python -m jaxspec.train "${common[@]}" --data-only ;;

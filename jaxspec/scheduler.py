@@ -21,7 +21,7 @@ from jaxspec.programs import BATCH_BUCKETS, TOKEN_BUCKETS, TREE_BUCKETS, Program
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: requests are looked up in lists every step
 class Request:
     rid: int
     prompt_ids: list

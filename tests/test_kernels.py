@@ -26,8 +26,22 @@ CASES = [  # (B, T, Hq, Hkv, D, ps, tree, dtype)
 ]
 
 
+BLOCKINGS = [  # (case, pages_per_block, splits): several pages a tile, split-K with empty and partial splits
+    (0, 1, 1), (1, 2, 3), (3, 1, 6), (3, 4, 2), (4, 1, 4), (2, 1, 4),
+]
+
+
 @pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,dtype", CASES)
 def test_paged_attention_kernel_matches_reference(b, t, hq, hkv, d, ps, tree, dtype):
+    check_kernel(b, t, hq, hkv, d, ps, tree, dtype)
+
+
+@pytest.mark.parametrize("case,pages_per_block,splits", BLOCKINGS)
+def test_paged_attention_split_k_and_page_blocks_match_reference(case, pages_per_block, splits):
+    check_kernel(*CASES[case], pages_per_block=pages_per_block, splits=splits)
+
+
+def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, **blocking):
     rng = np.random.default_rng(b * 100 + t)
     n_pages, width, layers = 48, 6, 2
     k = jnp.asarray(rng.standard_normal((layers, n_pages, ps, hkv, d)), dtype)
@@ -44,7 +58,7 @@ def test_paged_attention_kernel_matches_reference(b, t, hq, hkv, d, ps, tree, dt
         mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
     # interpret mode starts every output buffer as NaN, so an element the kernel never wrote fails
     # the isfinite check below (padding rows included)
-    out = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=True)
+    out = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=True, **blocking)
     ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
                               kv_lens, q_lens, mask)
     valid = (np.arange(t)[None] < q_lens[:, None])[:, :, None, None]

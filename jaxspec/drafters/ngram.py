@@ -6,7 +6,8 @@ window) found in the trie picks a node, and its subtree is read out as a draft t
 by level keeping the most frequent children (BFS) or best-first by path frequency (PROB), until the
 draft-token budget is spent. Siblings are distinct tokens by construction, as accept needs.
 
-All of this is host work; it runs between device steps and its cost is measured per step.
+All of this is host work. Insertion overlaps the device step (`NgramDrafter.prepare`); the match
+and the draft read-out run between steps, and both costs are measured per step.
 """
 from __future__ import annotations
 
@@ -82,16 +83,6 @@ class NgramCache:
         node, _ = self.match(tokens, min_window, max_window)
         return self.draft_below(node, budget, match_type=match_type, breadth=breadth, branch_length=branch_length)
 
-    @staticmethod
-    def match_cursors(cursors, min_window=1, max_window=12):
-        """The same node as `match`, read off a request's open insertion paths: the cursor of depth
-        d sits at the trie node of the request's last d tokens, so no walk from the root is needed."""
-        best = None
-        for node, d in cursors:
-            if min_window <= d <= max_window and node.children and (best is None or d > best[1]):
-                best = (node, d)
-        return best or (None, 0)
-
     def draft_below(self, node, budget, *, match_type="BFS", breadth=8, branch_length=18):
         out_tok, out_par = [], []
         if node is None or budget <= 0:
@@ -129,10 +120,12 @@ class NgramCache:
 class NgramDrafter:
     """Host-side drafter for the scheduler: prepare / propose / observe / finish.
 
-    `prepare` inserts new requests' prompts into the trie; the scheduler calls it after dispatching
-    a device step and before waiting for it, so that bulk work overlaps the device. What stays on
-    the critical path (`host_time`) is per step: the cursor advance over the accepted tokens and
-    the match + draft, which need step t's output before step t+1 can start."""
+    The scheduler calls `prepare` after dispatching a device step and before waiting for it, so
+    the bulk of the trie work overlaps the device: inserting new requests' sequences and folding
+    each request's newly emitted tokens into the trie (its open paths advance there). What stays
+    on the critical path (`host_time`) is per step: the match of each request's latest tokens
+    (a walk from the root of at most max_match_window levels per window size) and the read-out of
+    the draft. Counts therefore lag the newest tokens by one step; the match itself does not."""
 
     def __init__(self, num_draft_tokens=8, min_match_window=1, max_match_window=12, max_bfs_breadth=8,
                  branch_length=18, match_type="BFS", capacity=1_000_000):
@@ -144,39 +137,42 @@ class NgramDrafter:
         self.opts = dict(min_window=min_match_window, max_window=max_match_window, match_type=match_type,
                          breadth=max_bfs_breadth, branch_length=branch_length)
         self.cache = NgramCache(max_trie_depth=max(branch_length, max_match_window) + 1, capacity=capacity)
-        self.cursors: dict[int, list] = {}
+        self.cursors: dict[int, list] = {}  # a request's open insertion paths
+        self.pending: dict[int, list] = {}  # tokens emitted since its paths last advanced
         self.host_time = 0.0  # between device steps
         self.overlapped_time = 0.0  # while a device step runs
 
     def prepare(self, reqs):
         t0 = time.perf_counter()
         for r in reqs:
-            if r.rid not in self.cursors:
+            cur = self.cursors.get(r.rid)
+            if cur is None:
                 self.cursors[r.rid] = self.cache.insert(r.prompt_ids + r.output_ids)
+            else:
+                for t in self.pending.get(r.rid, ()):
+                    cur = self.cache.advance(cur, t)
+                self.cursors[r.rid] = cur
+            self.pending.pop(r.rid, None)
+        if self.cache.evict_if_full():  # the survivors' sequences go back in at the next prepare
+            self.cursors.clear()
+            self.pending.clear()
         self.overlapped_time += time.perf_counter() - t0
 
     def propose(self, req, max_nodes=None):
         t0 = time.perf_counter()
-        if req.rid not in self.cursors:  # not prepared (or evicted since)
-            self.cursors[req.rid] = self.cache.insert(req.prompt_ids + req.output_ids)
         o = self.opts
-        node, _ = self.cache.match_cursors(self.cursors[req.rid], o["min_window"], o["max_window"])
+        n = len(req.prompt_ids) + len(req.output_ids)
+        node, _ = self.cache.match(req.token_slice(max(0, n - o["max_window"]), n), o["min_window"], o["max_window"])
         out = self.cache.draft_below(node, (max_nodes or self.num_nodes) - 1, match_type=o["match_type"],
                                      breadth=o["breadth"], branch_length=o["branch_length"])
         self.host_time += time.perf_counter() - t0
         return out
 
     def observe(self, req, new_tokens):
-        t0 = time.perf_counter()
-        cur = self.cursors.get(req.rid)
-        if cur is not None:
-            for t in new_tokens:
-                cur = self.cache.advance(cur, int(t))
-            self.cursors[req.rid] = cur
-            if self.cache.evict_if_full():
-                self.cursors.clear()
-        self.host_time += time.perf_counter() - t0
+        if req.rid in self.cursors:  # otherwise prepare inserts its whole sequence
+            self.pending.setdefault(req.rid, []).extend(int(t) for t in new_tokens)
 
     def finish(self, req):
+        self.pending.pop(req.rid, None)
         if self.cursors.pop(req.rid, None) is not None:
             self.cache.recent.append(req.prompt_ids + req.output_ids)

@@ -1,11 +1,14 @@
 """Paged attention kernel: extend/prefill, decode and tree verify in one Pallas kernel.
 
-Grid (request, kv head, query block). A program holds the query rows of one KV head's whole GQA
-group, (token, group-member) flattened into rows, so each K/V page is read once per group. It
-walks the request's pages in the page table with an online softmax. The new tokens' visibility
-among themselves is either causal (computed) or a draft tree, passed bit-packed: bit j of
-tree_bits[b, t, j // 32] says query t may read new token j, so a [T, T] mask never leaves the
-tree-mask program as bools.
+Grid (request, kv head, query block, kv split). A program holds the query rows of one KV head's
+whole GQA group, (token, group-member) flattened into rows, so each K/V page is read once per
+group. It walks its split's share of the request's pages `pages_per_block` at a time (one
+gathered [pages_per_block * page_size, D] tile: several page loads in flight per iteration) with
+an online softmax. With more than one split (split-K, for small batches and long contexts) each
+split writes its unnormalised partial output and log-sum-exp terms, and `combine_splits` merges
+them. The new tokens' visibility among themselves is either causal (computed) or a draft tree,
+passed bit-packed: bit j of tree_bits[b, t, j // 32] says query t may read new token j, so a
+[T, T] mask never leaves the tree-mask program as bools.
 
 `paged_attention_ref` in attention_ref.py is the reference; tests run this with interpret=True.
 """
@@ -19,6 +22,8 @@ from jax.experimental import pallas as pl
 
 from jaxspec.pallas.attention_ref import NEG_INF
 
+SMS = 132  # H100 SXM multiprocessors: split-K aims to give each of them work
+
 
 def pack_tree_mask(tree_mask):
     """[B, T, T] bool -> [B, T, 2] int32 bit words (T <= 64)."""
@@ -29,14 +34,17 @@ def pack_tree_mask(tree_mask):
     return jax.lax.bitcast_convert_type(words, jnp.int32)
 
 
-def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *,
-            group, page_size, block_rows, scale, causal, softcap):
-    b, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
+            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap):
+    b, h, qb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
     rows = qb * block_rows + jnp.arange(block_rows)
     t = rows // group  # query token of each row
-    q = q_ref[...].astype(jnp.float32) * scale
+    # operands stay in the cache's dtype (bf16 tensor-core dots, f32 accumulation); float32 asks
+    # for IEEE dots, not Triton's TF32 default, so float32 runs match the reference exactly
+    precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
+    q = (q_ref[...].astype(jnp.float32) * scale).astype(k_ref.dtype)
     if not causal:
         w0 = bits_ref[b, :, 0]
         w1 = bits_ref[b, :, 1]
@@ -46,17 +54,24 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         onehot = (tt[:, None] == jnp.arange(num_t)[None, :])
         rw0 = jnp.sum(jnp.where(onehot, w0[None, :], 0), axis=1)
         rw1 = jnp.sum(jnp.where(onehot, w1[None, :], 0), axis=1)
-    num_pages = (kv_len + q_len + page_size - 1) // page_size
+    block = pages_per_block * page_size
+    first = split * pages_per_split
+    last = jnp.minimum(first + pages_per_split, (kv_len + q_len + page_size - 1) // page_size)
+    num_blocks = (jnp.maximum(last - first, 0) + pages_per_block - 1) // pages_per_block
 
-    def body(p, carry):
+    def body(i, carry):
         m, l, acc = carry
-        page = pt_ref[b, p]
-        k = k_ref[layer, page, :, h, :].astype(jnp.float32)
-        v = v_ref[layer, page, :, h, :].astype(jnp.float32)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        p0 = first + i * pages_per_block
+        # pages past the sequence's end (table padding: page 0) are read but masked below; a split
+        # is a whole number of blocks, so no block reaches into the next split's pages
+        pages = pt_ref[b, pl.ds(p0, pages_per_block)]
+        k = k_ref[layer, pages, :, h, :].reshape(block, -1)
+        v = v_ref[layer, pages, :, h, :].reshape(block, -1)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                precision=precision)
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
-        rel = p * page_size + jnp.arange(page_size)[None, :] - kv_len
+        rel = p0 * page_size + jnp.arange(block)[None, :] - kv_len
         if causal:
             among = rel <= t[:, None]
         else:
@@ -68,20 +83,48 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         corr = jnp.exp(m - m_new)
         pr = jnp.exp(s - m_new[:, None])
         l = l * corr + pr.sum(axis=1)
-        acc = acc * corr[:, None] + jax.lax.dot_general(pr, v, (((1,), (0,)), ((), ())),
-                                                        preferred_element_type=jnp.float32)
+        acc = acc * corr[:, None] + jax.lax.dot_general(pr.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                                        preferred_element_type=jnp.float32, precision=precision)
         return m_new, l, acc
 
     d = q.shape[1]
     init = (jnp.full((block_rows,), NEG_INF, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
             jnp.zeros((block_rows, d), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_pages, body, init)
-    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    if lse_refs:  # split-K: the partial result, merged by combine_splits
+        m_ref, l_ref = lse_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages"))
+def combine_splits(acc, m, l):
+    """acc [..., S, R, D], m/l [..., S, R] partials of S key ranges -> [..., R, D] softmax output."""
+    m_all = m.max(axis=-2, keepdims=True)
+    w = jnp.exp(m - m_all)  # an empty split has m = NEG_INF, l = 0: weight 0 unless all are empty
+    l_all = (l * w).sum(axis=-2)
+    return (acc * w[..., None]).sum(axis=-3) / jnp.maximum(l_all, 1e-30)[..., None]
+
+
+def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
+    """(pages_per_block, splits): ~64-128 keys a tile; split-K only while the grid is short of
+    two programs per multiprocessor, and never into splits of less than one tile."""
+    ppb = max(1, min(128 // page_size, table_pages))
+    ppb = 1 << (ppb.bit_length() - 1)
+    programs = batch * kv_heads * q_blocks
+    splits = 1
+    while programs * splits < 2 * SMS and (splits * 2) * ppb <= table_pages:
+        splits *= 2
+    return ppb, splits
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
+                                             "pages_per_block", "splits"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
-                    interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2):
+                    interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
+                    pages_per_block=None, splits=None):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D]."""
     b, t, hq, d = q.shape
     _, _, ps, hkv, _ = k_pages.shape
@@ -90,25 +133,42 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     if block_rows is None:
         block_rows = max(16, min(64, 1 << (rows - 1).bit_length()))
     padded = -(-rows // block_rows) * block_rows
+    q_blocks = padded // block_rows
+    auto_ppb, auto_splits = choose_blocking(b, hkv, q_blocks, page_table.shape[1], ps)
+    ppb = pages_per_block or auto_ppb
+    splits = splits or auto_splits
+    pages_per_split = -(-page_table.shape[1] // (splits * ppb)) * ppb
+    page_table = jnp.pad(page_table, ((0, 0), (0, splits * pages_per_split - page_table.shape[1])))
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     causal = tree_mask is None
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, scale=d ** -0.5,
-                               causal=causal, softcap=softcap)
+    kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
+                               pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    qspec = pl.BlockSpec((None, None, block_rows, d), lambda i, j, k: (i, j, k, 0))
+    qspec = pl.BlockSpec((None, None, block_rows, d), lambda i, j, k, s: (i, j, k, 0))
+    if splits == 1:
+        out_specs, out_shape = qspec, jax.ShapeDtypeStruct(qr.shape, q.dtype)
+    else:
+        part = (b, hkv, splits, padded)
+        out_specs = (pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, k, s: (i, j, s, k, 0)),
+                     pl.BlockSpec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)),
+                     pl.BlockSpec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)))
+        out_shape = (jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(b, hkv, padded // block_rows),
+        grid=(b, hkv, q_blocks, splits),
         in_specs=[full(layer), full(page_table), full(kv_lens), full(q_lens), full(bits), qspec,
                   full(k_pages), full(v_pages)],
-        out_specs=qspec,
-        out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=None if interpret else _triton_params(num_warps, num_stages),
     )(layer, page_table, kv_lens, q_lens, bits, qr, k_pages, v_pages)
+    if splits > 1:
+        out = combine_splits(*out).astype(q.dtype)
     out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, hq, d)
 

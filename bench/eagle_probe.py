@@ -1,0 +1,107 @@
+"""Where an EAGLE step's time goes at small batch: the fused step (verify + accept + catch-up +
+next draft) against plain decode and against tree verify alone (the same tree through the
+target, no head), timed on the engine's own compiled programs with the inputs of a real step.
+
+    python bench/eagle_probe.py --model /path/to/smollm2.gguf [--batches 1,8,64]
+        [--trees 4:4:8,5:4:16,6:8:32,8:8:64]
+
+ms_pipelined: steps issued back to back, one sync at the end (device time per step);
+ms_synced: a sync after every step (what the engine's loop pays, host dispatch included).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+
+from common import mt_bench_prompts, print_table, write_results
+from jaxspec import SamplingParams, SpecConfig
+from jaxspec.generator import Generator
+from jaxspec.models.loading import load
+from jaxspec.programs import Programs
+
+
+def capture(gen, name, prompts, max_tokens=48):
+    """Run the prompts; keep the arguments of the program's last call (a steady-state step)."""
+    progs = gen.scheduler.programs
+    orig, rec = getattr(progs, name), {}
+
+    def wrapped(state, cache, *a, **kw):
+        rec["a"], rec["kw"] = a, kw
+        return orig(state, cache, *a, **kw)
+    setattr(progs, name, wrapped)
+    gen.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    setattr(progs, name, orig)
+    return orig, rec["a"], rec["kw"]
+
+
+def time_program(fn, state, cache, a, kw, n=50):
+    out = fn(state, cache, *a, **kw)
+    cache = out[-1]
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = fn(state, cache, *a, **kw)
+        cache = out[-1]
+    jax.block_until_ready(out)
+    pipelined = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = fn(state, cache, *a, **kw)
+        cache = out[-1]
+        jax.block_until_ready(out[1])
+    synced = (time.perf_counter() - t0) / n
+    return 1e3 * pipelined, 1e3 * synced, cache
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--trees", default="4:4:8,5:4:16,6:8:32,8:8:64")
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    model, tok = load(args.model)
+    chats = [[{"role": "user", "content": q}] for q in mt_bench_prompts()]
+    plain = Generator(model, tok, max_batch=64, max_seq_len=1024)
+    bare = Programs(model)  # tree verify without a head: the target's share of an EAGLE step
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        prompts = chats[:b]
+        fn, a, kw = capture(plain, "extend", prompts)
+        pipe, sync, plain.scheduler.cache = time_program(fn, plain.scheduler.programs.state, plain.scheduler.cache,
+                                                         a, kw, args.iters)
+        rows.append(dict(batch=b, step="plain decode", nodes=1, ms_pipelined=pipe, ms_synced=sync))
+        print_table(rows[-1:], ["batch", "step", "nodes", "ms_pipelined", "ms_synced"])
+        for tree in args.trees.split(","):
+            steps, topk, n = map(int, tree.split(":"))
+            spec = SpecConfig("EAGLE3", draft_model_path=args.draft_model, num_steps=steps, eagle_topk=topk,
+                              num_draft_tokens=n)
+            # no shrinking of the tree at large batch here: the probe prices the full tree
+            gen = Generator(model, tok, drafter=spec.build(model, args.model), max_batch=64, max_seq_len=1024,
+                            spec_max_verify_tokens=1 << 16)
+            fn, a, kw = capture(gen, "verify_tree", prompts)
+            pipe, sync, gen.scheduler.cache = time_program(fn, gen.scheduler.programs.state, gen.scheduler.cache,
+                                                           a, kw, args.iters)
+            rows.append(dict(batch=b, step=f"eagle3 {tree}", nodes=n, ms_pipelined=pipe, ms_synced=sync))
+            # the same tree through the target alone, on a cache of the target's shape
+            pipe_v, sync_v, tcache = time_program(bare.verify_tree, bare.state, gen.scheduler.cache[0], a, kw,
+                                                         args.iters)
+            rows.append(dict(batch=b, step=f"verify only {n}", nodes=n, ms_pipelined=pipe_v, ms_synced=sync_v))
+            rows[-2]["draft_share"] = 1 - pipe_v / pipe
+            print_table(rows[-2:], ["batch", "step", "nodes", "ms_pipelined", "ms_synced", "draft_share"])
+            del gen, tcache
+    print()
+    print_table(rows, ["batch", "step", "nodes", "ms_pipelined", "ms_synced", "draft_share"])
+    print(write_results("eagle_probe", rows))
+
+
+if __name__ == "__main__":
+    main()
