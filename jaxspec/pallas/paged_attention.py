@@ -109,9 +109,10 @@ def combine_splits(acc, m, l):
 
 
 def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
-    """(pages_per_block, splits): ~64-128 keys a tile; split-K only while the grid is short of
-    two programs per multiprocessor, and never into splits of less than one tile."""
-    ppb = max(1, min(128 // page_size, table_pages))
+    """(pages_per_block, splits): 64-key tiles (best of 16/64/128 on the H100 at batch 64 x 2k,
+    bench/results/kernels-*.json); split-K only while the grid is short of two programs per
+    multiprocessor, and never into splits of less than one tile."""
+    ppb = max(1, min(64 // page_size, table_pages))
     ppb = 1 << (ppb.bit_length() - 1)
     programs = batch * kv_heads * q_blocks
     splits = 1
