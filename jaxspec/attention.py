@@ -13,15 +13,21 @@ def kernel_supports(q, k_pages, tree_mask) -> bool:
     return ps >= 16 and pow2(ps) and d in (64, 128) and (tree_mask is None or q.shape[1] <= 64)
 
 
+def kernel_wins(q) -> bool:
+    """Where the H100 measurements put the kernel ahead: batch >= 8. At batch 1 the split-K kernel
+    is level with XLA at 8B heads (bench/results/kernels-*.json) but SmolLM2's launch-bound steps
+    got slower with it (plain 308 vs 404 tok/s, spec-v3-mtbench vs spec-newhead): its extra
+    combine kernels per layer cost more than the attention saves there."""
+    return q.shape[0] >= 8
+
+
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers); layer: traced index.
 
-    impl: 'auto' (the kernel on GPU where it applies), 'pallas' (kernel; interpreted off-GPU), 'ref'.
+    impl: 'auto' (the kernel on GPU where it wins), 'pallas' (kernel; interpreted off-GPU), 'ref'.
     """
     on_gpu = jax.default_backend() == "gpu"
-    # on the H100 the kernel (split-K, 64-key tiles) is at least level with XLA's gather + dense
-    # attention at batch 1 and 2-3x faster at batch 64 and for extend (bench/results/kernels-*.json)
-    use = impl == "pallas" or (impl == "auto" and on_gpu)
+    use = impl == "pallas" or (impl == "auto" and on_gpu and kernel_wins(q))
     if use and kernel_supports(q, k_pages, tree_mask):
         from jaxspec.pallas.paged_attention import paged_attention as kernel
         return kernel(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, interpret=not on_gpu)

@@ -43,6 +43,7 @@ class Request:
     accept_lengths: list = dataclasses.field(default_factory=list)
     aborted: bool = False
     draft: tuple | None = None  # (tokens, parents) drafted on device for the next step (EAGLE)
+    head_len: int | None = None  # EAGLE: the head's cache stops here (decoded plainly since)
 
     @property
     def tokens(self):
@@ -88,10 +89,14 @@ class Scheduler:
         if self.device_drafter:
             self.cache = (self.cache, drafter.create_cache(num_pages, page_size, dtype))
         self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter)
+        # a device drafter's large-batch fallback: the target alone, no head catch-up
+        self.plain_programs = Programs(model, attn_impl=attn_impl, jit=jit) if self.device_drafter else None
         self.drafter = drafter
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.
         # The tree shrinks to fit spec_max_verify_tokens per step, and below spec_min_nodes the step
-        # falls back to plain decoding (the drafter still sees every token).
+        # falls back to plain decoding. A host drafter still sees every token; an EAGLE head is
+        # left behind (its catch-up made the fallback 5-11% slower than plain on the H100,
+        # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -140,10 +145,12 @@ class Scheduler:
         if decode:
             nodes = self.tree_size(len(decode))
             decode = self._reserve(decode, nodes)
-            if decode and nodes > 1:
-                self._run_verify(decode, nodes)
-            elif decode:
-                self._run_decode(decode)
+            spec = [r for r in decode if r.head_len is None] if nodes > 1 else []
+            if spec:
+                self._run_verify(spec, nodes)
+            plain = [r for r in decode if r.head_len is not None or nodes == 1]
+            if plain:
+                self._run_decode(plain)
         self.stats["steps"] += 1
 
     def tree_size(self, batch: int) -> int:
@@ -192,9 +199,14 @@ class Scheduler:
             out.append(req)
         return out
 
+    def _cached_tokens(self, req):
+        """The tokens whose pages may serve later requests as a prefix: with an EAGLE head, only
+        those the head's cache holds too."""
+        return req.tokens[:req.kv_len if req.head_len is None else min(req.kv_len, req.head_len)]
+
     def _preempt(self, req):
-        self.pool.release(req.pages, req.tokens[:req.kv_len])
-        req.pages, req.kv_len, req.draft = [], 0, None
+        self.pool.release(req.pages, self._cached_tokens(req))
+        req.pages, req.kv_len, req.draft, req.head_len = [], 0, None, None  # recomputed with the head
         self.running.remove(req)
         self.waiting.insert(0, req)
         self.stats["preemptions"] += 1
@@ -232,10 +244,14 @@ class Scheduler:
         self._run_extend(batch, "prefill_time")
 
     def _run_decode(self, reqs):
-        # with a device drafter this is the large-batch fallback: keep the head caught up, skip drafting
-        self._run_extend([(r, 1) for r in reqs], "decode_time", draft_next=False)
+        if self.device_drafter:  # the large-batch fallback: the target alone
+            for r in reqs:
+                r.draft = None
+                if r.head_len is None:
+                    r.head_len = r.kv_len
+        self._run_extend([(r, 1) for r in reqs], "decode_time", plain=self.device_drafter)
 
-    def _run_extend(self, batch, timer, draft_next=True):
+    def _run_extend(self, batch, timer, plain=False):
         """Feed n new tokens per request; a request whose tokens are then all cached gets the
         sampled next token (the last prefill chunk, or a decode step)."""
         t0 = time.perf_counter()
@@ -250,12 +266,17 @@ class Scheduler:
             kv_lens[i], q_lens[i] = r.kv_len, n
             if r.todo > n:
                 next_tokens[i] = r.token_slice(r.kv_len + n, r.kv_len + n + 1)[0]
-        draft = self.device_drafter and draft_next and bool((next_tokens[:len(batch)] < 0).any())
+        draft = self.device_drafter and not plain and bool((next_tokens[:len(batch)] < 0).any())
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
-        nxt, lp, top_v, top_i, tree, self.cache = self.programs.extend(
-            self.programs.state, self.cache, tokens, next_tokens, pt, kv_lens, q_lens,
-            self._sampling(reqs, rows, flags), flags=flags, draft=draft)
+        args = (tokens, next_tokens, pt, kv_lens, q_lens, self._sampling(reqs, rows, flags))
+        if plain:  # the target's cache alone
+            nxt, lp, top_v, top_i, tree, tcache = self.plain_programs.extend(
+                self.plain_programs.state, self.cache[0], *args, flags=flags, draft=False)
+            self.cache = (tcache, self.cache[1])
+        else:
+            nxt, lp, top_v, top_i, tree, self.cache = self.programs.extend(
+                self.programs.state, self.cache, *args, flags=flags, draft=draft)
         self._host_work_while_device_runs()
         nxt, lp = np.asarray(nxt), np.asarray(lp)
         top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
@@ -354,7 +375,7 @@ class Scheduler:
         req.finish_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
-            self.pool.release(req.pages, req.tokens[:req.kv_len])
+            self.pool.release(req.pages, self._cached_tokens(req))
             req.pages = []
         if self.drafter is not None:
             self.drafter.finish(req)
