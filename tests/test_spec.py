@@ -84,7 +84,7 @@ def test_ngram_prompt_insertion_happens_while_the_device_runs(tiny, monkeypatch)
         n = len(req.output_ids)
         sched.step()
         if not req.finished:  # this step's tokens enter the trie during the next step's device time
-            assert drafter.pending[req.rid] == req.output_ids[n:]
+            assert drafter.folded[req.rid] == len(prompt) + n
     plain = Generator(tiny, None, max_batch=8, max_seq_len=128, num_pages=300).generate(
         [prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
     assert req.output_ids == plain.token_ids and max(req.accept_lengths) > 1

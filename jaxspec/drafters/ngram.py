@@ -58,7 +58,7 @@ class NgramCache:
         """Over capacity: drop everything but the most recent sequences (bounded memory)."""
         if self.size <= self.capacity:
             return False
-        keep = list(self.recent)[len(self.recent) // 2:]
+        keep = list(self.recent)[len(self.recent) // 2:][-8:]  # a few, so that an eviction costs little
         self.root, self.size = _Node(), 0
         self.recent.clear()
         for seq in keep:
@@ -121,14 +121,16 @@ class NgramDrafter:
     """Host-side drafter for the scheduler: prepare / propose / observe / finish.
 
     The scheduler calls `prepare` after dispatching a device step and before waiting for it, so
-    the bulk of the trie work overlaps the device: inserting new requests' sequences and folding
-    each request's newly emitted tokens into the trie (its open paths advance there). What stays
-    on the critical path (`host_time`) is per step: the match of each request's latest tokens
-    (a walk from the root of at most max_match_window levels per window size) and the read-out of
-    the draft. Counts therefore lag the newest tokens by one step; the match itself does not."""
+    the trie work overlaps the device: each request's tokens not yet in the trie (a new prompt, or
+    the tokens emitted since) are folded in there, within a time budget per step
+    (`fold_budget_ms`) so that a wave of long prompts spreads over several steps instead of
+    stalling one. What stays on the critical path (`host_time`) is per step: the match of each
+    request's latest tokens (a walk from the root of at most max_match_window levels per window
+    size) and the read-out of the draft. Counts therefore lag the newest tokens by a step or more;
+    the match itself does not."""
 
     def __init__(self, num_draft_tokens=8, min_match_window=1, max_match_window=12, max_bfs_breadth=8,
-                 branch_length=18, match_type="BFS", capacity=1_000_000):
+                 branch_length=18, match_type="BFS", capacity=1_000_000, fold_budget_ms=2.0):
         if match_type not in ("BFS", "PROB"):
             raise ValueError(f"ngram match_type must be 'BFS' or 'PROB', got {match_type!r}")
         if num_draft_tokens < 2:
@@ -137,25 +139,33 @@ class NgramDrafter:
         self.opts = dict(min_window=min_match_window, max_window=max_match_window, match_type=match_type,
                          breadth=max_bfs_breadth, branch_length=branch_length)
         self.cache = NgramCache(max_trie_depth=max(branch_length, max_match_window) + 1, capacity=capacity)
+        self.fold_budget_s = fold_budget_ms / 1e3
         self.cursors: dict[int, list] = {}  # a request's open insertion paths
-        self.pending: dict[int, list] = {}  # tokens emitted since its paths last advanced
+        self.folded: dict[int, int] = {}  # how many of its tokens are in the trie
         self.host_time = 0.0  # between device steps
         self.overlapped_time = 0.0  # while a device step runs
 
     def prepare(self, reqs):
         t0 = time.perf_counter()
-        for r in reqs:
-            cur = self.cursors.get(r.rid)
-            if cur is None:
-                self.cursors[r.rid] = self.cache.insert(r.prompt_ids + r.output_ids)
-            else:
-                for t in self.pending.get(r.rid, ()):
-                    cur = self.cache.advance(cur, t)
-                self.cursors[r.rid] = cur
-            self.pending.pop(r.rid, None)
-        if self.cache.evict_if_full():  # the survivors' sequences go back in at the next prepare
-            self.cursors.clear()
-            self.pending.clear()
+        deadline = t0 + self.fold_budget_s
+        # requests a few tokens behind first (their matches stay current), then the long backlogs
+        for r in sorted(reqs, key=lambda r: len(r.prompt_ids) + len(r.output_ids) - self.folded.get(r.rid, 0)):
+            n = len(r.prompt_ids) + len(r.output_ids)
+            done, cur = self.folded.get(r.rid, 0), self.cursors.get(r.rid, [])
+            while done < n:  # at least one chunk a call, so every backlog shrinks
+                for t in r.token_slice(done, min(n, done + 64)):
+                    cur = self.cache.advance(cur, int(t))
+                done = min(n, done + 64)
+                if time.perf_counter() >= deadline:
+                    break
+            self.cursors[r.rid], self.folded[r.rid] = cur, done
+            if time.perf_counter() >= deadline:
+                break
+        if self.cache.evict_if_full():
+            # the old paths are gone; requests go on from their current end (no re-insertion storm)
+            for r in reqs:
+                if r.rid in self.cursors:
+                    self.cursors[r.rid], self.folded[r.rid] = [], len(r.prompt_ids) + len(r.output_ids)
         self.overlapped_time += time.perf_counter() - t0
 
     def propose(self, req, max_nodes=None):
@@ -169,10 +179,9 @@ class NgramDrafter:
         return out
 
     def observe(self, req, new_tokens):
-        if req.rid in self.cursors:  # otherwise prepare inserts its whole sequence
-            self.pending.setdefault(req.rid, []).extend(int(t) for t in new_tokens)
+        pass  # the tokens are on the request; prepare folds them in during the next device step
 
     def finish(self, req):
-        self.pending.pop(req.rid, None)
+        self.folded.pop(req.rid, None)
         if self.cursors.pop(req.rid, None) is not None:
             self.cache.recent.append(req.prompt_ids + req.output_ids)
