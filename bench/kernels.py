@@ -26,6 +26,8 @@ from jaxspec.pallas.tree_mask import tree_attention_mask
 HQ, HKV, D, PS = 32, 8, 128, 16
 # --smoke: tiny shapes through the interpreter, to check this script on a CPU before a GPU call
 SMOKE = "--smoke" in sys.argv
+# --focus: only decode at the big batch and tree verify, with more variants (block rows, warps)
+FOCUS = "--focus" in sys.argv
 CTX, BIG_BATCH = (64, 2) if SMOKE else (2048, 64)
 
 
@@ -98,10 +100,21 @@ def main():
                    ("ppb8 s8", dict(pages_per_block=8, splits=8)), ("ppb8 s16", dict(pages_per_block=8, splits=16)),
                    ("ppb4 s32", dict(pages_per_block=4, splits=32)), ("ppb8 s16 w8", dict(pages_per_block=8, splits=16,
                                                                                         num_warps=8))]
+    if FOCUS:
+        variants = [("ppb4 s2", dict(pages_per_block=4, splits=2)), ("ppb4 s4", dict(pages_per_block=4, splits=4)),
+                    ("ppb2 s2", dict(pages_per_block=2, splits=2)), ("ppb4 w8", dict(pages_per_block=4, num_warps=8)),
+                    ("ppb4 s2 st3", dict(pages_per_block=4, splits=2, num_stages=3)),
+                    ("ppb4 s2 st4", dict(pages_per_block=4, splits=2, num_stages=4)),
+                    ("r128 ppb4 w8", dict(block_rows=128, pages_per_block=4, num_warps=8)),
+                    ("r128 ppb2 w8", dict(block_rows=128, pages_per_block=2, num_warps=8)),
+                    ("r128 ppb4 w4", dict(block_rows=128, pages_per_block=4, num_warps=4)),
+                    ("r256 ppb2 w8", dict(block_rows=256, pages_per_block=2, num_warps=8))]
     dec = {}
     for b in (1, BIG_BATCH):
+        if FOCUS and b == 1:
+            continue
         dec[b] = attn_row("decode", b, 1, CTX, False, b1_variants if b == 1 else variants)
-        if SMOKE:
+        if SMOKE or FOCUS:
             continue
         # the deprecated upstream kernel at the same shapes
         try:
@@ -123,6 +136,12 @@ def main():
         tv = attn_row("verify", BIG_BATCH, t, CTX, True, variants)
         if tv and dec[BIG_BATCH]:
             rows[-1]["over_decode"] = tv / dec[BIG_BATCH]  # best verify variant over best decode variant
+    if FOCUS:
+        print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction", "rel_err",
+                           "over_decode"])
+        if not SMOKE:
+            print(write_results("kernels-focus", rows, {"copy_bandwidth_GBps": bw / 1e9}))
+        return
     attn_row("extend", 4, 64 if SMOKE else 512, CTX // 2, False, [("auto", {}), ("ppb8 w8", dict(pages_per_block=8, num_warps=8))])
 
     par = jnp.tile(random_tree(1, 64), (64, 1))
