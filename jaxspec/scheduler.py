@@ -229,7 +229,9 @@ class Scheduler:
     def _host_work_while_device_runs(self):
         """Dispatch is asynchronous: until the step's outputs are read, the host is free."""
         prepare = getattr(self.drafter, "prepare", None)
-        if prepare is not None:
+        # at a batch that decodes plainly no draft is needed: a host drafter's backlog (NGRAM's
+        # trie insertion) waits until trees come back, instead of taxing every plain step
+        if prepare is not None and self.tree_size(len(self.running)) > 1:
             prepare(self.running)
 
     def _run_prefill(self, reqs):

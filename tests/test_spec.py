@@ -90,6 +90,26 @@ def test_ngram_prompt_insertion_happens_while_the_device_runs(tiny, monkeypatch)
     assert req.output_ids == plain.token_ids and max(req.accept_lengths) > 1
 
 
+def test_ngram_skips_trie_work_while_the_batch_decodes_plainly(tiny, monkeypatch):
+    """Above spec_max_verify_tokens / nodes requests the step decodes plainly and the trie is left
+    alone; once requests finish and trees fit again, the backlog is folded in and drafting
+    resumes. Output stays the plain greedy output."""
+    rng = np.random.default_rng(3)
+    prompts = repetitive_prompts(rng, 7)
+    params = [SamplingParams(max_tokens=4 + 6 * i, ignore_eos=True) for i in range(7)]
+    kw = dict(max_batch=8, max_seq_len=128, num_pages=300)
+    plain = Generator(tiny, None, **kw).generate(prompts, params)
+    gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=8).build(tiny), spec_max_verify_tokens=8, **kw)
+    drafter, batches = gen.scheduler.drafter, []
+    real_prepare = drafter.prepare
+    monkeypatch.setattr(drafter, "prepare", lambda reqs: (batches.append(len(reqs)), real_prepare(reqs)))
+    spec = gen.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert batches and max(batches) <= 2  # 8 // batch >= 4 nodes only at batch <= 2
+    assert gen.scheduler.stats["verify_steps"] > 0 and max(c.mean_accept_length or 1 for c in spec) > 1
+    assert gen.scheduler.pool.in_use == 0
+
+
 def test_ngram_greedy_equals_plain_smollm(smollm):
     model, tok = smollm
     prompts = [[{"role": "user", "content": "Write the numbers one to twelve as words, comma separated."}],
