@@ -145,10 +145,12 @@ class Scheduler:
         if decode:
             nodes = self.tree_size(len(decode))
             decode = self._reserve(decode, nodes)
-            spec = [r for r in decode if r.head_len is None] if nodes > 1 else []
+            # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
+            drafts = [nodes > 1 and r.head_len is None for r in decode]
+            spec = [r for r, d in zip(decode, drafts) if d]
+            plain = [r for r, d in zip(decode, drafts) if not d]
             if spec:
                 self._run_verify(spec, nodes)
-            plain = [r for r in decode if r.head_len is not None or nodes == 1]
             if plain:
                 self._run_decode(plain)
         self.stats["steps"] += 1
