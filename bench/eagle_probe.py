@@ -22,6 +22,7 @@ import jax
 
 from common import mt_bench_prompts, print_table, write_results
 from jaxspec import SamplingParams, SpecConfig
+from jaxspec.speculative import DEFAULT_HEADS
 from jaxspec.generator import Generator
 from jaxspec.models.loading import load
 from jaxspec.programs import Programs
@@ -68,6 +69,8 @@ def main():
     ap.add_argument("--trees", default="4:4:8,5:4:16,6:8:32,8:8:64")
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
+    if args.draft_model is None and "smol" in args.model.lower():  # a SmolLM2 GGUF path: the shipped head
+        args.draft_model = DEFAULT_HEADS["smollm2-135m"]
     model, tok = load(args.model)
     chats = [[{"role": "user", "content": q}] for q in mt_bench_prompts()]
     plain = Generator(model, tok, max_batch=64, max_seq_len=1024)

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, write_results
 from jaxspec import SamplingParams, SpecConfig
+from jaxspec.speculative import DEFAULT_HEADS
 from jaxspec.generator import Generator
 from jaxspec.models.loading import load
 
@@ -58,6 +59,8 @@ def main():
                     help="scheduler's tree budget per step over the batch (default: the scheduler's)")
     args = ap.parse_args()
     import jax.numpy as jnp
+    if args.draft_model is None and "smol" in args.model.lower():  # a SmolLM2 GGUF path: the shipped head
+        args.draft_model = DEFAULT_HEADS["smollm2-135m"]
     model, tok = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
     gens = {}
     for a in args.algos.split(","):
