@@ -357,8 +357,6 @@ class Scheduler:
                     req.on_update(req, new)
                 self._finish(req, reason)
                 return
-        if self.drafter is not None:
-            self.drafter.observe(req, new)
         if req.on_update:
             req.on_update(req, new)
 

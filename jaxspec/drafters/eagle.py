@@ -318,8 +318,5 @@ class EagleDrafter:
         m = min(max_nodes, len(tokens))  # nodes are parent-first, so any prefix is a tree
         return tokens[1:m], parents[1:m]
 
-    def observe(self, req, new_tokens):
-        pass
-
     def finish(self, req):
         req.draft = None

@@ -118,7 +118,8 @@ class NgramCache:
 
 
 class NgramDrafter:
-    """Host-side drafter for the scheduler: prepare / propose / observe / finish.
+    """Host-side drafter for the scheduler: prepare / propose / finish (emitted tokens are read off
+    the requests, so no per-token hook).
 
     The scheduler calls `prepare` after dispatching a device step and before waiting for it, so
     the trie work overlaps the device: each request's tokens not yet in the trie (a new prompt, or
@@ -152,14 +153,14 @@ class NgramDrafter:
         for r in sorted(reqs, key=lambda r: len(r.prompt_ids) + len(r.output_ids) - self.folded.get(r.rid, 0)):
             n = len(r.prompt_ids) + len(r.output_ids)
             done, cur = self.folded.get(r.rid, 0), self.cursors.get(r.rid, [])
-            while done < n:  # at least one chunk a call, so every backlog shrinks
+            out_of_time = False
+            while done < n and not out_of_time:  # at least one chunk a call, so every backlog shrinks
                 for t in r.token_slice(done, min(n, done + 64)):
                     cur = self.cache.advance(cur, int(t))
                 done = min(n, done + 64)
-                if time.perf_counter() >= deadline:
-                    break
+                out_of_time = time.perf_counter() >= deadline
             self.cursors[r.rid], self.folded[r.rid] = cur, done
-            if time.perf_counter() >= deadline:
+            if out_of_time:
                 break
         if self.cache.evict_if_full():
             # the old paths are gone; requests go on from their current end (no re-insertion storm)
@@ -177,9 +178,6 @@ class NgramDrafter:
                                      breadth=o["breadth"], branch_length=o["branch_length"])
         self.host_time += time.perf_counter() - t0
         return out
-
-    def observe(self, req, new_tokens):
-        pass  # the tokens are on the request; prepare folds them in during the next device step
 
     def finish(self, req):
         self.folded.pop(req.rid, None)
