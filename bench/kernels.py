@@ -103,9 +103,12 @@ def main():
     if FOCUS:
         variants = [("ppb4 s2", dict(pages_per_block=4, splits=2)), ("ppb4 s4", dict(pages_per_block=4, splits=4)),
                     ("ppb2 s2", dict(pages_per_block=2, splits=2)), ("ppb4 w8", dict(pages_per_block=4, num_warps=8)),
+                    ("ppb4 s2 w8", dict(pages_per_block=4, splits=2, num_warps=8)),
                     ("ppb4 s2 st3", dict(pages_per_block=4, splits=2, num_stages=3)),
                     ("ppb4 s2 st4", dict(pages_per_block=4, splits=2, num_stages=4)),
+                    ("ppb2 s4 st4", dict(pages_per_block=2, splits=4, num_stages=4)),
                     ("r128 ppb4 w8", dict(block_rows=128, pages_per_block=4, num_warps=8)),
+                    ("r128 ppb4 w8 st3", dict(block_rows=128, pages_per_block=4, num_warps=8, num_stages=3)),
                     ("r128 ppb2 w8", dict(block_rows=128, pages_per_block=2, num_warps=8)),
                     ("r128 ppb4 w4", dict(block_rows=128, pages_per_block=4, num_warps=4)),
                     ("r256 ppb2 w8", dict(block_rows=256, pages_per_block=2, num_warps=8))]

@@ -3,9 +3,10 @@
     python bench/spec.py --model smollm2-135m [--datasets humaneval,mt-bench] [--batches 1,8,64]
         [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16]   (eagle3:steps:topk:tokens)
 
-Each (dataset, batch) runs its prompts twice to compile, then timed (again, up to twice, if the timed
-pass compiled a new shape: `compiles_in_timed_run`, `timed_passes`); tokens/s counts emitted
-tokens over wall time with `batch` requests in flight. Greedy; outputs of every algorithm are
+Each (dataset, batch) runs its prompts twice per algorithm to compile, then `--repeats` timed
+rounds with the algorithms interleaved (a pass is timed again, up to twice, if it compiled a new
+shape: `compiles_in_timed_run`, `timed_passes`); tokens/s counts emitted tokens over wall time with
+`batch` requests in flight, the median over rounds, and speedup is the median of per-round ratios. Greedy; outputs of every algorithm are
 checked token-identical to plain.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ import argparse
 import os
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,6 +46,25 @@ def compiled_programs(gen) -> int:
     return sum(f._cache_size() for p in progs for f in (p.extend, p.verify_tree) if hasattr(f, "_cache_size"))
 
 
+def timed_run(gen, prompts, batch, max_tokens):
+    """One timed pass. A compile inside it (drafts, hence shapes, can differ between passes) is a
+    stall of seconds: the pass is repeated, at most twice, and the count reported."""
+    drafter = gen.scheduler.drafter
+    for timed_pass in range(3):
+        s0 = dict(gen.scheduler.stats)
+        h0, o0 = getattr(drafter, "host_time", 0.0), getattr(drafter, "overlapped_time", 0.0)
+        c0 = compiled_programs(gen)
+        outs, secs = run(gen, prompts, batch, max_tokens)
+        compiles = compiled_programs(gen) - c0
+        if compiles == 0:
+            break
+    st = gen.scheduler.stats
+    return dict(outs=outs, secs=secs, tokens=sum(len(o.token_ids) for o in outs), compiles=compiles,
+                passes=timed_pass + 1, verify_steps=st["verify_steps"] - s0["verify_steps"],
+                emitted=st["emitted"] - s0["emitted"], steps=st["steps"] - s0["steps"],
+                host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -54,6 +76,7 @@ def main():
                     help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>")
     ap.add_argument("--draft-model", default=None, help="EAGLE head directory (default: the shipped one)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bf16 on GPU")
+    ap.add_argument("--repeats", type=int, default=1, help="timed rounds (median reported)")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--spec-max-verify-tokens", type=int, default=None,
                     help="scheduler's tree budget per step over the batch (default: the scheduler's)")
@@ -87,44 +110,43 @@ def main():
         for b in map(int, args.batches.split(",")):
             n = 8 if b == 1 else b * args.prompts_per_batch
             ps = prompts[:n]
+            # compile every shape this workload meets; twice, so the prefix cache is in the state the
+            # timed runs will find it (its hits change prefill shapes)
+            for gen in gens.values():
+                run(gen, ps, b, args.max_tokens)
+                run(gen, ps, b, args.max_tokens)
+            # timed rounds, the algorithms interleaved within each round so that drift (clocks, host
+            # noise) hits all of them alike; speedups are per round, then the median
+            timed = {k: [] for k in gens}
+            for _ in range(args.repeats):
+                for key, gen in gens.items():
+                    timed[key].append(timed_run(gen, ps, b, args.max_tokens))
             base = None
             for (name, label), gen in gens.items():
-                # compile every shape this workload meets; twice, so the prefix cache is in the state
-                # the timed run will find it (its hits change prefill shapes)
-                run(gen, ps, b, args.max_tokens)
-                run(gen, ps, b, args.max_tokens)
-                # a compile inside the timed pass (drafts, hence shapes, can differ between passes)
-                # is a stall of seconds: time again, at most twice, and report how many passes it took
-                for timed_pass in range(3):
-                    s0 = dict(gen.scheduler.stats)
-                    h0 = getattr(gen.scheduler.drafter, "host_time", 0.0)
-                    o0 = getattr(gen.scheduler.drafter, "overlapped_time", 0.0)
-                    c0 = compiled_programs(gen)
-                    outs, secs = run(gen, ps, b, args.max_tokens)
-                    compiles = compiled_programs(gen) - c0
-                    if compiles == 0:
-                        break
-                st = gen.scheduler.stats
-                toks = sum(len(o.token_ids) for o in outs)
+                runs = timed[(name, label)]
+                tps = [r["tokens"] / r["secs"] for r in runs]
+                outs = runs[0]["outs"]
                 row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
                            algorithm=name, config=label, dataset=ds, batch=b,
                            draft_tokens=getattr(gen.scheduler.drafter, "num_nodes", None),
-                           tokens_per_s=toks / secs, requests=len(ps), tokens=toks,
-                           compiles_in_timed_run=compiles, timed_passes=timed_pass + 1)
+                           tokens_per_s=float(np.median(tps)), tokens_per_s_runs=tps, requests=len(ps),
+                           tokens=runs[0]["tokens"], compiles_in_timed_run=sum(r["compiles"] for r in runs),
+                           timed_passes=sum(r["passes"] for r in runs))
                 if base is None:
-                    base = (row["tokens_per_s"], [o.token_ids for o in outs])
+                    base = (tps, [o.token_ids for o in outs])
                 else:
-                    vs = st["verify_steps"] - s0["verify_steps"]
+                    ratios = [t / p for t, p in zip(tps, base[0])]
+                    vs = sum(r["verify_steps"] for r in runs)
                     acc = [a for o in outs for a in (o.accept_lengths or [])]
-                    row.update(speedup=row["tokens_per_s"] / base[0], accept_length=sum(acc) / max(len(acc), 1),
+                    row.update(speedup=float(np.median(ratios)), speedup_runs=ratios,
+                               accept_length=sum(acc) / max(len(acc), 1),
                                identical_to_plain=[o.token_ids for o in outs] == base[1],
-                               verify_steps=vs, emitted=st["emitted"] - s0["emitted"])
+                               verify_steps=vs, emitted=sum(r["emitted"] for r in runs))
                     if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host
-                        row["draft_host_ms_per_step"] = 1e3 * (gen.scheduler.drafter.host_time - h0) / max(vs, 1)
-                        # trie insertion, done while the device runs a step (not on the critical path);
-                        # it runs in every step, plain fallback steps included
+                        row["draft_host_ms_per_step"] = 1e3 * sum(r["host"] for r in runs) / max(vs, 1)
+                        # trie insertion, done while the device runs a step (not on the critical path)
                         row["overlapped_host_ms_per_step"] = (
-                            1e3 * (gen.scheduler.drafter.overlapped_time - o0) / max(st["steps"] - s0["steps"], 1))
+                            1e3 * sum(r["overlapped"] for r in runs) / max(sum(r["steps"] for r in runs), 1))
                 rows.append(row)
                 print_table(rows[-1:], ["config", "dataset", "batch", "tokens_per_s", "speedup", "accept_length",
                                         "compiles_in_timed_run",
