@@ -101,7 +101,7 @@ def main():
                    ("ppb4 s32", dict(pages_per_block=4, splits=32)), ("ppb8 s16 w8", dict(pages_per_block=8, splits=16,
                                                                                         num_warps=8))]
     if FOCUS:
-        variants = [("ppb4 s2", dict(pages_per_block=4, splits=2)), ("ppb4 s4", dict(pages_per_block=4, splits=4)),
+        variants = [("auto", {}), ("ppb4 s2", dict(pages_per_block=4, splits=2)), ("ppb4 s4", dict(pages_per_block=4, splits=4)),
                     ("ppb2 s2", dict(pages_per_block=2, splits=2)), ("ppb4 w8", dict(pages_per_block=4, num_warps=8)),
                     ("ppb4 s2 w8", dict(pages_per_block=4, splits=2, num_warps=8)),
                     ("ppb4 s2 st3", dict(pages_per_block=4, splits=2, num_stages=3)),

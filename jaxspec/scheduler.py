@@ -5,14 +5,25 @@ decode (or speculative verify) step over every request whose prompt is in the ca
 tokens, apply stop conditions, release finished requests' pages. A request that cannot get a page
 is preempted (pages released, recomputed later from prompt + output, mostly from the prefix cache)
 instead of the pool running dry.
+
+Overlap: in steady decoding (same requests, nothing to prefill or admit) the step for t+1 is
+launched from step t's outputs still on the device (the pending token, or EAGLE's next tree, and
+the kv lengths advanced by the accepted counts) before step t's tokens are read back. The host's
+reading, stop checks and streaming then run while the device computes, and the device never waits
+for the host between steps. A request that stops in step t wastes its row of step t+1, which is
+dropped; its K/V writes land past its committed tokens, in pages that later programs (dispatched
+after it, so ordered after it on the device) may reuse.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.kv_cache import KVCache
@@ -65,10 +76,23 @@ class Request:
         return self.finish_reason is not None
 
 
+@dataclasses.dataclass
+class InFlight:
+    """A decode or verify step launched and not yet read back."""
+    kind: str  # "decode" (one token per request) or "verify" (a draft tree per request)
+    reqs: list
+    outputs: tuple  # the program's outputs, on the device
+    inputs: dict  # device inputs a chained next step derives its own from
+    flags: SamplerFlags
+    nodes: int = 1
+    plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
+    host_s: float = 0.0  # host time spent launching
+
+
 class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
-                 spec_max_verify_tokens=128, spec_min_nodes=4):
+                 spec_max_verify_tokens=128, spec_min_nodes=4, overlap=True):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
@@ -98,12 +122,14 @@ class Scheduler:
         # left behind (its catch-up made the fallback 5-11% slower than plain on the H100,
         # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
+        self.overlap = overlap
+        self.inflight: InFlight | None = None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set())
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
-                          draft_time=0.0, decode_time=0.0, prefill_time=0.0)
+                          draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0)
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams, on_update=None) -> Request:
@@ -137,6 +163,15 @@ class Scheduler:
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self):
+        if self.inflight is not None:
+            done, self.inflight = self.inflight, None
+            nxt = self._chain(done) if self._chainable(done) else None
+            self._collect(done)
+            if nxt is not None:
+                self.inflight = nxt
+                self.stats["steps"] += 1
+                self.stats["chained_steps"] += 1
+                return
         self._admit()
         prefill = [r for r in self.running if r.todo > 1]
         decode = [r for r in self.running if r.todo == 1]
@@ -149,10 +184,11 @@ class Scheduler:
             drafts = [nodes > 1 and r.head_len is None for r in decode]
             spec = [r for r, d in zip(decode, drafts) if d]
             plain = [r for r, d in zip(decode, drafts) if not d]
+            alone = not (spec and plain)  # one step in flight at a time: two groups are read back at once
             if spec:
-                self._run_verify(spec, nodes)
+                self._run_verify(spec, nodes, overlap=alone)
             if plain:
-                self._run_decode(plain)
+                self._run_decode(plain, overlap=alone)
         self.stats["steps"] += 1
 
     def tree_size(self, batch: int) -> int:
@@ -247,15 +283,15 @@ class Scheduler:
         self.stats["prefill_tokens"] += sum(n for _, n in batch)
         self._run_extend(batch, "prefill_time")
 
-    def _run_decode(self, reqs):
+    def _run_decode(self, reqs, overlap=True):
         if self.device_drafter:  # the large-batch fallback: the target alone
             for r in reqs:
                 r.draft = None
                 if r.head_len is None:
                     r.head_len = r.kv_len
-        self._run_extend([(r, 1) for r in reqs], "decode_time", plain=self.device_drafter)
+        self._run_extend([(r, 1) for r in reqs], "decode_time", plain=self.device_drafter, overlap=overlap)
 
-    def _run_extend(self, batch, timer, plain=False):
+    def _run_extend(self, batch, timer, plain=False, overlap=False):
         """Feed n new tokens per request; a request whose tokens are then all cached gets the
         sampled next token (the last prefill chunk, or a decode step)."""
         t0 = time.perf_counter()
@@ -273,26 +309,28 @@ class Scheduler:
         draft = self.device_drafter and not plain and bool((next_tokens[:len(batch)] < 0).any())
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
-        args = (tokens, next_tokens, pt, kv_lens, q_lens, self._sampling(reqs, rows, flags))
+        sb = self._sampling(reqs, rows, flags)
+        outputs = self._call_extend(plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft)
+        self._host_work_while_device_runs()
+        f = InFlight("decode", reqs, outputs, dict(kv_lens=kv_lens, q_lens=q_lens, next_tokens=next_tokens, sb=sb),
+                     flags, plain=plain, host_s=time.perf_counter() - t0)
+        if overlap and self._may_overlap(f):
+            self.inflight = f  # read back in the next step, after the step that follows it is launched
+        else:
+            self._collect(f, [n for _, n in batch], timer)
+
+    def _call_extend(self, plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft):
+        args = (tokens, next_tokens, pt, kv_lens, q_lens, sb)
         if plain:  # the target's cache alone
-            nxt, lp, top_v, top_i, tree, tcache = self.plain_programs.extend(
-                self.plain_programs.state, self.cache[0], *args, flags=flags, draft=False)
+            *outputs, tcache = self.plain_programs.extend(self.plain_programs.state, self.cache[0], *args,
+                                                          flags=flags, draft=False)
             self.cache = (tcache, self.cache[1])
         else:
-            nxt, lp, top_v, top_i, tree, self.cache = self.programs.extend(
-                self.programs.state, self.cache, *args, flags=flags, draft=draft)
-        self._host_work_while_device_runs()
-        nxt, lp = np.asarray(nxt), np.asarray(lp)
-        top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
-        tree = None if tree is None else (np.asarray(tree[0]), np.asarray(tree[1]))
-        for i, (r, n) in enumerate(batch):
-            r.kv_len += n
-            if r.todo == 0:
-                r.draft = None if tree is None else (tree[0][i], tree[1][i])
-                self._emit(r, [int(nxt[i])], [float(lp[i])], None if top is None else [(top[0][i], top[1][i])])
-        self.stats[timer] += time.perf_counter() - t0
+            *outputs, self.cache = self.programs.extend(self.programs.state, self.cache, *args, flags=flags,
+                                                        draft=draft)
+        return tuple(outputs)
 
-    def _run_verify(self, reqs, nodes):
+    def _run_verify(self, reqs, nodes, overlap=True):
         t0 = time.perf_counter()
         rows = bucket(len(reqs), BATCH_BUCKETS)
         n = bucket(nodes, TREE_BUCKETS)
@@ -307,27 +345,109 @@ class Scheduler:
             tokens[i, 1:m] = d_tok
             parents[i, 1:m] = d_par
             num_nodes[i], kv_lens[i] = m, r.kv_len
-        t1 = time.perf_counter()
+        self.stats["draft_time"] += time.perf_counter() - t0
         flags = SamplerFlags.of([r.params for r in reqs])
-        pt = self._page_table(reqs, rows, int(kv_lens.max()) + n)
-        out, count, lp, top_v, top_i, tree, self.cache = self.programs.verify_tree(
-            self.programs.state, self.cache, tokens, parents, pt, kv_lens, num_nodes,
-            self._sampling(reqs, rows, flags), flags=flags)
+        f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
+                                self._sampling(reqs, rows, flags), int(kv_lens.max()) + n)
         self._host_work_while_device_runs()
-        out, count, lp = np.asarray(out), np.asarray(count), np.asarray(lp)
-        top = None if top_i is None else (np.asarray(top_v), np.asarray(top_i))
-        tree = None if tree is None else (np.asarray(tree[0]), np.asarray(tree[1]))
-        for i, r in enumerate(reqs):
+        f.host_s += time.perf_counter() - t0
+        if overlap and self._may_overlap(f):
+            self.inflight = f
+        else:
+            self._collect(f)
+
+    def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, max_tokens):
+        t0 = time.perf_counter()
+        pt = self._page_table(reqs, tokens.shape[0], max_tokens)
+        *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, tokens, parents, pt, kv_lens,
+                                                         num_nodes, sb, flags=flags)
+        return InFlight("verify", reqs, tuple(outputs), dict(kv_lens=kv_lens, num_nodes=num_nodes, sb=sb), flags,
+                        nodes=nodes, host_s=time.perf_counter() - t0)
+
+    # -- overlap: the next step launched from the last one's device outputs ------------------------
+    def _may_overlap(self, f: InFlight) -> bool:
+        """Only steps whose successor needs nothing from the host but page-table rows: plain decode
+        and device drafters (a host drafter such as NGRAM drafts from the emitted tokens), and no
+        penalties (their token histories are built on the host)."""
+        return self.overlap and (self.drafter is None or self.device_drafter) and not f.flags.penalties
+
+    def _chainable(self, f: InFlight) -> bool:
+        if not self._may_overlap(f) or any(r.finished for r in f.reqs):
+            return False
+        if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
+            return False  # the batch changes: admissions, prefill chunks, preemptions
+        if f.kind == "verify" and self.tree_size(len(f.reqs)) != f.nodes:
+            return False
+        # a request that may reach max_tokens in step t would waste step t + 1 (and may run past its
+        # pages' slack): end the chain there
+        if any(len(r.output_ids) + f.nodes >= r.params.max_tokens for r in f.reqs):
+            return False
+        # pages for both steps' worst case: every node accepted in each
+        need = [self._pages_needed(r, 2 * f.nodes - 1) - len(r.pages) for r in f.reqs]
+        if sum(max(0, x) for x in need) > self.pool.available:
+            return False
+        for r, x in zip(f.reqs, need):
+            if x > 0:
+                r.pages += self.pool.alloc(x)
+        return True
+
+    def _chain(self, f: InFlight) -> InFlight:
+        t0 = time.perf_counter()
+        reqs, ins = f.reqs, f.inputs
+        rows = len(ins["kv_lens"])
+        if f.kind == "decode":
+            kv_lens = ins["kv_lens"] + ins["q_lens"]
+            nxt = f.outputs[0]
+            tokens = nxt[:, None]
+            sb = dataclasses.replace(ins["sb"], step=ins["sb"].step + (np.arange(rows) < len(reqs)))
+            pt = self._page_table(reqs, rows, int(kv_lens.max()) + 1)
+            outputs = self._call_extend(f.plain, tokens, ins["next_tokens"], pt, kv_lens, ins["q_lens"], sb, f.flags,
+                                        self.device_drafter and not f.plain)
+            g = InFlight("decode", reqs, outputs, dict(ins, kv_lens=kv_lens, sb=sb), f.flags, plain=f.plain)
+        else:
+            count, (tree_tok, tree_par) = f.outputs[1], f.outputs[5]
+            n = bucket(f.nodes, TREE_BUCKETS)
+            num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, tree_tok.shape[1]), 1).astype(np.int32)
+            tokens, parents, kv_lens, step = _next_verify_inputs(tree_tok, tree_par, jnp.asarray(num_nodes), count,
+                                                                 ins["kv_lens"], ins["sb"].step, n)
+            sb = dataclasses.replace(ins["sb"], step=step)
+            # the kv lengths are on the device now; the host's bound is the worst case
+            g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb,
+                                    max(r.kv_len for r in reqs) + f.nodes + n)
+        g.host_s = time.perf_counter() - t0
+        return g
+
+    def _collect(self, f: InFlight, chunk=None, timer=None):
+        """Read a step's outputs back (one transfer) and emit; rows of requests that finished since
+        it was launched are dropped."""
+        t0 = time.perf_counter()
+        out = jax.device_get(f.outputs)
+        if f.kind == "decode":
+            nxt, lp, top_v, top_i, tree = out
+            for i, r in enumerate(f.reqs):
+                if r.finished:
+                    continue
+                r.kv_len += 1 if chunk is None else chunk[i]
+                if r.todo == 0:
+                    r.draft = None if tree is None else (tree[0][i], tree[1][i])
+                    self._emit(r, [int(nxt[i])], [float(lp[i])],
+                               None if top_i is None else [(top_v[i], top_i[i])])
+            self.stats[timer or "decode_time"] += f.host_s + time.perf_counter() - t0
+            return
+        toks, count, lp, top_v, top_i, tree = out
+        for i, r in enumerate(f.reqs):
+            if r.finished:
+                continue
             c = int(count[i])
             if tree is not None:
                 r.draft = (tree[0][i], tree[1][i])
             r.kv_len += c
             r.accept_lengths.append(c)
-            self._emit(r, [int(x) for x in out[i, :c]], [float(x) for x in lp[i, :c]],
-                       None if top is None else [(top[0][i, j], top[1][i, j]) for j in range(c)])
+            self._emit(r, [int(x) for x in toks[i, :c]], [float(x) for x in lp[i, :c]],
+                       None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
         self.stats["verify_steps"] += 1
-        self.stats["draft_time"] += t1 - t0
-        self.stats["verify_time"] += time.perf_counter() - t1
+        self.stats["verify_time"] += f.host_s + time.perf_counter() - t0
+
 
     # -- outputs -------------------------------------------------------------------------------
     def _emit(self, req, toks, lps, tops):
@@ -383,3 +503,17 @@ class Scheduler:
             self.drafter.finish(req)
         if req.on_update:
             req.on_update(req, [])
+
+
+@functools.partial(jax.jit, static_argnums=(6,))
+def _next_verify_inputs(tree_tok, tree_par, num_nodes, count, kv_lens, step, n):
+    """Step t's drafted tree as step t + 1's verify input: its first num_nodes nodes (parent-first,
+    so any prefix is a tree), padded to n; kv lengths and sampling steps advanced by the accepted
+    counts."""
+    cols = jnp.arange(n)
+    keep = cols[None, :] < num_nodes[:, None]
+    width = tree_tok.shape[1]
+    take = jnp.minimum(cols, width - 1)
+    tokens = jnp.where(keep, tree_tok[:, take], 0)
+    parents = jnp.where(keep, tree_par[:, take], -1)
+    return tokens, parents, kv_lens + count, step + count

@@ -115,6 +115,21 @@ def test_eagle_head_greedy_equals_plain_and_debug_mode_agrees(tiny):
     assert [c.accept_lengths for c in jitted] == [c.accept_lengths for c in eager]
 
 
+def test_eagle_overlapped_steps_equal_synchronous(tiny):
+    """The next verify step launched from the last one's device tree (before it is read back)
+    gives the synchronous scheduler's tokens and accept lengths, greedy and sampled."""
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3", draft_vocab_size=48), rngs=nnx.Rngs(5))
+    prompts = random_prompts(4, 4)
+    for params in (SamplingParams(max_tokens=16, ignore_eos=True),
+                   SamplingParams(max_tokens=16, temperature=4.0, seed=2, ignore_eos=True)):
+        sync = eagle_generator(tiny, head, TreeShape(3, 2, 6), overlap=False).generate(prompts, params)
+        gen = eagle_generator(tiny, head, TreeShape(3, 2, 6))
+        over = gen.generate(prompts, params)
+        assert [c.token_ids for c in over] == [c.token_ids for c in sync]
+        assert [c.accept_lengths for c in over] == [c.accept_lengths for c in sync]
+        assert gen.scheduler.stats["chained_steps"] > 5 and gen.scheduler.pool.in_use == 0
+
+
 def test_draft_tree_is_parent_first_with_distinct_siblings(tiny, tiny_eagle3):
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
     gen = eagle_generator(tiny, head, TreeShape(3, 4, 16))

@@ -59,7 +59,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     last = jnp.minimum(first + pages_per_split, (kv_len + q_len + page_size - 1) // page_size)
     num_blocks = (jnp.maximum(last - first, 0) + pages_per_block - 1) // pages_per_block
 
-    def body(i, carry):
+    def tile(i, carry, masked):
         m, l, acc = carry
         p0 = first + i * pages_per_block
         # pages past the sequence's end (table padding: page 0) are read but masked below; a split
@@ -71,14 +71,15 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
                                 precision=precision)
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
-        rel = p0 * page_size + jnp.arange(block)[None, :] - kv_len
-        if causal:
-            among = rel <= t[:, None]
-        else:
-            word = jnp.where(rel < 32, rw0[:, None], rw1[:, None])
-            among = ((word >> jnp.clip(rel % 32, 0, 31)) & 1) == 1
-        ok = (rel < 0) | ((rel < q_len) & among)
-        s = jnp.where(ok, s, NEG_INF)
+        if masked:
+            rel = p0 * page_size + jnp.arange(block)[None, :] - kv_len
+            if causal:
+                among = rel <= t[:, None]
+            else:
+                word = jnp.where(rel < 32, rw0[:, None], rw1[:, None])
+                among = ((word >> jnp.clip(rel % 32, 0, 31)) & 1) == 1
+            ok = (rel < 0) | ((rel < q_len) & among)
+            s = jnp.where(ok, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
         corr = jnp.exp(m - m_new)
         pr = jnp.exp(s - m_new[:, None])
@@ -90,7 +91,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     d = q.shape[1]
     init = (jnp.full((block_rows,), NEG_INF, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
             jnp.zeros((block_rows, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    # tiles wholly inside the cached prefix need no mask (every query reads all of it): only the
+    # last tiles, which hold the new tokens and the table's padding, pay for the mask
+    unmasked = jnp.clip((kv_len - first * page_size) // block, 0, num_blocks)
+    carry = jax.lax.fori_loop(0, unmasked, functools.partial(tile, masked=False), init)
+    m, l, acc = jax.lax.fori_loop(unmasked, num_blocks, functools.partial(tile, masked=True), carry)
     if lse_refs:  # split-K: the partial result, merged by combine_splits
         m_ref, l_ref = lse_refs
         o_ref[...] = acc
@@ -131,8 +136,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     _, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
     rows = t * g
-    if block_rows is None:
-        block_rows = max(16, min(64, 1 << (rows - 1).bit_length()))
+    if block_rows is None:  # 128-row tiles beat 64 for 32- and 64-token trees (kernels-focus-*.json)
+        block_rows = max(16, min(128, 1 << (rows - 1).bit_length()))
     padded = -(-rows // block_rows) * block_rows
     q_blocks = padded // block_rows
     auto_ppb, auto_splits = choose_blocking(b, hkv, q_blocks, page_table.shape[1], ps)
