@@ -29,7 +29,12 @@ from jaxspec.models.loading import load
 
 
 def run(gen, prompts, batch, max_tokens):
-    """All prompts, at most `batch` in flight; returns (completions, seconds)."""
+    """All prompts, at most `batch` in flight; returns (completions, seconds). A drafter that
+    learns from what it saw (NGRAM's trie) starts every pass empty: the passes repeat the same
+    prompts, and drafting a pass's answers from an earlier pass's would measure recall."""
+    reset = getattr(gen.scheduler.drafter, "reset", None)
+    if reset is not None:
+        reset()
     params = SamplingParams(max_tokens=max_tokens)
     t0 = time.perf_counter()
     outs = []

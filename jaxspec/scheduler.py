@@ -367,17 +367,20 @@ class Scheduler:
     # -- overlap: the next step launched from the last one's device outputs ------------------------
     def _may_overlap(self, f: InFlight) -> bool:
         """Only steps whose successor needs nothing from the host but page-table rows: plain decode
-        and device drafters (a host drafter such as NGRAM drafts from the emitted tokens), and no
-        penalties (their token histories are built on the host)."""
-        return self.overlap and (self.drafter is None or self.device_drafter) and not f.flags.penalties
+        steps (also a drafter's large-batch fallback) and device drafters' verify steps (a host
+        drafter such as NGRAM drafts from the emitted tokens); no penalties (their token histories
+        are built on the host)."""
+        if not self.overlap or f.flags.penalties:
+            return False
+        return f.kind == "decode" or self.device_drafter
 
     def _chainable(self, f: InFlight) -> bool:
         if not self._may_overlap(f) or any(r.finished for r in f.reqs):
             return False
         if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
             return False  # the batch changes: admissions, prefill chunks, preemptions
-        if f.kind == "verify" and self.tree_size(len(f.reqs)) != f.nodes:
-            return False
+        if self.tree_size(len(f.reqs)) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
+            return False  # trees fit again (a plain step chains only while the batch decodes plainly)
         # a request that may reach max_tokens in step t would waste step t + 1 (and may run past its
         # pages' slack): end the chain there
         if any(len(r.output_ids) + f.nodes >= r.params.max_tokens for r in f.reqs):

@@ -146,6 +146,13 @@ class NgramDrafter:
         self.host_time = 0.0  # between device steps
         self.overlapped_time = 0.0  # while a device step runs
 
+    def reset(self):
+        """Forget every sequence (a benchmark pass must not draft from an earlier pass's answers)."""
+        c = self.cache
+        self.cache = NgramCache(max_trie_depth=c.depth, capacity=c.capacity)
+        self.cursors.clear()
+        self.folded.clear()
+
     def prepare(self, reqs):
         t0 = time.perf_counter()
         deadline = t0 + self.fold_budget_s
