@@ -92,7 +92,8 @@ class InFlight:
 class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
-                 spec_max_verify_tokens=128, spec_min_nodes=4, overlap=True):
+                 spec_max_verify_tokens=128, spec_min_nodes=4, spec_min_accept=2.0, spec_probe_every=8,
+                 overlap=True):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
@@ -122,6 +123,13 @@ class Scheduler:
         # left behind (its catch-up made the fallback 5-11% slower than plain on the H100,
         # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
+        # A host drafter whose drafts are mostly rejected costs more than it saves: a verify step
+        # costs about two plain steps on the H100 (NGRAM at batch 1: accept 2.74 gave 1.33x, 1.34 gave
+        # 0.71x, spec-v9-*), so below spec_min_accept tokens a step (running mean) the batch decodes
+        # plainly, with one probing verify step every spec_probe_every plain steps.
+        self.spec_min_accept, self.spec_probe_every = spec_min_accept, spec_probe_every
+        self.accept_mean: float | None = None
+        self.plain_since_probe = 0
         self.overlap = overlap
         self.inflight: InFlight | None = None
         self.waiting: list[Request] = []
@@ -178,7 +186,7 @@ class Scheduler:
         if prefill:
             self._run_prefill(prefill)
         if decode:
-            nodes = self.tree_size(len(decode))
+            nodes = self.tree_size(len(decode)) if not self.drafting_paused() else 1
             decode = self._reserve(decode, nodes)
             # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
             drafts = [nodes > 1 and r.head_len is None for r in decode]
@@ -196,6 +204,11 @@ class Scheduler:
             return 1
         nodes = min(self.drafter.num_nodes, self.spec_max_verify_tokens // max(batch, 1))
         return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
+
+    def drafting_paused(self) -> bool:
+        """A host drafter's recent accept lengths are below spec_min_accept and no probe is due."""
+        return (self.drafter is not None and not self.device_drafter and self.accept_mean is not None
+                and self.accept_mean < self.spec_min_accept and self.plain_since_probe < self.spec_probe_every)
 
     def _pages_needed(self, req, extra):
         return -(-(req.kv_len + req.todo + extra) // self.page_size)
@@ -379,8 +392,9 @@ class Scheduler:
             return False
         if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
             return False  # the batch changes: admissions, prefill chunks, preemptions
-        if self.tree_size(len(f.reqs)) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
-            return False  # trees fit again (a plain step chains only while the batch decodes plainly)
+        nodes = self.tree_size(len(f.reqs)) if not self.drafting_paused() else 1
+        if nodes != (f.nodes if f.kind == "verify" else 1) and not f.plain:
+            return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
         # a request that may reach max_tokens in step t would waste step t + 1 (and may run past its
         # pages' slack): end the chain there
         if any(len(r.output_ids) + f.nodes >= r.params.max_tokens for r in f.reqs):
@@ -417,6 +431,7 @@ class Scheduler:
             # the kv lengths are on the device now; the host's bound is the worst case
             g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb,
                                     max(r.kv_len for r in reqs) + f.nodes + n)
+        self._host_work_while_device_runs()  # a paused host drafter keeps learning the emitted tokens
         g.host_s = time.perf_counter() - t0
         return g
 
@@ -435,9 +450,16 @@ class Scheduler:
                     r.draft = None if tree is None else (tree[0][i], tree[1][i])
                     self._emit(r, [int(nxt[i])], [float(lp[i])],
                                None if top_i is None else [(top_v[i], top_i[i])])
+            if timer != "prefill_time" and self.accept_mean is not None:
+                self.plain_since_probe += 1
             self.stats[timer or "decode_time"] += f.host_s + time.perf_counter() - t0
             return
         toks, count, lp, top_v, top_i, tree = out
+        live = [int(count[i]) for i, r in enumerate(f.reqs) if not r.finished]
+        if live:
+            m = sum(live) / len(live)
+            self.accept_mean = m if self.accept_mean is None else 0.75 * self.accept_mean + 0.25 * m
+            self.plain_since_probe = 0
         for i, r in enumerate(f.reqs):
             if r.finished:
                 continue
