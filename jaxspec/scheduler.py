@@ -333,7 +333,9 @@ class Scheduler:
             self._collect(f, [n for _, n in batch], timer)
 
     def _call_extend(self, plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft):
-        args = (tokens, next_tokens, pt, kv_lens, q_lens, sb)
+        # host arrays go to the device as one batch; they and a chained step's device arrays then
+        # meet the same compiled program (a numpy argument is a different jit cache entry)
+        args = jax.device_put((tokens, next_tokens, pt, kv_lens, q_lens, sb))
         if plain:  # the target's cache alone
             *outputs, tcache = self.plain_programs.extend(self.plain_programs.state, self.cache[0], *args,
                                                           flags=flags, draft=False)
@@ -372,8 +374,8 @@ class Scheduler:
     def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, max_tokens):
         t0 = time.perf_counter()
         pt = self._page_table(reqs, tokens.shape[0], max_tokens)
-        *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, tokens, parents, pt, kv_lens,
-                                                         num_nodes, sb, flags=flags)
+        args = jax.device_put((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
+        *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, *args, flags=flags)
         return InFlight("verify", reqs, tuple(outputs), dict(kv_lens=kv_lens, num_nodes=num_nodes, sb=sb), flags,
                         nodes=nodes, host_s=time.perf_counter() - t0)
 
