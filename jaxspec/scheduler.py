@@ -173,7 +173,7 @@ class Scheduler:
     def step(self):
         if self.inflight is not None:
             done, self.inflight = self.inflight, None
-            nxt = self._chain(done) if self._chainable(done) else None
+            nxt = self._chain(done) if self._reserve_chain(done) else None
             self._collect(done)
             if nxt is not None:
                 self.inflight = nxt
@@ -186,7 +186,7 @@ class Scheduler:
         if prefill:
             self._run_prefill(prefill)
         if decode:
-            nodes = self.tree_size(len(decode)) if not self.drafting_paused() else 1
+            nodes = self._nodes_for(len(decode))
             decode = self._reserve(decode, nodes)
             # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
             drafts = [nodes > 1 and r.head_len is None for r in decode]
@@ -204,6 +204,10 @@ class Scheduler:
             return 1
         nodes = min(self.drafter.num_nodes, self.spec_max_verify_tokens // max(batch, 1))
         return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
+
+    def _nodes_for(self, batch: int) -> int:
+        """Nodes a step verifies now: the tree that fits, or 1 while a host drafter is paused."""
+        return 1 if self.drafting_paused() else self.tree_size(batch)
 
     def drafting_paused(self) -> bool:
         """A host drafter's recent accept lengths are below spec_min_accept and no probe is due."""
@@ -333,6 +337,7 @@ class Scheduler:
             self._collect(f, [n for _, n in batch], timer)
 
     def _call_extend(self, plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft):
+        """Launch an extend program (the target alone when plain); returns its outputs, cache aside."""
         # host arrays go to the device as one batch; they and a chained step's device arrays then
         # meet the same compiled program (a numpy argument is a different jit cache entry)
         args = jax.device_put((tokens, next_tokens, pt, kv_lens, q_lens, sb))
@@ -376,7 +381,8 @@ class Scheduler:
         pt = self._page_table(reqs, tokens.shape[0], max_tokens)
         args = jax.device_put((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
         *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, *args, flags=flags)
-        return InFlight("verify", reqs, tuple(outputs), dict(kv_lens=kv_lens, num_nodes=num_nodes, sb=sb), flags,
+        # the device copies: a chained step's helper then always meets jax arrays (one compile)
+        return InFlight("verify", reqs, tuple(outputs), dict(kv_lens=args[3], sb=args[5]), flags,
                         nodes=nodes, host_s=time.perf_counter() - t0)
 
     # -- overlap: the next step launched from the last one's device outputs ------------------------
@@ -389,13 +395,14 @@ class Scheduler:
             return False
         return f.kind == "decode" or self.device_drafter
 
-    def _chainable(self, f: InFlight) -> bool:
+    def _reserve_chain(self, f: InFlight) -> bool:
+        """Whether the step after f may be launched from f's device outputs; if so, pages for both
+        steps' worst case are reserved here."""
         if not self._may_overlap(f) or any(r.finished for r in f.reqs):
             return False
         if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
             return False  # the batch changes: admissions, prefill chunks, preemptions
-        nodes = self.tree_size(len(f.reqs)) if not self.drafting_paused() else 1
-        if nodes != (f.nodes if f.kind == "verify" else 1) and not f.plain:
+        if self._nodes_for(len(f.reqs)) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
             return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
         # a request that may reach max_tokens in step t would waste step t + 1 (and may run past its
         # pages' slack): end the chain there
@@ -420,14 +427,16 @@ class Scheduler:
             tokens = nxt[:, None]
             sb = dataclasses.replace(ins["sb"], step=ins["sb"].step + (np.arange(rows) < len(reqs)))
             pt = self._page_table(reqs, rows, int(kv_lens.max()) + 1)
+            # a decode step that chains never drafts: EAGLE decodes plainly only in its fallback
             outputs = self._call_extend(f.plain, tokens, ins["next_tokens"], pt, kv_lens, ins["q_lens"], sb, f.flags,
-                                        self.device_drafter and not f.plain)
+                                        draft=False)
             g = InFlight("decode", reqs, outputs, dict(ins, kv_lens=kv_lens, sb=sb), f.flags, plain=f.plain)
         else:
             count, (tree_tok, tree_par) = f.outputs[1], f.outputs[5]
             n = bucket(f.nodes, TREE_BUCKETS)
-            num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, tree_tok.shape[1]), 1).astype(np.int32)
-            tokens, parents, kv_lens, step = _next_verify_inputs(tree_tok, tree_par, jnp.asarray(num_nodes), count,
+            num_nodes = jax.device_put(
+                np.where(np.arange(rows) < len(reqs), min(f.nodes, tree_tok.shape[1]), 1).astype(np.int32))
+            tokens, parents, kv_lens, step = _next_verify_inputs(tree_tok, tree_par, num_nodes, count,
                                                                  ins["kv_lens"], ins["sb"].step, n)
             sb = dataclasses.replace(ins["sb"], step=step)
             # the kv lengths are on the device now; the host's bound is the worst case
