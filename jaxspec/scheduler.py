@@ -30,6 +30,7 @@ from jaxspec.kv_cache import KVCache
 from jaxspec.paging import PagePool
 from jaxspec.programs import BATCH_BUCKETS, TOKEN_BUCKETS, TREE_BUCKETS, Programs, bucket, page_bucket
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
+from jaxspec.transfer import to_device, to_host
 
 
 @dataclasses.dataclass(eq=False)  # identity: requests are looked up in lists every step
@@ -137,7 +138,7 @@ class Scheduler:
         self._ids = itertools.count()
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set())
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
-                          draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0)
+                          draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0)
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams, on_update=None) -> Request:
@@ -281,13 +282,13 @@ class Scheduler:
         return SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
                                    [len(r.output_ids) for r in reqs], hist, num_prompt, pad_to=rows)
 
-    def _host_work_while_device_runs(self):
-        """Dispatch is asynchronous: until the step's outputs are read, the host is free."""
+    def _host_work_while_device_runs(self, waits_for: InFlight):
+        """Dispatch is asynchronous: until the outputs the host waits for next are ready, it is free."""
         prepare = getattr(self.drafter, "prepare", None)
         # at a batch that decodes plainly no draft is needed: a host drafter's backlog (NGRAM's
         # trie insertion) waits until trees come back, instead of taxing every plain step
         if prepare is not None and self.tree_size(len(self.running)) > 1:
-            prepare(self.running)
+            prepare(self.running, busy=lambda: not waits_for.outputs[0].is_ready())
 
     def _run_prefill(self, reqs):
         budget, batch = self.prefill_chunk, []
@@ -328,9 +329,9 @@ class Scheduler:
         pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
         sb = self._sampling(reqs, rows, flags)
         outputs = self._call_extend(plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft)
-        self._host_work_while_device_runs()
         f = InFlight("decode", reqs, outputs, dict(kv_lens=kv_lens, q_lens=q_lens, next_tokens=next_tokens, sb=sb),
                      flags, plain=plain, host_s=time.perf_counter() - t0)
+        self._host_work_while_device_runs(f)
         if overlap and self._may_overlap(f):
             self.inflight = f  # read back in the next step, after the step that follows it is launched
         else:
@@ -338,9 +339,9 @@ class Scheduler:
 
     def _call_extend(self, plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft):
         """Launch an extend program (the target alone when plain); returns its outputs, cache aside."""
-        # host arrays go to the device as one batch; they and a chained step's device arrays then
+        # host arrays go to the device in one copy; they and a chained step's device arrays then
         # meet the same compiled program (a numpy argument is a different jit cache entry)
-        args = jax.device_put((tokens, next_tokens, pt, kv_lens, q_lens, sb))
+        args = to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))
         if plain:  # the target's cache alone
             *outputs, tcache = self.plain_programs.extend(self.plain_programs.state, self.cache[0], *args,
                                                           flags=flags, draft=False)
@@ -369,7 +370,7 @@ class Scheduler:
         flags = SamplerFlags.of([r.params for r in reqs])
         f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
                                 self._sampling(reqs, rows, flags), int(kv_lens.max()) + n)
-        self._host_work_while_device_runs()
+        self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):
             self.inflight = f
@@ -379,7 +380,7 @@ class Scheduler:
     def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, max_tokens):
         t0 = time.perf_counter()
         pt = self._page_table(reqs, tokens.shape[0], max_tokens)
-        args = jax.device_put((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
+        args = to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
         *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, *args, flags=flags)
         # the device copies: a chained step's helper then always meets jax arrays (one compile)
         return InFlight("verify", reqs, tuple(outputs), dict(kv_lens=args[3], sb=args[5]), flags,
@@ -405,8 +406,9 @@ class Scheduler:
         if self._nodes_for(len(f.reqs)) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
             return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
         # a request that may reach max_tokens in step t would waste step t + 1 (and may run past its
-        # pages' slack): end the chain there
-        if any(len(r.output_ids) + f.nodes >= r.params.max_tokens for r in f.reqs):
+        # pages' slack): end the chain there. A step emits at most the tree's depth + 1 tokens.
+        most = 1 if f.kind == "decode" else min(f.nodes, self.drafter.tree.steps + 1)
+        if any(len(r.output_ids) + most >= r.params.max_tokens for r in f.reqs):
             return False
         # pages for both steps' worst case: every node accepted in each
         need = [self._pages_needed(r, 2 * f.nodes - 1) - len(r.pages) for r in f.reqs]
@@ -434,15 +436,14 @@ class Scheduler:
         else:
             count, (tree_tok, tree_par) = f.outputs[1], f.outputs[5]
             n = bucket(f.nodes, TREE_BUCKETS)
-            num_nodes = jax.device_put(
-                np.where(np.arange(rows) < len(reqs), min(f.nodes, tree_tok.shape[1]), 1).astype(np.int32))
+            num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, tree_tok.shape[1]), 1).astype(np.int32)
             tokens, parents, kv_lens, step = _next_verify_inputs(tree_tok, tree_par, num_nodes, count,
                                                                  ins["kv_lens"], ins["sb"].step, n)
             sb = dataclasses.replace(ins["sb"], step=step)
             # the kv lengths are on the device now; the host's bound is the worst case
             g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb,
                                     max(r.kv_len for r in reqs) + f.nodes + n)
-        self._host_work_while_device_runs()  # a paused host drafter keeps learning the emitted tokens
+        self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
         g.host_s = time.perf_counter() - t0
         return g
 
@@ -450,7 +451,9 @@ class Scheduler:
         """Read a step's outputs back (one transfer) and emit; rows of requests that finished since
         it was launched are dropped."""
         t0 = time.perf_counter()
-        out = jax.device_get(f.outputs)
+        jax.block_until_ready(f.outputs)
+        self.stats["wait_time"] += time.perf_counter() - t0  # the host idle: a device-bound step
+        out = to_host(f.outputs)
         if f.kind == "decode":
             nxt, lp, top_v, top_i, tree = out
             for i, r in enumerate(f.reqs):

@@ -36,6 +36,24 @@ def test_ngram_cache_insert_match_evict():
     assert small.match([100, 200])[0] is None  # the oldest are gone
 
 
+def test_ngram_folds_only_while_the_device_is_busy():
+    """prepare folds min_fold_tokens when the device is idle (the host would stall it), and the
+    whole backlog while the device is still busy."""
+    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.scheduler import Request
+    reqs = [Request(i, list(range(100 * i, 100 * i + 40)), SamplingParams(), 0) for i in range(2)]
+    idle = NgramDrafter(8, min_fold_tokens=16)
+    idle.prepare(reqs, busy=lambda: False)
+    assert sum(idle.folded.values()) == 16
+    idle.prepare(reqs, busy=lambda: False)
+    assert sum(idle.folded.values()) == 32  # every call makes progress
+    polls = []
+    busy = NgramDrafter(8, min_fold_tokens=16)
+    busy.prepare(reqs, busy=lambda: polls.append(1) or True)
+    assert busy.folded == {0: 40, 1: 40} and polls
+    assert busy.cache.match([10, 11])[0].children.keys() == {12}
+
+
 def repetitive_prompts(rng, n):
     out = []
     for _ in range(n):
@@ -74,7 +92,7 @@ def test_ngram_prompt_insertion_happens_while_the_device_runs(tiny, monkeypatch)
         return out
     monkeypatch.setattr(sched.programs, "extend", extend)
     real_prepare = drafter.prepare
-    monkeypatch.setattr(drafter, "prepare", lambda reqs: (real_prepare(reqs), events.append(("prepared", set(drafter.cursors)))))
+    monkeypatch.setattr(drafter, "prepare", lambda reqs, busy=None: (real_prepare(reqs, busy), events.append(("prepared", set(drafter.cursors)))))
     prompt = [5, 6, 7, 8] * 6
     req = gen.submit(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
     sched.step()  # prefill
@@ -102,7 +120,7 @@ def test_ngram_skips_trie_work_while_the_batch_decodes_plainly(tiny, monkeypatch
     gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=8).build(tiny), spec_max_verify_tokens=8, **kw)
     drafter, batches = gen.scheduler.drafter, []
     real_prepare = drafter.prepare
-    monkeypatch.setattr(drafter, "prepare", lambda reqs: (batches.append(len(reqs)), real_prepare(reqs)))
+    monkeypatch.setattr(drafter, "prepare", lambda reqs, busy=None: (batches.append(len(reqs)), real_prepare(reqs, busy)))
     spec = gen.generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert batches and max(batches) <= 2  # 8 // batch >= 4 nodes only at batch <= 2

@@ -123,15 +123,14 @@ class NgramDrafter:
 
     The scheduler calls `prepare` after dispatching a device step and before waiting for it, so
     the trie work overlaps the device: each request's tokens not yet in the trie (a new prompt, or
-    the tokens emitted since) are folded in there, within a time budget per step
-    (`fold_budget_ms`) so that a wave of long prompts spreads over several steps instead of
-    stalling one. What stays on the critical path (`host_time`) is per step: the match of each
+    the tokens emitted since) are folded in there while the device is still busy, so that a wave
+    of long prompts spreads over several steps instead of stalling one. What stays on the critical path (`host_time`) is per step: the match of each
     request's latest tokens (a walk from the root of at most max_match_window levels per window
     size) and the read-out of the draft. Counts therefore lag the newest tokens by a step or more;
     the match itself does not."""
 
     def __init__(self, num_draft_tokens=8, min_match_window=1, max_match_window=12, max_bfs_breadth=8,
-                 branch_length=18, match_type="BFS", capacity=1_000_000, fold_budget_ms=2.0):
+                 branch_length=18, match_type="BFS", capacity=1_000_000, fold_budget_ms=20.0, min_fold_tokens=16):
         if match_type not in ("BFS", "PROB"):
             raise ValueError(f"ngram match_type must be 'BFS' or 'PROB', got {match_type!r}")
         if num_draft_tokens < 2:
@@ -140,7 +139,7 @@ class NgramDrafter:
         self.opts = dict(min_window=min_match_window, max_window=max_match_window, match_type=match_type,
                          breadth=max_bfs_breadth, branch_length=branch_length)
         self.cache = NgramCache(max_trie_depth=max(branch_length, max_match_window) + 1, capacity=capacity)
-        self.fold_budget_s = fold_budget_ms / 1e3
+        self.fold_budget_s, self.min_fold_tokens = fold_budget_ms / 1e3, min_fold_tokens
         self.cursors: dict[int, list] = {}  # a request's open insertion paths
         self.folded: dict[int, int] = {}  # how many of its tokens are in the trie
         self.host_time = 0.0  # between device steps
@@ -153,21 +152,26 @@ class NgramDrafter:
         self.cursors.clear()
         self.folded.clear()
 
-    def prepare(self, reqs):
+    def prepare(self, reqs, busy=None):
+        """Fold the requests' new tokens into the trie while `busy()` says the device is still
+        running the step the host waits for (always at least min_fold_tokens, so every backlog
+        shrinks even when the host is the bottleneck), within fold_budget_ms."""
         t0 = time.perf_counter()
-        deadline = t0 + self.fold_budget_s
+        deadline, left = t0 + self.fold_budget_s, self.min_fold_tokens
         # requests a few tokens behind first (their matches stay current), then the long backlogs
         for r in sorted(reqs, key=lambda r: len(r.prompt_ids) + len(r.output_ids) - self.folded.get(r.rid, 0)):
             n = len(r.prompt_ids) + len(r.output_ids)
             done, cur = self.folded.get(r.rid, 0), self.cursors.get(r.rid, [])
-            out_of_time = False
-            while done < n and not out_of_time:  # at least one chunk a call, so every backlog shrinks
-                for t in r.token_slice(done, min(n, done + 64)):
+            stop = False
+            while done < n and not stop:
+                end = min(n, done + 16)
+                for t in r.token_slice(done, end):
                     cur = self.cache.advance(cur, int(t))
-                done = min(n, done + 64)
-                out_of_time = time.perf_counter() >= deadline
+                left -= end - done
+                done = end
+                stop = left <= 0 and (busy is None or not busy() or time.perf_counter() >= deadline)
             self.cursors[r.rid], self.folded[r.rid] = cur, done
-            if out_of_time:
+            if stop:
                 break
         if self.cache.evict_if_full():
             # the old paths are gone; requests go on from their current end (no re-insertion storm)
