@@ -155,6 +155,8 @@ def device_kernels(run, steps: int, log_dir: str, top: int = 12):
     start = min(e["ts"] for e in ks)
     end = max(e["ts"] + e["dur"] for e in ks)
     busiest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    commonest = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:2 * top]
     return dict(kernel_ms=sum(e["dur"] for e in ks) / steps / 1e3, kernels=len(ks) / steps,
                 span_ms=(end - start) / steps / 1e3,
-                top=[(n[:80], t / steps, c / steps) for n, (t, c) in busiest])
+                top=[(n[:80], t / steps, c / steps) for n, (t, c) in busiest],
+                most_launched=[(n[:80], t / steps, c / steps) for n, (t, c) in commonest])

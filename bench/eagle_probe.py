@@ -24,6 +24,7 @@ from common import device_kernels, mt_bench_prompts, print_table, write_results
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.speculative import DEFAULT_HEADS
 from jaxspec.generator import Generator
+from jaxspec.models import Llama
 from jaxspec.models.loading import load
 from jaxspec.programs import Programs
 
@@ -37,7 +38,7 @@ def capture(gen, name, prompts, max_tokens=48):
         rec["a"], rec["kw"] = a, kw
         return orig(state, cache, *a, **kw)
     setattr(progs, name, wrapped)
-    gen.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    gen.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     setattr(progs, name, orig)
     return orig, rec["a"], rec["kw"]
 
@@ -84,6 +85,9 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--unroll", type=int, default=None, help="lax.scan unroll of the target's layer loop")
     ap.add_argument("--profile", action="store_true", help="add the GPU kernel sums of each program (profiler)")
+    ap.add_argument("--random", action="store_true",
+                    help="a SmolLM2-shaped target and EAGLE-3 head with random bf16 weights (no checkpoint needed)")
+    ap.add_argument("--hlo", action="store_true", help="write each program's optimized HLO next to the results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.unroll is not None:
@@ -93,19 +97,39 @@ def main():
     log_dir = os.path.join(os.environ.get("BENCH_OUT", "/tmp"), "probe_trace")
 
     def add_profile(row, fn, state, cache, a, kw):
+        if args.hlo:
+            path = os.path.join(os.environ.get("BENCH_OUT", "/tmp"), f"hlo-{row['step'].replace(' ', '_').replace(':', '-')}-b{row['batch']}.txt")
+            with open(path, "w") as f:
+                f.write(fn.lower(state, cache, *a, **kw).compile().as_text())
         if not args.profile:
             return cache
         prof, cache = profile_program(fn, state, cache, a, kw, log_dir)
         if prof:
-            row.update(kernel_ms=prof["kernel_ms"], kernels=prof["kernels"], span_ms=prof["span_ms"])
+            row.update(kernel_ms=prof["kernel_ms"], kernels=prof["kernels"], span_ms=prof["span_ms"],
+                       most_launched=prof["most_launched"])
             print(f"  {row['step']} b{row['batch']}: busiest kernels (us/step, count/step)")
             for name, us, c in prof["top"]:
+                print(f"    {us:8.1f} {c:5.1f}  {name}")
+            print("  most launched")
+            for name, us, c in prof["most_launched"]:
                 print(f"    {us:8.1f} {c:5.1f}  {name}")
         return cache
     if args.draft_model is None and "smol" in args.model.lower():  # a SmolLM2 GGUF path: the shipped head
         args.draft_model = DEFAULT_HEADS["smollm2-135m"]
-    model, tok = load(args.model)
-    chats = [[{"role": "user", "content": q}] for q in mt_bench_prompts()]
+    if args.random:
+        import jax.numpy as jnp
+        import numpy as np
+        from flax import nnx
+        from host_probe import SMOL
+        from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+        from jaxspec.drafters.eagle_step import TreeShape
+        model, tok = Llama(SMOL, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), None
+        head = DraftHead(HeadConfig.for_target(SMOL, "eagle3"), dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+        rng = np.random.default_rng(0)
+        chats = [[int(t) for t in rng.integers(3, SMOL.vocab_size, 64)] for _ in range(64)]
+    else:
+        model, tok = load(args.model)
+        chats = [[{"role": "user", "content": q}] for q in mt_bench_prompts()]
     plain = Generator(model, tok, max_batch=64, max_seq_len=1024)
     bare = Programs(model)  # tree verify without a head: the target's share of an EAGLE step
     rows = []
@@ -119,11 +143,13 @@ def main():
         print_table(rows[-1:], cols)
         for tree in args.trees.split(","):
             steps, topk, n = map(int, tree.split(":"))
-            spec = SpecConfig("EAGLE3", draft_model_path=args.draft_model, num_steps=steps, eagle_topk=topk,
-                              num_draft_tokens=n)
+            if args.random:
+                drafter = EagleDrafter(head, TreeShape(steps, topk, n))
+            else:
+                drafter = SpecConfig("EAGLE3", draft_model_path=args.draft_model, num_steps=steps, eagle_topk=topk,
+                                     num_draft_tokens=n).build(model, args.model)
             # no shrinking of the tree at large batch here: the probe prices the full tree
-            gen = Generator(model, tok, drafter=spec.build(model, args.model), max_batch=64, max_seq_len=1024,
-                            spec_max_verify_tokens=1 << 16)
+            gen = Generator(model, tok, drafter=drafter, max_batch=64, max_seq_len=1024, spec_max_verify_tokens=1 << 16)
             fn, a, kw = capture(gen, "verify_tree", prompts)
             pipe, sync, gen.scheduler.cache = time_program(fn, gen.scheduler.programs.state, gen.scheduler.cache,
                                                            a, kw, args.iters)

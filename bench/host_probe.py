@@ -8,10 +8,11 @@ max_tokens, and times per step:
   host_ms        the rest: launching, reading back, emitting (when it exceeds the device's time per
                  step, the device idles).
 
-The step's small inputs and outputs move either one copy per array (`per-array`: jax.device_put /
-jax.device_get) or packed into one buffer each way (`packed`: jaxspec.transfer), the two
-interleaved per round. A cProfile of one packed EAGLE-3 pass at batch 1 lists the host's top
-functions. Writes bench/results/host_probe-<device>.json.
+A cProfile of one EAGLE-3 pass at batch 1 lists the host's top functions (a program's launch, the
+host enqueueing its GPU kernels one by one, shows as the self time of the scheduler function that
+calls it). Writes bench/results/host_probe-<device>.json. (At 4364adc this probe also compared
+packing the step's small inputs and outputs into one copy each way: 0.73x at batch 1, the two
+extra small programs cost more than the copies they saved; host_probe-packed-*.json.)
 
     python bench/host_probe.py [--batches 1,8] [--max-tokens 128] [--rounds 3]
 """
@@ -34,15 +35,13 @@ import numpy as np
 from flax import nnx
 
 from common import print_table, write_results
-from jaxspec import Generator, SamplingParams, transfer
-import jaxspec.scheduler as scheduler
+from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models import Llama, ModelConfig
 
 SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                    num_kv_heads=3, head_dim=64, max_position=8192, eos_token_ids=(2,), tie_word_embeddings=True)
-MODES = {"per-array": (jax.device_put, jax.device_get), "packed": (transfer.to_device, transfer.to_host)}
 
 
 def one_pass(gen, prompts, params):
@@ -74,31 +73,15 @@ def main():
     for b in map(int, args.batches.split(",")):
         prompts = [[int(t) for t in rng.integers(3, SMOL.vocab_size, 64)] for _ in range(b)]
         for algo, gen in gens.items():
-            for mode, (put, get) in MODES.items():  # compile every shape
-                scheduler.to_device, scheduler.to_host = put, get
-                one_pass(gen, prompts, params)
-            runs = {m: [] for m in MODES}
-            for _ in range(args.rounds):
-                for mode, (put, get) in MODES.items():
-                    scheduler.to_device, scheduler.to_host = put, get
-                    runs[mode].append(one_pass(gen, prompts, params))
-            base = None
-            for mode, rs in runs.items():
-                ms = [1e3 * r["wall"] / r["steps"] for r in rs]
-                row = dict(algorithm=algo, batch=b, transfer=mode, ms_per_step=float(np.median(ms)), ms_per_step_runs=ms,
-                           wait_ms=float(np.median([1e3 * r["wait"] / r["steps"] for r in rs])),
-                           host_ms=float(np.median([1e3 * (r["wall"] - r["wait"]) / r["steps"] for r in rs])),
-                           tokens_per_s=float(np.median([r["tokens"] / r["wall"] for r in rs])),
-                           steps=rs[0]["steps"], chained=rs[0]["chained"])
-                if base is None:
-                    base = ms
-                else:
-                    row["speedup_vs_per_array"] = float(np.median([a / m for a, m in zip(base, ms)]))
-                rows.append(row)
-                print_table(rows[-1:], ["algorithm", "batch", "transfer", "ms_per_step", "wait_ms", "host_ms",
-                                        "tokens_per_s", "speedup_vs_per_array"])
-    # where the host's time goes: one packed EAGLE-3 pass at batch 1
-    scheduler.to_device, scheduler.to_host = MODES["packed"]
+            one_pass(gen, prompts, params)  # compile every shape
+            rs = [one_pass(gen, prompts, params) for _ in range(args.rounds)]
+            rows.append(dict(algorithm=algo, batch=b, ms_per_step=float(np.median([1e3 * r["wall"] / r["steps"] for r in rs])),
+                             wait_ms=float(np.median([1e3 * r["wait"] / r["steps"] for r in rs])),
+                             host_ms=float(np.median([1e3 * (r["wall"] - r["wait"]) / r["steps"] for r in rs])),
+                             tokens_per_s=float(np.median([r["tokens"] / r["wall"] for r in rs])),
+                             steps=rs[0]["steps"], chained=rs[0]["chained"]))
+            print_table(rows[-1:], ["algorithm", "batch", "ms_per_step", "wait_ms", "host_ms", "tokens_per_s"])
+    # where the host's time goes: one EAGLE-3 pass at batch 1
     gen, prompts = gens["eagle3 5:4:16"], [[int(t) for t in rng.integers(3, SMOL.vocab_size, 64)]]
     one_pass(gen, prompts, params)
     prof = cProfile.Profile()

@@ -30,7 +30,6 @@ from jaxspec.kv_cache import KVCache
 from jaxspec.paging import PagePool
 from jaxspec.programs import BATCH_BUCKETS, TOKEN_BUCKETS, TREE_BUCKETS, Programs, bucket, page_bucket
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
-from jaxspec.transfer import to_device, to_host
 
 
 @dataclasses.dataclass(eq=False)  # identity: requests are looked up in lists every step
@@ -339,9 +338,9 @@ class Scheduler:
 
     def _call_extend(self, plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft):
         """Launch an extend program (the target alone when plain); returns its outputs, cache aside."""
-        # host arrays go to the device in one copy; they and a chained step's device arrays then
+        # host arrays go to the device as one batch; they and a chained step's device arrays then
         # meet the same compiled program (a numpy argument is a different jit cache entry)
-        args = to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))
+        args = jax.device_put((tokens, next_tokens, pt, kv_lens, q_lens, sb))
         if plain:  # the target's cache alone
             *outputs, tcache = self.plain_programs.extend(self.plain_programs.state, self.cache[0], *args,
                                                           flags=flags, draft=False)
@@ -380,7 +379,7 @@ class Scheduler:
     def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, max_tokens):
         t0 = time.perf_counter()
         pt = self._page_table(reqs, tokens.shape[0], max_tokens)
-        args = to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
+        args = jax.device_put((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
         *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, *args, flags=flags)
         # the device copies: a chained step's helper then always meets jax arrays (one compile)
         return InFlight("verify", reqs, tuple(outputs), dict(kv_lens=args[3], sb=args[5]), flags,
@@ -453,7 +452,7 @@ class Scheduler:
         t0 = time.perf_counter()
         jax.block_until_ready(f.outputs)
         self.stats["wait_time"] += time.perf_counter() - t0  # the host idle: a device-bound step
-        out = to_host(f.outputs)
+        out = jax.device_get(f.outputs)
         if f.kind == "decode":
             nxt, lp, top_v, top_i, tree = out
             for i, r in enumerate(f.reqs):
