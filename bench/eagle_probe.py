@@ -26,6 +26,7 @@ from jaxspec.speculative import DEFAULT_HEADS
 from jaxspec.generator import Generator
 from jaxspec.models import Llama
 from jaxspec.models.loading import load
+from jaxspec import programs
 from jaxspec.programs import Programs
 
 
@@ -87,6 +88,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="add the GPU kernel sums of each program (profiler)")
     ap.add_argument("--random", action="store_true",
                     help="a SmolLM2-shaped target and EAGLE-3 head with random bf16 weights (no checkpoint needed)")
+    ap.add_argument("--tree-unroll", default="", help="comma list of layer-loop unrolls for the tree programs "
+                    "(default: the engine's choice)")
     ap.add_argument("--hlo", action="store_true", help="write each program's optimized HLO next to the results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -131,7 +134,6 @@ def main():
         model, tok = load(args.model)
         chats = [[{"role": "user", "content": q}] for q in mt_bench_prompts()]
     plain = Generator(model, tok, max_batch=64, max_seq_len=1024)
-    bare = Programs(model)  # tree verify without a head: the target's share of an EAGLE step
     rows = []
     for b in map(int, args.batches.split(",")):
         prompts = chats[:b]
@@ -142,6 +144,9 @@ def main():
         plain.scheduler.cache = add_profile(rows[-1], fn, plain.scheduler.programs.state, plain.scheduler.cache, a, kw)
         print_table(rows[-1:], cols)
         for tree in args.trees.split(","):
+          for u in [int(x) for x in args.tree_unroll.split(",") if x] or [None]:
+            programs.TREE_UNROLL = u
+            tag = "" if u is None else f" u{u}"
             steps, topk, n = map(int, tree.split(":"))
             if args.random:
                 drafter = EagleDrafter(head, TreeShape(steps, topk, n))
@@ -153,12 +158,13 @@ def main():
             fn, a, kw = capture(gen, "verify_tree", prompts)
             pipe, sync, gen.scheduler.cache = time_program(fn, gen.scheduler.programs.state, gen.scheduler.cache,
                                                            a, kw, args.iters)
-            rows.append(dict(batch=b, step=f"eagle3 {tree}", nodes=n, ms_pipelined=pipe, ms_synced=sync))
+            rows.append(dict(batch=b, step=f"eagle3 {tree}{tag}", nodes=n, ms_pipelined=pipe, ms_synced=sync))
             gen.scheduler.cache = add_profile(rows[-1], fn, gen.scheduler.programs.state, gen.scheduler.cache, a, kw)
             # the same tree through the target alone, on a cache of the target's shape
+            bare = Programs(model)
             pipe_v, sync_v, tcache = time_program(bare.verify_tree, bare.state, gen.scheduler.cache[0], a, kw,
                                                          args.iters)
-            rows.append(dict(batch=b, step=f"verify only {n}", nodes=n, ms_pipelined=pipe_v, ms_synced=sync_v))
+            rows.append(dict(batch=b, step=f"verify only {n}{tag}", nodes=n, ms_pipelined=pipe_v, ms_synced=sync_v))
             tcache = add_profile(rows[-1], bare.verify_tree, bare.state, tcache, a, kw)
             rows[-2]["draft_share"] = 1 - pipe_v / pipe
             print_table(rows[-2:], cols)

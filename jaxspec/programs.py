@@ -74,6 +74,21 @@ def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, 
     return nxt[:, 0], lp[:, 0], squeeze(top_v), squeeze(top_i), None, cache
 
 
+TREE_UNROLL: int | None = None  # None: tree_unroll decides (bench/eagle_probe.py sets it to compare)
+
+
+def tree_unroll(cfg) -> int:
+    """The layer loop's unroll in tree programs. Scanned, a layer's weights are a dynamic slice of
+    the stacked weights, which XLA copies out before each gemm of more than one row (decode's
+    one-row products read the slice in place): ~10 copy kernels a layer, 289 of a SmolLM2 tree
+    step's 1024 at batch 1 (bench/results/eagle_probe-random-b1-*), where the host's launching of
+    kernels bounds the step. Unrolled, the slices are static. The CPU keeps the scan: its cost
+    there is compile time, not launches."""
+    if TREE_UNROLL is not None:
+        return TREE_UNROLL
+    return cfg.num_layers if jax.default_backend() == "gpu" else 1
+
+
 def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
                       hidden_layers: tuple = ()):
     """The target over a draft tree, then accept. Shared by every tree-verifying step.
@@ -86,7 +101,7 @@ def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_no
     """
     mask, depth = tree_attention_mask(parents, num_nodes)
     h, cache, layers = model(tokens, kv_lens[:, None] + depth, cache, page_table, kv_lens, num_nodes, tree_mask=mask,
-                             hidden_layers=hidden_layers, attn_impl=attn_impl)
+                             hidden_layers=hidden_layers, attn_impl=attn_impl, unroll=tree_unroll(model.cfg))
     logits = model.logits(h)  # [B, N, V]
     extra = None
     if flags.penalties:  # each node's penalty sees the draft tokens above it

@@ -97,11 +97,11 @@ class Llama(nnx.Module):
 
     # -- forward -----------------------------------------------------------------------------
     def __call__(self, tokens, positions, cache: KVCache, page_table, kv_lens, q_lens, tree_mask=None,
-                 hidden_layers: tuple = (), attn_impl: str = "auto"):
+                 hidden_layers: tuple = (), attn_impl: str = "auto", unroll: int | None = None):
         """Run T new tokens per request through the decoder.
 
         tokens, positions [B, T]; kv_lens [B] tokens already cached; q_lens [B] valid new tokens;
-        tree_mask [B, T, T] or None for causal. Returns (final-normed hidden [B, T, H], cache,
+        tree_mask [B, T, T] or None for causal. unroll: the layer scan's (default LAYER_UNROLL). Returns (final-normed hidden [B, T, H], cache,
         hidden states after each layer in hidden_layers, stacked [len, B, T, H] or None).
         """
         cfg = self.cfg
@@ -133,6 +133,7 @@ class Llama(nnx.Module):
             return (x, k_pages, v_pages), (x if hidden_layers else None)
 
         (x, k_pages, v_pages), per_layer = jax.lax.scan(
-            layer, (x, cache.k, cache.v), (self.layer_weights(), jnp.arange(cfg.num_layers)), unroll=LAYER_UNROLL)
+            layer, (x, cache.k, cache.v), (self.layer_weights(), jnp.arange(cfg.num_layers)),
+            unroll=unroll or LAYER_UNROLL)
         hidden = per_layer[jnp.array(hidden_layers)] if hidden_layers else None
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
