@@ -62,8 +62,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tree-unroll", default="", help="comma list: an EAGLE-3 generator per layer-loop unroll of "
                     "its tree programs (default: the engine's choice)")
+    ap.add_argument("--unroll", type=int, default=None, help="the target's layer-loop unroll in every program")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    if args.unroll is not None:
+        from jaxspec.models import llama
+        llama.LAYER_UNROLL = args.unroll
     model = Llama(SMOL, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     head = DraftHead(HeadConfig.for_target(SMOL, "eagle3"), dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
     gens, unroll = {"plain": Generator(model, None, max_batch=64, max_seq_len=1024)}, {}
@@ -100,7 +104,8 @@ def main():
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     profile = [l for l in text.getvalue().splitlines() if l.strip()][:45]
     print("\n".join(profile))
-    write_results("host_probe" + args.tag, rows, {"profile_eagle3_b1": profile, "profile_steps": r["steps"]})
+    write_results("host_probe" + args.tag, rows, {"xla_flags": os.environ.get("XLA_FLAGS", ""), "unroll": args.unroll,
+                                                  "profile_eagle3_b1": profile, "profile_steps": r["steps"]})
 
 
 if __name__ == "__main__":

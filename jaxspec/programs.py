@@ -109,7 +109,7 @@ def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_no
         anc = mask & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n)[None, None] > 0)
         extra = jnp.where(anc, tokens[:, None, :], -1)
     target = sampling.sample(logits, sb, flags, extra, depth)  # the target's own token after each node
-    path, num_accepted = accept_tree(tokens, parents, target, num_nodes)
+    path, num_accepted = accept_tree(tokens, parents, target, num_nodes, mask, depth)
     # Along the accepted path target[path[i]] == tokens[path[i + 1]], so the emitted tokens (the
     # accepted drafts, then the bonus) are simply the target's tokens at the path's nodes.
     count = num_accepted + 1

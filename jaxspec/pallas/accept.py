@@ -9,33 +9,38 @@ distinct tokens, which the drafters guarantee).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from jaxspec.pallas.tree_mask import tree_attention_mask
 
-def accept_tree(tokens, parents, target, num_nodes):
-    """tokens/parents/target [B, N], num_nodes [B] -> (path [B, N], num_accepted [B]).
+
+def accept_tree(tokens, parents, target, num_nodes, mask=None, depth=None):
+    """tokens/parents/target [B, N], num_nodes [B] -> (path [B, N], num_accepted [B]); mask and
+    depth: the trees' ancestor masks and depths (tree_attention_mask), computed here if not given.
 
     path[:, 0] = 0 (the root); path[:, i] for 1 <= i <= num_accepted are the accepted nodes; the
     rest is filled with i so that compacting the K/V leaves those slots alone.
+
+    No loop over depth: a node is accepted iff it and each of its ancestors below the root is the
+    first child of its parent whose token is the target's token after that parent. (A loop walking
+    down the tree costs a handful of kernel launches per level, and launches bound a small
+    model's step.)
     """
     b, n = tokens.shape
-    idx = jnp.arange(n)[None]
-    live = idx < num_nodes[:, None]
-
-    def body(i, carry):
-        path, cur, count, done = carry
-        want = jnp.take_along_axis(target, cur[:, None], axis=1)
-        match = live & (parents == cur[:, None]) & (tokens == want) & (idx > 0)
-        found = match.any(axis=1) & ~done
-        child = jnp.argmax(match, axis=1).astype(jnp.int32)
-        path = path.at[:, i].set(jnp.where(found, child, path[:, i]))
-        return path, jnp.where(found, child, cur), count + found, done | ~found
-
-    init = (jnp.broadcast_to(idx, (b, n)).astype(jnp.int32), jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32),
-            jnp.zeros(b, bool))
-    path, _, count, _ = jax.lax.fori_loop(1, n, body, init)
-    return path, count
+    if mask is None:
+        mask, depth = tree_attention_mask(parents, num_nodes)
+    idx = jnp.arange(n)
+    live = (idx[None] < num_nodes[:, None]) & (idx[None] > 0) & (parents >= 0)
+    want = jnp.take_along_axis(target, jnp.maximum(parents, 0), axis=1)  # the target's token after j's parent
+    match = live & (tokens == want)
+    # siblings carry distinct tokens; should two match anyway, the first one is taken
+    earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & (idx[None, :] < idx[:, None])[None]
+    match &= ~(earlier_sibling & match[:, None, :]).any(-1)
+    # accepted: no node on the root path (itself included, the root excluded) fails to match
+    accepted = match & ~(mask & ~match[:, None, :] & (idx > 0)[None, None, :]).any(-1)
+    at_depth = accepted[:, None, :] & (depth[:, None, :] == idx[None, :, None])  # [B, depth, node]
+    path = jnp.where(at_depth.any(-1), jnp.argmax(at_depth, axis=-1), idx[None]).astype(jnp.int32)
+    return path, accepted.sum(-1).astype(jnp.int32)
 
 
 def accept_tree_ref(tokens, parents, target, num_nodes):
