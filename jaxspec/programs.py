@@ -121,8 +121,9 @@ def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_no
 
 
 def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):
-    """One speculative step over a draft tree (verify_and_accept); no next tree: the host drafts."""
+    """One speculative step over a draft tree (verify_and_accept); no next tree nor next step's
+    inputs: the host drafts."""
     model = nnx.merge(graphdef, state)
     out, count, lp, top_v, top_i, _, _, _, cache = verify_and_accept(
         model, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl)
-    return out, count, lp, top_v, top_i, None, cache
+    return out, count, lp, top_v, top_i, None, None, cache

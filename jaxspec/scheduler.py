@@ -17,7 +17,6 @@ after it, so ordered after it on the device) may reuse.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import time
 from typing import Callable
@@ -340,7 +339,7 @@ class Scheduler:
         """Launch an extend program (the target alone when plain); returns its outputs, cache aside."""
         # host arrays go to the device as one batch; they and a chained step's device arrays then
         # meet the same compiled program (a numpy argument is a different jit cache entry)
-        args = jax.device_put((tokens, next_tokens, pt, kv_lens, q_lens, sb))
+        args = _to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))
         if plain:  # the target's cache alone
             *outputs, tcache = self.plain_programs.extend(self.plain_programs.state, self.cache[0], *args,
                                                           flags=flags, draft=False)
@@ -379,7 +378,7 @@ class Scheduler:
     def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, max_tokens):
         t0 = time.perf_counter()
         pt = self._page_table(reqs, tokens.shape[0], max_tokens)
-        args = jax.device_put((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
+        args = _to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
         *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, *args, flags=flags)
         # the device copies: a chained step's helper then always meets jax arrays (one compile)
         return InFlight("verify", reqs, tuple(outputs), dict(kv_lens=args[3], sb=args[5]), flags,
@@ -433,11 +432,9 @@ class Scheduler:
                                         draft=False)
             g = InFlight("decode", reqs, outputs, dict(ins, kv_lens=kv_lens, sb=sb), f.flags, plain=f.plain)
         else:
-            count, (tree_tok, tree_par) = f.outputs[1], f.outputs[5]
-            n = bucket(f.nodes, TREE_BUCKETS)
-            num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, tree_tok.shape[1]), 1).astype(np.int32)
-            tokens, parents, kv_lens, step = _next_verify_inputs(tree_tok, tree_par, num_nodes, count,
-                                                                 ins["kv_lens"], ins["sb"].step, n)
+            tokens, parents, kv_lens, step = f.outputs[6]  # computed by the step itself
+            n = tokens.shape[1]
+            num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, f.outputs[5][0].shape[1]), 1).astype(np.int32)
             sb = dataclasses.replace(ins["sb"], step=step)
             # the kv lengths are on the device now; the host's bound is the worst case
             g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb,
@@ -450,24 +447,29 @@ class Scheduler:
         """Read a step's outputs back (one transfer) and emit; rows of requests that finished since
         it was launched are dropped."""
         t0 = time.perf_counter()
-        jax.block_until_ready(f.outputs)
+        jax.block_until_ready(f.outputs[:2])
         self.stats["wait_time"] += time.perf_counter() - t0  # the host idle: a device-bound step
-        out = jax.device_get(f.outputs)
+        # read what the host needs: tokens and counts, logprobs only if asked for; the drafted trees
+        # stay on the device, where the next (chained) step takes them from
+        want_lp = any(r.params.logprobs is not None for r in f.reqs)
+        tree = f.outputs[-2 if f.kind == "verify" else -1]
+        shared = None if tree is None else _OnDevice(tree)
         if f.kind == "decode":
-            nxt, lp, top_v, top_i, tree = out
+            nxt, lp, top_v, top_i = jax.device_get((f.outputs[0], f.outputs[1] if want_lp else None, *f.outputs[2:4]))
             for i, r in enumerate(f.reqs):
                 if r.finished:
                     continue
                 r.kv_len += 1 if chunk is None else chunk[i]
                 if r.todo == 0:
-                    r.draft = None if tree is None else (tree[0][i], tree[1][i])
-                    self._emit(r, [int(nxt[i])], [float(lp[i])],
+                    r.draft = None if shared is None else DraftRow(shared, i)
+                    self._emit(r, [int(nxt[i])], None if lp is None else [float(lp[i])],
                                None if top_i is None else [(top_v[i], top_i[i])])
             if timer != "prefill_time" and self.accept_mean is not None:
                 self.plain_since_probe += 1
             self.stats[timer or "decode_time"] += f.host_s + time.perf_counter() - t0
             return
-        toks, count, lp, top_v, top_i, tree = out
+        toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
+                                                        *f.outputs[3:5]))
         live = [int(count[i]) for i, r in enumerate(f.reqs) if not r.finished]
         if live:
             m = sum(live) / len(live)
@@ -477,11 +479,11 @@ class Scheduler:
             if r.finished:
                 continue
             c = int(count[i])
-            if tree is not None:
-                r.draft = (tree[0][i], tree[1][i])
+            if shared is not None:
+                r.draft = DraftRow(shared, i)
             r.kv_len += c
             r.accept_lengths.append(c)
-            self._emit(r, [int(x) for x in toks[i, :c]], [float(x) for x in lp[i, :c]],
+            self._emit(r, [int(x) for x in toks[i, :c]], None if lp is None else [float(x) for x in lp[i, :c]],
                        None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
         self.stats["verify_steps"] += 1
         self.stats["verify_time"] += f.host_s + time.perf_counter() - t0
@@ -543,15 +545,36 @@ class Scheduler:
             req.on_update(req, [])
 
 
-@functools.partial(jax.jit, static_argnums=(6,))
-def _next_verify_inputs(tree_tok, tree_par, num_nodes, count, kv_lens, step, n):
-    """Step t's drafted tree as step t + 1's verify input: its first num_nodes nodes (parent-first,
-    so any prefix is a tree), padded to n; kv lengths and sampling steps advanced by the accepted
-    counts."""
-    cols = jnp.arange(n)
-    keep = cols[None, :] < num_nodes[:, None]
-    width = tree_tok.shape[1]
-    take = jnp.minimum(cols, width - 1)
-    tokens = jnp.where(keep, tree_tok[:, take], 0)
-    parents = jnp.where(keep, tree_par[:, take], -1)
-    return tokens, parents, kv_lens + count, step + count
+def _to_device(tree):
+    """jax.device_put of a tree's numpy leaves in one call; device arrays (a chained step's inputs
+    are mostly the last step's outputs) pass as they are."""
+    leaves, treedef = jax.tree.flatten(tree)
+    host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
+    for i, x in zip(host, jax.device_put([leaves[i] for i in host])):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class _OnDevice:
+    """A step's drafted trees, copied to the host only when a step that is not chained asks."""
+    __slots__ = ("arrays", "host")
+
+    def __init__(self, arrays):
+        self.arrays, self.host = arrays, None
+
+    def get(self):
+        if self.host is None:
+            self.host = jax.device_get(self.arrays)
+        return self.host
+
+
+class DraftRow:
+    """Row i of a step's drafted trees: unpacks as (tokens, parents), fetched on first use."""
+    __slots__ = ("shared", "i")
+
+    def __init__(self, shared, i):
+        self.shared, self.i = shared, i
+
+    def __iter__(self):
+        tokens, parents = self.shared.get()
+        return iter((tokens[self.i], parents[self.i]))

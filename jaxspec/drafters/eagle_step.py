@@ -170,7 +170,8 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
            flags):
     """Verify the drafted tree, accept, compact the target's K/V, catch the head up on the accepted
     tokens and draft the next tree. Returns (emitted tokens [B, N], count [B], logprobs, top-n
-    values, top-n ids, (next tree tokens, parents), (target cache, draft cache))."""
+    values, top-n ids, (next tree tokens, parents), the next step's (tokens, parents, kv_lens,
+    sampling steps), (target cache, draft cache))."""
     target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
     tcache, dcache = cache
     out, count, lp, top_v, top_i, path, h, layers, tcache = verify_and_accept(
@@ -181,4 +182,9 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
     rows = jnp.arange(tokens.shape[0])
     last = count - 1
     tree_out = draft_tree(head, target, dcache, page_table, kv_lens + count, d_out[rows, last], out[rows, last], tree)
-    return out, count, lp, top_v, top_i, tree_out, (tcache, dcache)
+    # the next step's inputs, so that the host can launch it before reading this one (overlap):
+    # the next tree in this step's padded width (nodes past num_nodes are ignored), kv lengths and
+    # sampling steps advanced by the accepted counts
+    take = jnp.minimum(jnp.arange(tokens.shape[1]), tree_out[0].shape[1] - 1)
+    chained = (tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, sb.step + count)
+    return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
