@@ -380,8 +380,9 @@ class Scheduler:
         pt = self._page_table(reqs, tokens.shape[0], max_tokens)
         args = _to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
         *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, *args, flags=flags)
-        # the device copies: a chained step's helper then always meets jax arrays (one compile)
-        return InFlight("verify", reqs, tuple(outputs), dict(kv_lens=args[3], sb=args[5]), flags,
+        # a chained step takes its sampling parameters from here (its tokens, kv lengths and
+        # sampling steps come from this step's outputs)
+        return InFlight("verify", reqs, tuple(outputs), dict(sb=args[5]), flags,
                         nodes=nodes, host_s=time.perf_counter() - t0)
 
     # -- overlap: the next step launched from the last one's device outputs ------------------------
@@ -420,7 +421,7 @@ class Scheduler:
     def _chain(self, f: InFlight) -> InFlight:
         t0 = time.perf_counter()
         reqs, ins = f.reqs, f.inputs
-        rows = len(ins["kv_lens"])
+        rows = ins["sb"].step.shape[0]
         if f.kind == "decode":
             kv_lens = ins["kv_lens"] + ins["q_lens"]
             nxt = f.outputs[0]
