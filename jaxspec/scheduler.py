@@ -435,7 +435,8 @@ class Scheduler:
         else:
             tokens, parents, kv_lens, step = f.outputs[6]  # computed by the step itself
             n = tokens.shape[1]
-            num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, f.outputs[5][0].shape[1]), 1).astype(np.int32)
+            width = f.outputs[5][0].shape[1]  # the drafted tree's
+            num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, width), 1).astype(np.int32)
             sb = dataclasses.replace(ins["sb"], step=step)
             # the kv lengths are on the device now; the host's bound is the worst case
             g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb,

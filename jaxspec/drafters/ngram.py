@@ -124,7 +124,8 @@ class NgramDrafter:
     The scheduler calls `prepare` after dispatching a device step and before waiting for it, so
     the trie work overlaps the device: each request's tokens not yet in the trie (a new prompt, or
     the tokens emitted since) are folded in there while the device is still busy, so that a wave
-    of long prompts spreads over several steps instead of stalling one. What stays on the critical path (`host_time`) is per step: the match of each
+    of long prompts spreads over several steps instead of stalling one. What stays on the
+    critical path (`host_time`) is per step: the match of each
     request's latest tokens (a walk from the root of at most max_match_window levels per window
     size) and the read-out of the draft. Counts therefore lag the newest tokens by a step or more;
     the match itself does not."""

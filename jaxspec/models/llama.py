@@ -101,7 +101,8 @@ class Llama(nnx.Module):
         """Run T new tokens per request through the decoder.
 
         tokens, positions [B, T]; kv_lens [B] tokens already cached; q_lens [B] valid new tokens;
-        tree_mask [B, T, T] or None for causal. unroll: the layer scan's (default LAYER_UNROLL). Returns (final-normed hidden [B, T, H], cache,
+        tree_mask [B, T, T] or None for causal; unroll: the layer scan's (default LAYER_UNROLL).
+        Returns (final-normed hidden [B, T, H], cache,
         hidden states after each layer in hidden_layers, stacked [len, B, T, H] or None).
         """
         cfg = self.cfg

@@ -26,7 +26,7 @@ def accept_tree(tokens, parents, target, num_nodes, mask=None, depth=None):
     down the tree costs a handful of kernel launches per level, and launches bound a small
     model's step.)
     """
-    b, n = tokens.shape
+    n = tokens.shape[1]
     if mask is None:
         mask, depth = tree_attention_mask(parents, num_nodes)
     idx = jnp.arange(n)
