@@ -27,7 +27,8 @@ HQ, HKV, D, PS = 32, 8, 128, 16
 # --smoke: tiny shapes through the interpreter, to check this script on a CPU before a GPU call
 SMOKE = "--smoke" in sys.argv
 # --focus: only decode at the big batch and tree verify, with more variants (block rows, warps)
-FOCUS = "--focus" in sys.argv
+FOCUS = "--focus" in sys.argv or "--layout" in sys.argv
+LAYOUT = "--layout" in sys.argv
 CTX, BIG_BATCH = (64, 2) if SMOKE else (2048, 64)
 
 
@@ -57,6 +58,21 @@ def random_tree(b, t, seed=0):
     return jnp.asarray(par)
 
 
+def tree_rows(rows):
+    """tree_mask and accept at batch 64 x 64 nodes (accept given the mask, as the verify step calls it)."""
+    par = jnp.tile(random_tree(1, 64), (64, 1))
+    nn = jnp.full((64,), 64, jnp.int32)
+    f = jax.jit(tree_attention_mask)
+    rows.append(dict(kernel="tree_mask", impl="xla", batch=64, q_tokens=64, time_us=time_fn(f, par, nn) * 1e6))
+    mask, depth = f(par, nn)
+    toks = jax.random.randint(jax.random.key(0), (64, 64), 0, 4)
+    tgt = jax.random.randint(jax.random.key(1), (64, 64), 0, 4)
+    f = jax.jit(accept_tree)
+    rows.append(dict(kernel="accept", impl="xla", batch=64, q_tokens=64,
+                     time_us=time_fn(f, toks, par, tgt, nn, mask, depth) * 1e6))
+    print_table(rows[-2:], ["kernel", "impl", "batch", "q_tokens", "time_us"])
+
+
 def main():
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -74,12 +90,15 @@ def main():
         rows.append(dict(kernel=kernel, impl="xla-ref", batch=b, q_tokens=t, context=ctx, time_us=t_ref * 1e6,
                          bandwidth_fraction=kv_bytes / t_ref / bw, rel_err=0.0))
         best = None
+        # the same pages head-major, [L, N, Hkv, ps, D]: one (page, head) is one contiguous block
+        kh, vh = k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
         for name, kw in variants:
             f = jax.jit(lambda q, k, v, kw=kw: paged_attention(q, k, v, 0, pt, kv_lens, q_lens, mask, interpret=SMOKE,
                                                                **kw))
+            kk, vv = (kh, vh) if kw.get("head_major") else (k, v)
             try:
-                out = f(q, k, v)
-                tt = time_fn(f, q, k, v)
+                out = f(q, kk, vv)
+                tt = time_fn(f, q, kk, vv)
             except Exception as e:  # a variant that fails to lower is reported, not fatal
                 print(f"{kernel} {name}: {type(e).__name__}: {str(e)[:300]}")
                 continue
@@ -112,6 +131,13 @@ def main():
                     ("r128 ppb2 w8", dict(block_rows=128, pages_per_block=2, num_warps=8)),
                     ("r128 ppb4 w4", dict(block_rows=128, pages_per_block=4, num_warps=4)),
                     ("r256 ppb2 w8", dict(block_rows=256, pages_per_block=2, num_warps=8))]
+    if LAYOUT:  # the page layout, head-major vs token-major, at the engine's blocking and its neighbours
+        variants = [(f"{hm}{name}", dict(kw, head_major=True) if hm else kw) for hm in ("", "hm ")
+                    for name, kw in [("auto", {}), ("ppb4 s2 st4", dict(pages_per_block=4, splits=2, num_stages=4)),
+                                     ("ppb8", dict(pages_per_block=8)), ("ppb8 st3", dict(pages_per_block=8, num_stages=3)),
+                                     ("ppb4 st3", dict(pages_per_block=4, num_stages=3)),
+                                     ("r128 ppb4 w4", dict(block_rows=128, pages_per_block=4)),
+                                     ("r128 ppb8 w8", dict(block_rows=128, pages_per_block=8, num_warps=8))]]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:
@@ -142,19 +168,14 @@ def main():
     if FOCUS:
         print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction", "rel_err",
                            "over_decode"])
+        if LAYOUT:
+            tree_rows(rows)
         if not SMOKE:
-            print(write_results("kernels-focus", rows, {"copy_bandwidth_GBps": bw / 1e9}))
+            print(write_results("kernels-layout" if LAYOUT else "kernels-focus", rows, {"copy_bandwidth_GBps": bw / 1e9}))
         return
     attn_row("extend", 4, 64 if SMOKE else 512, CTX // 2, False, [("auto", {}), ("ppb8 w8", dict(pages_per_block=8, num_warps=8))])
 
-    par = jnp.tile(random_tree(1, 64), (64, 1))
-    nn = jnp.full((64,), 64, jnp.int32)
-    f = jax.jit(tree_attention_mask)
-    rows.append(dict(kernel="tree_mask", impl="xla", batch=64, q_tokens=64, time_us=time_fn(f, par, nn) * 1e6))
-    toks = jax.random.randint(jax.random.key(0), (64, 64), 0, 4)
-    tgt = jax.random.randint(jax.random.key(1), (64, 64), 0, 4)
-    f = jax.jit(accept_tree)
-    rows.append(dict(kernel="accept", impl="xla", batch=64, q_tokens=64, time_us=time_fn(f, toks, par, tgt, nn) * 1e6))
+    tree_rows(rows)
     print()
     print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction", "rel_err", "over_decode"])
     if SMOKE:

@@ -322,7 +322,10 @@ class Scheduler:
             kv_lens[i], q_lens[i] = r.kv_len, n
             if r.todo > n:
                 next_tokens[i] = r.token_slice(r.kv_len + n, r.kv_len + n + 1)[0]
-        draft = self.device_drafter and not plain and bool((next_tokens[:len(batch)] < 0).any())
+        # the first tree comes with the prompt's last chunk, unless the batch is too large for trees
+        # (then the head only catches up: its cache keeps the prompt's pages reusable as a prefix)
+        draft = (self.device_drafter and not plain and bool((next_tokens[:len(batch)] < 0).any())
+                 and self.tree_size(len(self.running)) > 1)
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
         sb = self._sampling(reqs, rows, flags)

@@ -11,40 +11,73 @@ and the draft read-out run between steps, and both costs are measured per step.
 """
 from __future__ import annotations
 
+import array
 import collections
 import heapq
 import time
 
 
-class _Node:
-    __slots__ = ("children", "count")
-
-    def __init__(self):
-        self.children: dict[int, _Node] = {}
-        self.count = 0
+# Edge keys pack (parent node, token) into one int: any vocabulary is below 2**32.
+_TOKEN_BITS = 32
 
 
 class NgramCache:
+    """The trie as flat int arrays and one int-to-int dict, not a Python object a node: the
+    garbage collector skips containers of plain ints, so a trie of a million nodes adds nothing
+    to its pauses. (With a node object and a children dict each, HumanEval at batch 64 built
+    ~300k nodes and every full collection walked them all: ~0.2 s a pause, ~0.5 s of the 1 s the
+    insertion took, measured on CPU.) Node 0 is the root; a node's children are a linked list
+    through `first_child` / `next_sibling`, newest first."""
+
     def __init__(self, max_trie_depth=18, capacity=1_000_000):
         if max_trie_depth < 2:
             raise ValueError("max_trie_depth must be >= 2")
         self.depth, self.capacity = max_trie_depth, capacity
-        self.root = _Node()
-        self.size = 0
+        self._clear()
         self.recent: collections.deque = collections.deque(maxlen=64)  # kept across evictions
 
+    def _clear(self):
+        self.edges: dict[int, int] = {}  # (node << _TOKEN_BITS) | token -> child node
+        self.token = array.array("q", [-1])
+        self.counts = array.array("q", [0])
+        self.first_child = array.array("q", [-1])
+        self.next_sibling = array.array("q", [-1])
+
+    @property
+    def size(self) -> int:
+        return len(self.counts) - 1  # the root aside
+
+    def count(self, node: int) -> int:
+        return self.counts[node]
+
+    def child(self, node: int, tok: int) -> int | None:
+        return self.edges.get((node << _TOKEN_BITS) | tok)
+
+    def children(self, node: int) -> dict[int, int]:
+        """token -> child node, in insertion order."""
+        out, c = [], self.first_child[node]
+        while c >= 0:
+            out.append(c)
+            c = self.next_sibling[c]
+        return {self.token[c]: c for c in reversed(out)}
+
     def _child(self, node, tok):
-        nxt = node.children.get(tok)
+        key = (node << _TOKEN_BITS) | tok
+        nxt = self.edges.get(key)
         if nxt is None:
-            nxt = node.children[tok] = _Node()
-            self.size += 1
-        nxt.count += 1
+            nxt = self.edges[key] = len(self.counts)
+            self.token.append(tok)
+            self.counts.append(0)
+            self.first_child.append(-1)
+            self.next_sibling.append(self.first_child[node])
+            self.first_child[node] = nxt
+        self.counts[nxt] += 1
         return nxt
 
     def advance(self, cursors: list, tok: int) -> list:
         """Extend every open path by tok and open a new one; returns the cursors still open."""
         out = [(self._child(c, tok), d + 1) for c, d in cursors if d < self.depth]
-        out.append((self._child(self.root, tok), 1))
+        out.append((self._child(0, tok), 1))
         return [(n, d) for n, d in out if d < self.depth]
 
     def insert(self, tokens) -> list:
@@ -59,7 +92,7 @@ class NgramCache:
         if self.size <= self.capacity:
             return False
         keep = list(self.recent)[len(self.recent) // 2:][-8:]  # a few, so that an eviction costs little
-        self.root, self.size = _Node(), 0
+        self._clear()
         self.recent.clear()
         for seq in keep:
             self.insert(seq)
@@ -68,12 +101,12 @@ class NgramCache:
     def match(self, tokens, min_window=1, max_window=12):
         """The trie node after the longest suffix of tokens (min..max window) that has children."""
         for w in range(min(max_window, len(tokens), self.depth - 1), min_window - 1, -1):
-            node = self.root
+            node = 0
             for t in tokens[len(tokens) - w:]:
-                node = node.children.get(int(t))
+                node = self.edges.get((node << _TOKEN_BITS) | int(t))
                 if node is None:
                     break
-            if node is not None and node.children:
+            if node is not None and self.first_child[node] >= 0:
                 return node, w
         return None, 0
 
@@ -87,8 +120,9 @@ class NgramCache:
         out_tok, out_par = [], []
         if node is None or budget <= 0:
             return out_tok, out_par
+        counts = self.counts
         if match_type == "PROB":
-            heap = [(-c.count / node.count, i, t, c, 0, 1) for i, (t, c) in enumerate(node.children.items())]
+            heap = [(-counts[c] / counts[node], i, t, c, 0, 1) for i, (t, c) in enumerate(self.children(node).items())]
             heapq.heapify(heap)
             order = len(heap)
             while heap and len(out_tok) < budget:
@@ -97,15 +131,15 @@ class NgramCache:
                 out_par.append(parent)
                 me = len(out_tok)
                 if depth < branch_length:
-                    for t2, c2 in c.children.items():
+                    for t2, c2 in self.children(c).items():
                         order += 1
-                        heapq.heappush(heap, (negp * c2.count / c.count, order, t2, c2, me, depth + 1))
+                        heapq.heappush(heap, (negp * counts[c2] / counts[c], order, t2, c2, me, depth + 1))
             return out_tok, out_par
         level = [(node, 0)]
         for _ in range(branch_length):
             nxt = []
             for n, parent in level:
-                for t, c in sorted(n.children.items(), key=lambda kv: -kv[1].count)[:breadth]:
+                for t, c in sorted(self.children(n).items(), key=lambda kv: -counts[kv[1]])[:breadth]:
                     if len(out_tok) == budget:
                         return out_tok, out_par
                     out_tok.append(t)
