@@ -27,9 +27,9 @@ HQ, HKV, D, PS = 32, 8, 128, 16
 # --smoke: tiny shapes through the interpreter, to check this script on a CPU before a GPU call
 SMOKE = "--smoke" in sys.argv
 # --focus: only decode at the big batch and tree verify, with more variants (block rows, warps)
-FOCUS = "--focus" in sys.argv or "--layout" in sys.argv
-LAYOUT = "--layout" in sys.argv
+FOCUS = "--focus" in sys.argv
 CTX, BIG_BATCH = (64, 2) if SMOKE else (2048, 64)
+TAG = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--tag=")), "")
 
 
 def setup(b, t, ctx, seed=0):
@@ -119,25 +119,17 @@ def main():
                    ("ppb8 s8", dict(pages_per_block=8, splits=8)), ("ppb8 s16", dict(pages_per_block=8, splits=16)),
                    ("ppb4 s32", dict(pages_per_block=4, splits=32)), ("ppb8 s16 w8", dict(pages_per_block=8, splits=16,
                                                                                         num_warps=8))]
-    if FOCUS:
-        variants = [("auto", {}), ("ppb4 s2", dict(pages_per_block=4, splits=2)), ("ppb4 s4", dict(pages_per_block=4, splits=4)),
-                    ("ppb2 s2", dict(pages_per_block=2, splits=2)), ("ppb4 w8", dict(pages_per_block=4, num_warps=8)),
-                    ("ppb4 s2 w8", dict(pages_per_block=4, splits=2, num_warps=8)),
-                    ("ppb4 s2 st3", dict(pages_per_block=4, splits=2, num_stages=3)),
-                    ("ppb4 s2 st4", dict(pages_per_block=4, splits=2, num_stages=4)),
-                    ("ppb2 s4 st4", dict(pages_per_block=2, splits=4, num_stages=4)),
-                    ("r128 ppb4 w8", dict(block_rows=128, pages_per_block=4, num_warps=8)),
-                    ("r128 ppb4 w8 st3", dict(block_rows=128, pages_per_block=4, num_warps=8, num_stages=3)),
-                    ("r128 ppb2 w8", dict(block_rows=128, pages_per_block=2, num_warps=8)),
-                    ("r128 ppb4 w4", dict(block_rows=128, pages_per_block=4, num_warps=4)),
-                    ("r256 ppb2 w8", dict(block_rows=256, pages_per_block=2, num_warps=8))]
-    if LAYOUT:  # the page layout, head-major vs token-major, at the engine's blocking and its neighbours
-        variants = [(f"{hm}{name}", dict(kw, head_major=True) if hm else kw) for hm in ("", "hm ")
-                    for name, kw in [("auto", {}), ("ppb4 s2 st4", dict(pages_per_block=4, splits=2, num_stages=4)),
-                                     ("ppb8", dict(pages_per_block=8)), ("ppb8 st3", dict(pages_per_block=8, num_stages=3)),
-                                     ("ppb4 st3", dict(pages_per_block=4, num_stages=3)),
-                                     ("r128 ppb4 w4", dict(block_rows=128, pages_per_block=4)),
-                                     ("r128 ppb8 w8", dict(block_rows=128, pages_per_block=8, num_warps=8))]]
+    if FOCUS:  # pipeline depth, tile and row-block sizes around the engine's choice
+        variants = [("auto", {}), ("ppb4 st1", dict(pages_per_block=4, num_stages=1)),
+                    ("ppb4 st3", dict(pages_per_block=4, num_stages=3)),
+                    ("ppb2 st3", dict(pages_per_block=2, num_stages=3)),
+                    ("ppb2 st4", dict(pages_per_block=2, num_stages=4)),
+                    ("ppb4 s4 st3", dict(pages_per_block=4, splits=4, num_stages=3)),
+                    ("ppb4 w2", dict(pages_per_block=4, num_warps=2)),
+                    ("r64 ppb4", dict(block_rows=64, pages_per_block=4)),
+                    ("r64 ppb4 st3", dict(block_rows=64, pages_per_block=4, num_stages=3)),
+                    ("r64 ppb8 w8", dict(block_rows=64, pages_per_block=8, num_warps=8)),
+                    ("r128 ppb4 st3", dict(block_rows=128, pages_per_block=4, num_stages=3))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:
@@ -166,12 +158,11 @@ def main():
         if tv and dec[BIG_BATCH]:
             rows[-1]["over_decode"] = tv / dec[BIG_BATCH]  # best verify variant over best decode variant
     if FOCUS:
+        tree_rows(rows)
         print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction", "rel_err",
                            "over_decode"])
-        if LAYOUT:
-            tree_rows(rows)
         if not SMOKE:
-            print(write_results("kernels-layout" if LAYOUT else "kernels-focus", rows, {"copy_bandwidth_GBps": bw / 1e9}))
+            print(write_results("kernels-focus" + TAG, rows, {"copy_bandwidth_GBps": bw / 1e9}))
         return
     attn_row("extend", 4, 64 if SMOKE else 512, CTX // 2, False, [("auto", {}), ("ppb8 w8", dict(pages_per_block=8, num_warps=8))])
 

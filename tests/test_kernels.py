@@ -85,6 +85,10 @@ def test_tree_mask_ancestors_and_depth():
             assert depth[b, i] == len(anc) - 1
         for i in range(num[b], 12):  # padding sees only itself
             assert set(np.nonzero(mask[b, i])[0]) == {i}
+    # a 64-node chain: depth 63 needs every doubling round
+    mask, depth = tree_attention_mask(jnp.arange(-1, 63, dtype=jnp.int32)[None], jnp.array([64], jnp.int32))
+    assert (np.asarray(mask[0]) == np.tril(np.ones((64, 64), bool))).all()
+    assert (np.asarray(depth[0]) == np.arange(64)).all()
 
 
 def test_accept_tree_matches_python():

@@ -35,7 +35,7 @@ def pack_tree_mask(tree_mask):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
-            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, head_major):
+            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap):
     b, h, qb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -65,12 +65,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         # pages past the sequence's end (table padding: page 0) are read but masked below; a split
         # is a whole number of blocks, so no block reaches into the next split's pages
         pages = pt_ref[b, pl.ds(p0, pages_per_block)]
-        if head_major:
-            k = k_ref[layer, pages, h, :, :].reshape(block, -1)
-            v = v_ref[layer, pages, h, :, :].reshape(block, -1)
-        else:
-            k = k_ref[layer, pages, :, h, :].reshape(block, -1)
-            v = v_ref[layer, pages, :, h, :].reshape(block, -1)
+        k = k_ref[layer, pages, :, h, :].reshape(block, -1)
+        v = v_ref[layer, pages, :, h, :].reshape(block, -1)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=precision)
         if softcap is not None:
@@ -131,17 +127,13 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
-                                             "pages_per_block", "splits", "head_major"))
+                                             "pages_per_block", "splits"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
-                    pages_per_block=None, splits=None, head_major=False):
-    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] ([L, N, Hkv, ps, D] if head_major);
-    layer: scalar -> [B, T, Hq, D]."""
+                    pages_per_block=None, splits=None):
+    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D]."""
     b, t, hq, d = q.shape
-    if head_major:
-        _, _, hkv, ps, _ = k_pages.shape
-    else:
-        _, _, ps, hkv, _ = k_pages.shape
+    _, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
     rows = t * g
     if block_rows is None:  # 128-row tiles beat 64 for 32- and 64-token trees (kernels-focus-*.json)
@@ -159,8 +151,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
-                               pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap,
-                               head_major=head_major)
+                               pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     qspec = pl.BlockSpec((None, None, block_rows, d), lambda i, j, k, s: (i, j, k, 0))
     if splits == 1:

@@ -2,8 +2,8 @@
 
 A tree of N nodes is given by parent indices (parents[i] < i; -1 for the root and padding). Node i
 may attend to node j iff j is i or one of its ancestors; its RoPE position is kv_len + depth(i).
-Computed by repeated squaring of the reachability matrix: ceil(log2 N) boolean matmuls, no loop
-over depth, and cheap next to the target forward it feeds. Bit-packing is left to the attention
+Computed by pointer doubling: ceil(log2 N) rounds of row gathers, no loop over depth, and cheap
+next to the target forward it feeds. Bit-packing is left to the attention
 kernel, which only ever reads a [T, T] tile of this.
 """
 from __future__ import annotations
@@ -16,13 +16,15 @@ def tree_attention_mask(parents, num_nodes):
     b, n = parents.shape
     idx = jnp.arange(n)
     valid = idx[None] < num_nodes[:, None]
-    par = jnp.where(valid, parents, -1)
-    reach = (par[:, :, None] == idx[None, None, :]) | (idx[:, None] == idx[None, :])[None]
+    jump = jnp.where(valid, parents, -1)  # each node's 2^k-th ancestor (-1: none), k = 0 first
+    reach = (jump[:, :, None] == idx[None, None, :]) | (idx[:, None] == idx[None, :])[None]
+    # pointer doubling: a node reaches what it and its 2^k-th ancestor reached within 2^k steps.
+    # Row gathers and ors only: the boolean matrix product this replaces (int32 or bf16) took
+    # ~0.4 ms at batch 64 x 64 nodes on the H100 (bench/results/kernels-layout-*.json)
     for _ in range(max(1, (n - 1).bit_length())):
-        # 0/1 in bf16 with float32 sums (at most N <= 64: exact): a tensor-core product, where an
-        # int32 one took ~0.3 ms at batch 64 x 64 nodes on the H100 (bench/results/kernels-*.json)
-        r = reach.astype(jnp.bfloat16)
-        reach = jnp.einsum("bij,bjk->bik", r, r, preferred_element_type=jnp.float32) > 0.5
+        up = jnp.maximum(jump, 0)
+        reach = reach | (jnp.take_along_axis(reach, up[:, :, None], axis=1) & (jump >= 0)[:, :, None])
+        jump = jnp.where(jump >= 0, jnp.take_along_axis(jump, up, axis=1), -1)
     depth = reach.sum(-1).astype(jnp.int32) - 1
     return reach, jnp.where(valid, depth, 0)
 
