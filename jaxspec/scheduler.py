@@ -89,6 +89,8 @@ class InFlight:
 
 
 class Scheduler:
+    clock = staticmethod(time.perf_counter)  # times steps for the drafting policy (tests drive it)
+
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_min_nodes=4, spec_min_accept=2.0, spec_probe_every=8,
@@ -122,13 +124,21 @@ class Scheduler:
         # left behind (its catch-up made the fallback 5-11% slower than plain on the H100,
         # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
-        # A host drafter whose drafts are mostly rejected costs more than it saves: a verify step
-        # costs about two plain steps on the H100 (NGRAM at batch 1: accept 2.74 gave 1.33x, 1.34 gave
-        # 0.71x, spec-v9-*), so below spec_min_accept tokens a step (running mean) the batch decodes
-        # plainly, with one probing verify step every spec_probe_every plain steps.
+        # A host drafter's verify step pays only if its accepted tokens outweigh its cost: NGRAM's
+        # steps cannot chain (it drafts from the tokens just emitted), so one costs about two plain
+        # steps on the H100 (spec-v12-*), and how much exactly depends on the batch and the host.
+        # The scheduler times both kinds of step per batch bucket (the wall time between two
+        # read-backs of the same kind) and drafts while accept length x plain step / verify step
+        # >= 1. While paused it probes: two verify steps after spec_probe_every plain ones, the
+        # interval doubling after each probe that does not pay (up to 8x); while drafting, a
+        # few plain steps every 4 x spec_probe_every verify steps keep the plain time current.
+        # Until both are timed, spec_min_accept (tokens a step) stands in for the ratio.
         self.spec_min_accept, self.spec_probe_every = spec_min_accept, spec_probe_every
         self.accept_mean: float | None = None
-        self.plain_since_probe = 0
+        self.step_time: dict[tuple, float] = {}  # (kind, batch bucket) -> seconds a step (EWMA)
+        self.plain_run = self.verify_run = 0  # consecutive plain / verify steps read back
+        self.probe_backoff = 1
+        self._last_read: tuple | None = None  # (kind, bucket, time) of the last decode/verify read-back
         self.overlap = overlap
         self.inflight: InFlight | None = None
         self.waiting: list[Request] = []
@@ -206,12 +216,49 @@ class Scheduler:
 
     def _nodes_for(self, batch: int) -> int:
         """Nodes a step verifies now: the tree that fits, or 1 while a host drafter is paused."""
-        return 1 if self.drafting_paused() else self.tree_size(batch)
+        return 1 if self.drafting_paused(batch) else self.tree_size(batch)
 
-    def drafting_paused(self) -> bool:
-        """A host drafter's recent accept lengths are below spec_min_accept and no probe is due."""
-        return (self.drafter is not None and not self.device_drafter and self.accept_mean is not None
-                and self.accept_mean < self.spec_min_accept and self.plain_since_probe < self.spec_probe_every)
+    def verify_gain(self, batch: int) -> float | None:
+        """Tokens per second drafting over tokens per second decoding plainly, at this batch."""
+        if self.accept_mean is None:
+            return None
+        b = bucket(batch, BATCH_BUCKETS)
+        tv, tp = self.step_time.get(("verify", b)), self.step_time.get(("decode", b))
+        if not tv or tp is None:
+            return self.accept_mean / self.spec_min_accept
+        return self.accept_mean * tp / tv
+
+    def drafting_paused(self, batch: int) -> bool:
+        """Whether a host drafter's batch decodes plainly now (see __init__)."""
+        if self.drafter is None or self.device_drafter or self.accept_mean is None:
+            return False
+        if 0 < self.verify_run < 2 or 0 < self.plain_run < 2:
+            return self.plain_run > 0  # a probe runs two steps, so that one interval is timed
+        gain = self.verify_gain(batch)
+        if gain >= 1.0:
+            untimed = ("decode", bucket(batch, BATCH_BUCKETS)) not in self.step_time
+            return untimed or self.verify_run >= 4 * self.spec_probe_every
+        return self.plain_run < self.spec_probe_every * self.probe_backoff
+
+    def _time_step(self, kind, batch, now, prefill=False):
+        """A step's outputs arrived at `now`: the interval since the last read-back of the same
+        kind and batch bucket is one step's wall time (a prefill in between voids it)."""
+        b = bucket(batch, BATCH_BUCKETS)
+        if prefill:
+            self._last_read = None
+            return
+        if self._last_read is not None and self._last_read[:2] == (kind, b):
+            dt = now - self._last_read[2]
+            old = self.step_time.get((kind, b))
+            self.step_time[(kind, b)] = dt if old is None else 0.75 * old + 0.25 * dt
+        self._last_read = (kind, b, now)
+        if kind == "verify":
+            self.verify_run, self.plain_run = self.verify_run + 1, 0
+            if self.verify_run == 2:  # a probe's second step: back off if drafting did not pay
+                gain = self.verify_gain(batch)
+                self.probe_backoff = 1 if gain is None or gain >= 1.0 else min(8, 2 * self.probe_backoff)
+        else:
+            self.plain_run, self.verify_run = self.plain_run + 1, 0
 
     def _pages_needed(self, req, extra):
         return -(-(req.kv_len + req.todo + extra) // self.page_size)
@@ -453,6 +500,7 @@ class Scheduler:
         it was launched are dropped."""
         t0 = time.perf_counter()
         jax.block_until_ready(f.outputs[:2])
+        arrived = self.clock()
         self.stats["wait_time"] += time.perf_counter() - t0  # the host idle: a device-bound step
         # read what the host needs: tokens and counts, logprobs only if asked for; the drafted trees
         # stay on the device, where the next (chained) step takes them from
@@ -469,8 +517,7 @@ class Scheduler:
                     r.draft = None if shared is None else DraftRow(shared, i)
                     self._emit(r, [int(nxt[i])], None if lp is None else [float(lp[i])],
                                None if top_i is None else [(top_v[i], top_i[i])])
-            if timer != "prefill_time" and self.accept_mean is not None:
-                self.plain_since_probe += 1
+            self._time_step("decode", len(f.reqs), arrived, prefill=timer == "prefill_time")
             self.stats[timer or "decode_time"] += f.host_s + time.perf_counter() - t0
             return
         toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
@@ -479,7 +526,7 @@ class Scheduler:
         if live:
             m = sum(live) / len(live)
             self.accept_mean = m if self.accept_mean is None else 0.75 * self.accept_mean + 0.25 * m
-            self.plain_since_probe = 0
+        self._time_step("verify", len(f.reqs), arrived)
         for i, r in enumerate(f.reqs):
             if r.finished:
                 continue

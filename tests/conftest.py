@@ -46,3 +46,13 @@ def run_mixed_requests_with_aborts(gen, rng, n=1000):
     assert sum(r.finish_reason == "abort" for r in reqs) > 10
     sched.pool.check()
     assert sched.pool.in_use == 0
+
+
+@pytest.fixture(autouse=True)
+def step_clock_ticks(monkeypatch):
+    """Whether a host drafter drafts depends on timed steps (Scheduler.drafting_paused); wall time
+    would make that, and every accept-length assertion, depend on the test machine. Here every
+    read-back is one tick, so drafting always pays; tests of the policy drive the clock."""
+    import itertools
+    from jaxspec.scheduler import Scheduler
+    monkeypatch.setattr(Scheduler, "clock", staticmethod(itertools.count().__next__))
