@@ -52,7 +52,9 @@ def run_mixed_requests_with_aborts(gen, rng, n=1000):
 def step_clock_ticks(monkeypatch):
     """Whether a host drafter drafts depends on timed steps (Scheduler.drafting_paused); wall time
     would make that, and every accept-length assertion, depend on the test machine. Here every
-    read-back is one tick, so drafting always pays; tests of the policy drive the clock."""
+    read-back is one tick and any gain will do, so drafting always pays; tests of the policy
+    drive the clock and set spec_min_gain."""
     import itertools
-    from jaxspec.scheduler import Scheduler
-    monkeypatch.setattr(Scheduler, "clock", staticmethod(itertools.count().__next__))
+    from jaxspec import scheduler
+    monkeypatch.setattr(scheduler.Scheduler, "clock", staticmethod(itertools.count().__next__))
+    monkeypatch.setattr(scheduler, "DEFAULT_SPEC_MIN_GAIN", 0.0)
