@@ -17,6 +17,6 @@ demo: install
 		--speculative-eagle-topk 4 --speculative-num-draft-tokens 16 --prompt "What is the capital of France?"
 
 test: install-dev
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 tests
 
 .PHONY: install install-dev demo test

@@ -96,8 +96,8 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
-                 spec_max_verify_tokens=128, spec_max_host_verify_tokens=32, spec_min_nodes=4, spec_min_accept=2.0, spec_probe_every=8, spec_min_gain=None,
-                 overlap=True):
+                 spec_max_verify_tokens=128, spec_max_host_verify_tokens=32, spec_min_nodes=4, spec_min_accept=2.0,
+                 spec_probe_every=8, spec_min_gain=None, overlap=True):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
@@ -127,21 +127,16 @@ class Scheduler:
         # left behind (its catch-up made the fallback 5-11% slower than plain on the H100,
         # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
-        # A host drafter's steps cannot chain (it drafts from the tokens just emitted), so their
-        # host time adds to the device's, more so at larger batch: NGRAM lost at batch 8 and 16
-        # where EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*). Its trees get a smaller
-        # budget: none at batch 16 and above by default.
+        # A host drafter's steps cannot chain (it drafts from the tokens just emitted), so their host time adds to the
+        # device's: one costs about two plain steps on the H100 at batch 1, and more at larger batch, where NGRAM lost
+        # while EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*). Its trees get a smaller budget, none from
+        # batch 16 by default, and a verify step must pay for itself: the scheduler times both kinds of step per batch
+        # bucket (the wall time between two read-backs of the same kind) and drafts while accept length x plain step /
+        # verify step >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an unchained step). While
+        # paused it probes: two verify steps after spec_probe_every plain ones, the interval doubling after each probe
+        # that does not pay (up to 8x); while drafting, a few plain steps every 4 x spec_probe_every verify steps keep
+        # the plain time current. Until both are timed, spec_min_accept (tokens a step) stands in for the ratio.
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
-        # A host drafter's verify step pays only if its accepted tokens outweigh its cost: NGRAM's
-        # steps cannot chain (it drafts from the tokens just emitted), so one costs about two plain
-        # steps on the H100 (spec-v12-*), and how much exactly depends on the batch and the host.
-        # The scheduler times both kinds of step per batch bucket (the wall time between two
-        # read-backs of the same kind) and drafts while accept length x plain step / verify step
-        # >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an unchained
-        # step). While paused it probes: two verify steps after spec_probe_every plain ones, the
-        # interval doubling after each probe that does not pay (up to 8x); while drafting, a
-        # few plain steps every 4 x spec_probe_every verify steps keep the plain time current.
-        # Until both are timed, spec_min_accept (tokens a step) stands in for the ratio.
         self.spec_min_accept, self.spec_probe_every = spec_min_accept, spec_probe_every
         self.spec_min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
         self.accept_mean: float | None = None
@@ -266,8 +261,8 @@ class Scheduler:
         if kind == "verify":
             self.verify_run, self.plain_run = self.verify_run + 1, 0
             if self.verify_run == 2:  # a probe's second step: back off if drafting did not pay
-                gain = self.verify_gain(batch)
-                self.probe_backoff = 1 if gain is None or gain >= self.spec_min_gain else min(8, 2 * self.probe_backoff)
+                paid = self.verify_gain(batch) >= self.spec_min_gain
+                self.probe_backoff = 1 if paid else min(8, 2 * self.probe_backoff)
         else:
             self.plain_run, self.verify_run = self.plain_run + 1, 0
 
@@ -341,12 +336,10 @@ class Scheduler:
     def _host_work_while_device_runs(self, waits_for: InFlight):
         """Dispatch is asynchronous: until the outputs the host waits for next are ready, it is free."""
         prepare = getattr(self.drafter, "prepare", None)
-        n = len(self.running)
         # at a batch that decodes plainly no draft is needed: a host drafter's backlog (NGRAM's
         # trie insertion) waits until trees come back, instead of taxing every plain step
-        if prepare is None or self.tree_size(n) <= 1:
-            return
-        prepare(self.running, busy=lambda: not waits_for.outputs[0].is_ready())
+        if prepare is not None and self.tree_size(len(self.running)) > 1:
+            prepare(self.running, busy=lambda: not waits_for.outputs[0].is_ready())
 
     def _run_prefill(self, reqs):
         budget, batch = self.prefill_chunk, []
