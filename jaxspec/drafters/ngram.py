@@ -24,9 +24,9 @@ _TOKEN_BITS = 32
 class NgramCache:
     """The trie as flat int arrays and one int-to-int dict, not a Python object a node: the
     garbage collector skips containers of plain ints, so a trie of a million nodes adds nothing
-    to its pauses. (With a node object and a children dict each, HumanEval at batch 64 built
-    ~300k nodes and every full collection walked them all: ~0.2 s a pause, ~0.5 s of the 1 s the
-    insertion took, measured on CPU.) Node 0 is the root; a node's children are a linked list
+    to its pauses. (With a node object and a children dict each, a HumanEval-batch-64-sized trie
+    of 311k nodes took 887 collections and 1.2-1.4 s of pauses to build on CPU:
+    bench/results/ngram_trie-*.json.) Node 0 is the root; a node's children are a linked list
     through `first_child` / `next_sibling`, newest first."""
 
     def __init__(self, max_trie_depth=18, capacity=1_000_000):
