@@ -38,8 +38,8 @@ def test_ngram_cache_insert_match_evict():
 
 
 def test_ngram_cache_gives_the_garbage_collector_nothing_to_walk():
-    """A trie of node objects made every full collection walk all of them (pauses of ~0.2 s at
-    HumanEval batch 64's size); the flat trie adds no GC-tracked objects however large it grows."""
+    """A trie of node objects made the collector walk all of them again and again as it grew
+    (bench/results/ngram_trie-*.json); the flat trie adds no GC-tracked objects however large."""
     import gc
     rng = np.random.default_rng(0)
     c = NgramCache(max_trie_depth=19)
@@ -125,8 +125,8 @@ def test_ngram_prompt_insertion_happens_while_the_device_runs(tiny, monkeypatch)
 
 
 def test_ngram_skips_trie_work_while_the_batch_decodes_plainly(tiny, monkeypatch):
-    """Above spec_max_host_verify_tokens / nodes requests the step decodes plainly and the trie is left
-    alone; once requests finish and trees fit again, the backlog is folded in and drafting
+    """Above spec_max_host_verify_tokens / nodes requests the step decodes plainly and the trie is
+    left alone; once requests finish and trees fit again, the backlog is folded in and drafting
     resumes. Output stays the plain greedy output."""
     rng = np.random.default_rng(3)
     prompts = repetitive_prompts(rng, 7)
@@ -228,7 +228,7 @@ def test_no_leaked_pages_after_many_mixed_requests(tiny):
 
 def test_host_drafter_drafts_only_while_it_pays(tiny):
     """A host drafter's batch verifies trees while accept length x plain step time / verify step
-    time >= 1, and otherwise decodes plainly with sparse probes; outputs stay plain greedy's. The
+    time >= spec_min_gain, and otherwise decodes plainly with sparse probes; outputs stay plain greedy's. The
     step timer is driven: each read-back advances it by its kind's cost."""
     rng = np.random.default_rng(9)
     prompts = [list(map(int, rng.integers(0, 62, 12))) for _ in range(2)]

@@ -50,9 +50,6 @@ class NgramCache:
     def count(self, node: int) -> int:
         return self.counts[node]
 
-    def child(self, node: int, tok: int) -> int | None:
-        return self.edges.get((node << _TOKEN_BITS) | tok)
-
     def children(self, node: int) -> dict[int, int]:
         """token -> child node, in insertion order."""
         out, c = [], self.first_child[node]
