@@ -90,15 +90,12 @@ def main():
         rows.append(dict(kernel=kernel, impl="xla-ref", batch=b, q_tokens=t, context=ctx, time_us=t_ref * 1e6,
                          bandwidth_fraction=kv_bytes / t_ref / bw, rel_err=0.0))
         best = None
-        # the same pages head-major, [L, N, Hkv, ps, D]: one (page, head) is one contiguous block
-        kh, vh = k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
         for name, kw in variants:
             f = jax.jit(lambda q, k, v, kw=kw: paged_attention(q, k, v, 0, pt, kv_lens, q_lens, mask, interpret=SMOKE,
                                                                **kw))
-            kk, vv = (kh, vh) if kw.get("head_major") else (k, v)
             try:
-                out = f(q, kk, vv)
-                tt = time_fn(f, q, kk, vv)
+                out = f(q, k, v)
+                tt = time_fn(f, q, k, v)
             except Exception as e:  # a variant that fails to lower is reported, not fatal
                 print(f"{kernel} {name}: {type(e).__name__}: {str(e)[:300]}")
                 continue

@@ -234,9 +234,13 @@ class Scheduler:
             return self.accept_mean / self.spec_min_accept
         return self.accept_mean * tp / tv
 
+    @property
+    def host_drafter(self) -> bool:
+        return self.drafter is not None and not self.device_drafter
+
     def drafting_paused(self, batch: int) -> bool:
         """Whether a host drafter's batch decodes plainly now (see __init__)."""
-        if self.drafter is None or self.device_drafter or self.accept_mean is None:
+        if not self.host_drafter or self.accept_mean is None:
             return False
         if 0 < self.verify_run < 2 or 0 < self.plain_run < 2:
             return self.plain_run > 0  # a probe runs two steps, so that one interval is timed
@@ -249,10 +253,12 @@ class Scheduler:
     def _time_step(self, kind, batch, now, prefill=False):
         """A step's outputs arrived at `now`: the interval since the last read-back of the same
         kind and batch bucket is one step's wall time (a prefill in between voids it)."""
-        b = bucket(batch, BATCH_BUCKETS)
+        if not self.host_drafter:  # only a host drafter's policy reads the step times
+            return
         if prefill:
             self._last_read = None
             return
+        b = bucket(batch, BATCH_BUCKETS)
         if self._last_read is not None and self._last_read[:2] == (kind, b):
             dt = now - self._last_read[2]
             old = self.step_time.get((kind, b))
