@@ -13,8 +13,8 @@ install-dev: install
 	$(BIN)/pip install -q -e '.[dev,server]' 'torch==2.13.0'
 
 demo: install
-	$(BIN)/python -m jaxspec generate --model smollm2-135m --speculative-algorithm EAGLE3 --speculative-num-steps 5 \
-		--speculative-eagle-topk 4 --speculative-num-draft-tokens 16 --prompt "What is the capital of France?"
+	$(BIN)/python -m jaxspec generate --model smollm2-135m --speculative-algorithm EAGLE3 --speculative-num-steps 6 \
+		--speculative-eagle-topk 4 --speculative-num-draft-tokens 24 --prompt "What is the capital of France?"
 
 test: install-dev
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 tests

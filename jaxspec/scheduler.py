@@ -89,6 +89,7 @@ class InFlight:
     nodes: int = 1
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
+    strong: bool = False  # a paused host drafter's probe on a strong match (Scheduler._strong_match)
 
 
 class Scheduler:
@@ -97,7 +98,8 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=32, spec_min_nodes=4, spec_min_accept=2.0,
-                 spec_probe_every=8, spec_min_gain=None, overlap=True):
+                 spec_probe_every=8, spec_min_gain=None, spec_max_probe_backoff=8, spec_strong_match=4,
+                 overlap=True):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
@@ -134,12 +136,17 @@ class Scheduler:
         # bucket (the wall time between two read-backs of the same kind) and drafts while accept length x plain step /
         # verify step >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an unchained step). While
         # paused it probes: two verify steps after spec_probe_every plain ones, the interval doubling after each probe
-        # that does not pay (up to 8x); while drafting, a few plain steps every 4 x spec_probe_every verify steps keep
-        # the plain time current. Until both are timed, spec_min_accept (tokens a step) stands in for the ratio.
+        # that does not pay (up to spec_max_probe_backoff: 8x); while drafting, a few plain steps every 4 x spec_probe_every verify steps keep
+        # the plain time current. Until both are timed, spec_min_accept (tokens a step) stands in for the ratio. A paused
+        # drafter still verifies where a request's context repeats >= spec_strong_match tokens, while such steps pay
+        # (_strong_match).
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
         self.spec_min_accept, self.spec_probe_every = spec_min_accept, spec_probe_every
         self.spec_min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
+        self.spec_max_probe_backoff, self.spec_strong_match = spec_max_probe_backoff, spec_strong_match
         self.accept_mean: float | None = None
+        self.strong_accept_mean: float | None = None  # accept length of strong-match probes
+        self.strong_probe = False  # the last _nodes_for's tree is such a probe
         self.step_time: dict[tuple, float] = {}  # (kind, batch bucket) -> seconds a step (EWMA)
         self.plain_run = self.verify_run = 0  # consecutive plain / verify steps read back
         self.probe_backoff = 1
@@ -200,7 +207,7 @@ class Scheduler:
         if prefill:
             self._run_prefill(prefill)
         if decode:
-            nodes = self._nodes_for(len(decode))
+            nodes = self._nodes_for(decode)
             decode = self._reserve(decode, nodes)
             # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
             drafts = [nodes > 1 and r.head_len is None for r in decode]
@@ -208,7 +215,7 @@ class Scheduler:
             plain = [r for r, d in zip(decode, drafts) if not d]
             alone = not (spec and plain)  # one step in flight at a time: two groups are read back at once
             if spec:
-                self._run_verify(spec, nodes, overlap=alone)
+                self._run_verify(spec, nodes, overlap=alone, strong=self.strong_probe)
             if plain:
                 self._run_decode(plain, overlap=alone)
         self.stats["steps"] += 1
@@ -220,9 +227,32 @@ class Scheduler:
         nodes = min(self.drafter.num_nodes, budget // max(batch, 1))
         return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
 
-    def _nodes_for(self, batch: int) -> int:
-        """Nodes a step verifies now: the tree that fits, or 1 while a host drafter is paused."""
-        return 1 if self.drafting_paused(batch) else self.tree_size(batch)
+    def _nodes_for(self, reqs) -> int:
+        """Nodes a step verifies now: the tree that fits, or 1 while a host drafter is paused and
+        no request's context matches strongly."""
+        nodes = self.tree_size(len(reqs))
+        self.strong_probe = False
+        if nodes > 1 and self.drafting_paused(len(reqs)):
+            self.strong_probe = self._strong_match(reqs)
+            return nodes if self.strong_probe else 1
+        return nodes
+
+    def _strong_match(self, reqs) -> bool:
+        """Whether a paused host drafter should verify now: a request's latest tokens continue a
+        stretch of at least spec_strong_match tokens seen before (a repeated line of code, a quoted
+        passage), and such steps have paid so far (their own accept length against the timed
+        steps) or are untried. Code alternates such stretches with fresh text: the average over
+        recent steps pauses drafting in the fresh text, and probes at fixed intervals then miss
+        the repeats (bench/ngram_policy.py)."""
+        if not self.spec_strong_match or not hasattr(self.drafter, "match_length"):
+            return False
+        if not any(self.drafter.match_length(r) >= self.spec_strong_match for r in reqs):
+            return False
+        b = bucket(len(reqs), BATCH_BUCKETS)
+        tv, tp = self.step_time.get(("verify", b)), self.step_time.get(("decode", b))
+        if self.strong_accept_mean is None or not tv or tp is None:
+            return True
+        return self.strong_accept_mean * tp / tv >= self.spec_min_gain
 
     def verify_gain(self, batch: int) -> float | None:
         """Tokens per second drafting over tokens per second decoding plainly, at this batch."""
@@ -268,7 +298,7 @@ class Scheduler:
             self.verify_run, self.plain_run = self.verify_run + 1, 0
             if self.verify_run == 2:  # a probe's second step: back off if drafting did not pay
                 paid = self.verify_gain(batch) >= self.spec_min_gain
-                self.probe_backoff = 1 if paid else min(8, 2 * self.probe_backoff)
+                self.probe_backoff = 1 if paid else min(self.spec_max_probe_backoff, 2 * self.probe_backoff)
         else:
             self.plain_run, self.verify_run = self.plain_run + 1, 0
 
@@ -411,7 +441,7 @@ class Scheduler:
                                                         draft=draft)
         return tuple(outputs)
 
-    def _run_verify(self, reqs, nodes, overlap=True):
+    def _run_verify(self, reqs, nodes, overlap=True, strong=False):
         t0 = time.perf_counter()
         rows = bucket(len(reqs), BATCH_BUCKETS)
         n = bucket(nodes, TREE_BUCKETS)
@@ -430,6 +460,7 @@ class Scheduler:
         flags = SamplerFlags.of([r.params for r in reqs])
         f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
                                 self._sampling(reqs, rows, flags), int(kv_lens.max()) + n)
+        f.strong = strong
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):
@@ -464,7 +495,7 @@ class Scheduler:
             return False
         if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
             return False  # the batch changes: admissions, prefill chunks, preemptions
-        if self._nodes_for(len(f.reqs)) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
+        if self._nodes_for(f.reqs) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
             return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
         # a request that may reach max_tokens in step t would waste step t + 1 (and may run past its
         # pages' slack): end the chain there. A step emits at most the tree's depth + 1 tokens.
@@ -538,6 +569,9 @@ class Scheduler:
         if live:
             m = sum(live) / len(live)
             self.accept_mean = m if self.accept_mean is None else 0.75 * self.accept_mean + 0.25 * m
+            if f.strong:
+                old = self.strong_accept_mean
+                self.strong_accept_mean = m if old is None else 0.75 * old + 0.25 * m
         self._time_step("verify", len(f.reqs), arrived)
         for i, r in enumerate(f.reqs):
             if r.finished:

@@ -257,3 +257,29 @@ def test_host_drafter_drafts_only_while_it_pays(tiny):
     # verify steps cost 50 plain ones: two to start, then two-step probes, ever sparser
     assert verify_steps[0.5] >= 20
     assert 2 <= verify_steps[50.0] <= 10
+
+
+def test_paused_host_drafter_verifies_strong_matches_while_they_pay(tiny):
+    """While drafting is paused (recent accept x plain / verify time below spec_min_gain), a request
+    whose latest tokens repeat a stretch of >= spec_strong_match tokens still gets a tree, unless
+    such strong-match steps have themselves been measured not to pay."""
+    from jaxspec.scheduler import Scheduler
+    sched = Scheduler(tiny, None, drafter=SpecConfig(num_draft_tokens=8).build(tiny), max_batch=8, max_seq_len=128,
+                      num_pages=300, spec_min_gain=1.1, spec_strong_match=4)
+    params = SamplingParams(max_tokens=4)
+    fresh = sched.add(list(range(1, 25)), params)  # no earlier occurrence of any suffix
+    repeated = sched.add([5, 9, 14, 2, 33, 7, 21, 40] * 3, params)  # its last 8+ tokens occurred before
+    for _ in range(4):  # each call folds at least 16 tokens in
+        sched.drafter.prepare([fresh, repeated])
+    assert sched.drafter.match_length(repeated) >= 8 and sched.drafter.match_length(fresh) == 0
+    sched.accept_mean, sched.plain_run, sched.probe_backoff = 1.0, 2, 8
+    sched.step_time = {("verify", 1): 3.0, ("decode", 1): 1.0}  # gain 1/3: paused
+    assert sched.drafting_paused(1)
+    assert sched._nodes_for([fresh]) == 1 and not sched.strong_probe
+    assert sched._nodes_for([repeated]) == sched.tree_size(1) == 8 and sched.strong_probe  # untried: probe
+    sched.strong_accept_mean = 2.0  # 2 x 1/3 < 1.1: strong matches have not paid
+    assert sched._nodes_for([repeated]) == 1
+    sched.strong_accept_mean = 4.0  # 4 x 1/3 >= 1.1
+    assert sched._nodes_for([repeated]) == 8
+    sched.spec_strong_match = 30  # longer than any match
+    assert sched._nodes_for([repeated]) == 1

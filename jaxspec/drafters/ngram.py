@@ -222,6 +222,12 @@ class NgramDrafter:
         self.host_time += time.perf_counter() - t0
         return out
 
+    def match_length(self, req) -> int:
+        """Length of the longest suffix of the request's tokens that the trie continues."""
+        n = len(req.prompt_ids) + len(req.output_ids)
+        return self.cache.match(req.token_slice(max(0, n - self.opts["max_window"]), n), self.opts["min_window"],
+                                self.opts["max_window"])[1]
+
     def finish(self, req):
         self.folded.pop(req.rid, None)
         if self.cursors.pop(req.rid, None) is not None:
