@@ -89,7 +89,6 @@ class InFlight:
     nodes: int = 1
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
-    strong: bool = False  # a paused host drafter's probe on a strong match (Scheduler._strong_match)
 
 
 class Scheduler:
@@ -98,7 +97,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=32, spec_min_nodes=4, spec_min_accept=2.0,
-                 spec_probe_every=8, spec_min_gain=None, spec_max_probe_backoff=8, spec_strong_match=4,
+                 spec_probe_every=8, spec_min_gain=None, spec_max_probe_backoff=8, spec_strong_match=None,
                  overlap=True):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -138,15 +137,12 @@ class Scheduler:
         # paused it probes: two verify steps after spec_probe_every plain ones, the interval doubling after each probe
         # that does not pay (up to spec_max_probe_backoff: 8x); while drafting, a few plain steps every 4 x spec_probe_every verify steps keep
         # the plain time current. Until both are timed, spec_min_accept (tokens a step) stands in for the ratio. A paused
-        # drafter still verifies where a request's context repeats >= spec_strong_match tokens, while such steps pay
-        # (_strong_match).
+        # drafter may still verify where a request's context repeats >= spec_strong_match tokens (_strong_match).
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
         self.spec_min_accept, self.spec_probe_every = spec_min_accept, spec_probe_every
         self.spec_min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
         self.spec_max_probe_backoff, self.spec_strong_match = spec_max_probe_backoff, spec_strong_match
         self.accept_mean: float | None = None
-        self.strong_accept_mean: float | None = None  # accept length of strong-match probes
-        self.strong_probe = False  # the last _nodes_for's tree is such a probe
         self.step_time: dict[tuple, float] = {}  # (kind, batch bucket) -> seconds a step (EWMA)
         self.plain_run = self.verify_run = 0  # consecutive plain / verify steps read back
         self.probe_backoff = 1
@@ -215,7 +211,7 @@ class Scheduler:
             plain = [r for r, d in zip(decode, drafts) if not d]
             alone = not (spec and plain)  # one step in flight at a time: two groups are read back at once
             if spec:
-                self._run_verify(spec, nodes, overlap=alone, strong=self.strong_probe)
+                self._run_verify(spec, nodes, overlap=alone)
             if plain:
                 self._run_decode(plain, overlap=alone)
         self.stats["steps"] += 1
@@ -231,28 +227,20 @@ class Scheduler:
         """Nodes a step verifies now: the tree that fits, or 1 while a host drafter is paused and
         no request's context matches strongly."""
         nodes = self.tree_size(len(reqs))
-        self.strong_probe = False
-        if nodes > 1 and self.drafting_paused(len(reqs)):
-            self.strong_probe = self._strong_match(reqs)
-            return nodes if self.strong_probe else 1
+        if nodes > 1 and self.drafting_paused(len(reqs)) and not self._strong_match(reqs):
+            return 1
         return nodes
 
     def _strong_match(self, reqs) -> bool:
-        """Whether a paused host drafter should verify now: a request's latest tokens continue a
-        stretch of at least spec_strong_match tokens seen before (a repeated line of code, a quoted
-        passage), and such steps have paid so far (their own accept length against the timed
-        steps) or are untried. Code alternates such stretches with fresh text: the average over
-        recent steps pauses drafting in the fresh text, and probes at fixed intervals then miss
-        the repeats (bench/ngram_policy.py)."""
+        """Whether a paused host drafter should verify now (opt-in, spec_strong_match): a request's
+        latest tokens continue a stretch of at least that many tokens seen before (a repeated line
+        of code, a quoted passage). Code alternates such stretches with fresh text: the average
+        over recent steps pauses drafting in the fresh text, and backed-off probes then miss the
+        repeats. Modeled at H100 step costs it helps HumanEval at batch 1 (bench/ngram_policy.py);
+        it has no guard of its own against strong matches that do not pay, hence off by default."""
         if not self.spec_strong_match or not hasattr(self.drafter, "match_length"):
             return False
-        if not any(self.drafter.match_length(r) >= self.spec_strong_match for r in reqs):
-            return False
-        b = bucket(len(reqs), BATCH_BUCKETS)
-        tv, tp = self.step_time.get(("verify", b)), self.step_time.get(("decode", b))
-        if self.strong_accept_mean is None or not tv or tp is None:
-            return True
-        return self.strong_accept_mean * tp / tv >= self.spec_min_gain
+        return any(self.drafter.match_length(r) >= self.spec_strong_match for r in reqs)
 
     def verify_gain(self, batch: int) -> float | None:
         """Tokens per second drafting over tokens per second decoding plainly, at this batch."""
@@ -441,7 +429,7 @@ class Scheduler:
                                                         draft=draft)
         return tuple(outputs)
 
-    def _run_verify(self, reqs, nodes, overlap=True, strong=False):
+    def _run_verify(self, reqs, nodes, overlap=True):
         t0 = time.perf_counter()
         rows = bucket(len(reqs), BATCH_BUCKETS)
         n = bucket(nodes, TREE_BUCKETS)
@@ -460,7 +448,6 @@ class Scheduler:
         flags = SamplerFlags.of([r.params for r in reqs])
         f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
                                 self._sampling(reqs, rows, flags), int(kv_lens.max()) + n)
-        f.strong = strong
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):
@@ -569,9 +556,6 @@ class Scheduler:
         if live:
             m = sum(live) / len(live)
             self.accept_mean = m if self.accept_mean is None else 0.75 * self.accept_mean + 0.25 * m
-            if f.strong:
-                old = self.strong_accept_mean
-                self.strong_accept_mean = m if old is None else 0.75 * old + 0.25 * m
         self._time_step("verify", len(f.reqs), arrived)
         for i, r in enumerate(f.reqs):
             if r.finished:
