@@ -135,9 +135,10 @@ class Scheduler:
         # bucket (the wall time between two read-backs of the same kind) and drafts while accept length x plain step /
         # verify step >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an unchained step). While
         # paused it probes: two verify steps after spec_probe_every plain ones, the interval doubling after each probe
-        # that does not pay (up to spec_max_probe_backoff: 8x); while drafting, a few plain steps every 4 x spec_probe_every verify steps keep
-        # the plain time current. Until both are timed, spec_min_accept (tokens a step) stands in for the ratio. A paused
-        # drafter may still verify where a request's context repeats >= spec_strong_match tokens (_strong_match).
+        # that does not pay (up to spec_max_probe_backoff: 8x); while drafting, a few plain steps every
+        # 4 x spec_probe_every verify steps keep the plain time current. Until both are timed, spec_min_accept (tokens
+        # a step) stands in for the ratio. A paused drafter may still verify where a request's context repeats
+        # >= spec_strong_match tokens (_strong_match; off by default).
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
         self.spec_min_accept, self.spec_probe_every = spec_min_accept, spec_probe_every
         self.spec_min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
