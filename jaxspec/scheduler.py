@@ -97,7 +97,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=32, spec_min_nodes=4, spec_min_accept=2.0,
-                 spec_probe_every=8, spec_min_gain=None, spec_max_probe_backoff=8, spec_strong_match=None,
+                 spec_probe_every=8, spec_min_gain=None, spec_strong_match=None,
                  overlap=True):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -135,14 +135,14 @@ class Scheduler:
         # bucket (the wall time between two read-backs of the same kind) and drafts while accept length x plain step /
         # verify step >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an unchained step). While
         # paused it probes: two verify steps after spec_probe_every plain ones, the interval doubling after each probe
-        # that does not pay (up to spec_max_probe_backoff: 8x); while drafting, a few plain steps every
+        # that does not pay (up to 8x); while drafting, a few plain steps every
         # 4 x spec_probe_every verify steps keep the plain time current. Until both are timed, spec_min_accept (tokens
         # a step) stands in for the ratio. A paused drafter may still verify where a request's context repeats
         # >= spec_strong_match tokens (_strong_match; off by default).
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
         self.spec_min_accept, self.spec_probe_every = spec_min_accept, spec_probe_every
         self.spec_min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
-        self.spec_max_probe_backoff, self.spec_strong_match = spec_max_probe_backoff, spec_strong_match
+        self.spec_strong_match = spec_strong_match
         self.accept_mean: float | None = None
         self.step_time: dict[tuple, float] = {}  # (kind, batch bucket) -> seconds a step (EWMA)
         self.plain_run = self.verify_run = 0  # consecutive plain / verify steps read back
@@ -287,7 +287,7 @@ class Scheduler:
             self.verify_run, self.plain_run = self.verify_run + 1, 0
             if self.verify_run == 2:  # a probe's second step: back off if drafting did not pay
                 paid = self.verify_gain(batch) >= self.spec_min_gain
-                self.probe_backoff = 1 if paid else min(self.spec_max_probe_backoff, 2 * self.probe_backoff)
+                self.probe_backoff = 1 if paid else min(8, 2 * self.probe_backoff)
         else:
             self.plain_run, self.verify_run = self.plain_run + 1, 0
 

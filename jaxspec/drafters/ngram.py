@@ -212,21 +212,23 @@ class NgramDrafter:
                     self.cursors[r.rid], self.folded[r.rid] = [], len(r.prompt_ids) + len(r.output_ids)
         self.overlapped_time += time.perf_counter() - t0
 
+    def _match(self, req):
+        """(trie node, window) of the longest suffix of the request's tokens that the trie continues."""
+        o = self.opts
+        n = len(req.prompt_ids) + len(req.output_ids)
+        return self.cache.match(req.token_slice(max(0, n - o["max_window"]), n), o["min_window"], o["max_window"])
+
     def propose(self, req, max_nodes=None):
         t0 = time.perf_counter()
         o = self.opts
-        n = len(req.prompt_ids) + len(req.output_ids)
-        node, _ = self.cache.match(req.token_slice(max(0, n - o["max_window"]), n), o["min_window"], o["max_window"])
+        node, _ = self._match(req)
         out = self.cache.draft_below(node, (max_nodes or self.num_nodes) - 1, match_type=o["match_type"],
                                      breadth=o["breadth"], branch_length=o["branch_length"])
         self.host_time += time.perf_counter() - t0
         return out
 
     def match_length(self, req) -> int:
-        """Length of the longest suffix of the request's tokens that the trie continues."""
-        n = len(req.prompt_ids) + len(req.output_ids)
-        return self.cache.match(req.token_slice(max(0, n - self.opts["max_window"]), n), self.opts["min_window"],
-                                self.opts["max_window"])[1]
+        return self._match(req)[1]
 
     def finish(self, req):
         self.folded.pop(req.rid, None)
