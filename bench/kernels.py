@@ -107,7 +107,8 @@ def main():
         return best
 
     # (name, kwargs): "auto" is what the engine runs (choose_blocking); ppb = pages per tile,
-    # sN = split-K into N key ranges, wN = warps, stN = pipeline stages
+    # sN = split-K into N key ranges, wN = warps, stN = pipeline stages, rN = query rows a program,
+    # a four-letter name: the grid's launch order
     variants = [("auto", {}), ("ppb1 s1", dict(pages_per_block=1, splits=1)),
                 ("ppb4", dict(pages_per_block=4)), ("ppb8 w8", dict(pages_per_block=8, num_warps=8)),
                 ("ppb8 w2", dict(pages_per_block=8, num_warps=2)), ("ppb8 st3", dict(pages_per_block=8, num_stages=3)),
@@ -116,17 +117,15 @@ def main():
                    ("ppb8 s8", dict(pages_per_block=8, splits=8)), ("ppb8 s16", dict(pages_per_block=8, splits=16)),
                    ("ppb4 s32", dict(pages_per_block=4, splits=32)), ("ppb8 s16 w8", dict(pages_per_block=8, splits=16,
                                                                                         num_warps=8))]
-    if FOCUS:  # pipeline depth, tile and row-block sizes around the engine's choice
-        variants = [("auto", {}), ("ppb4 st1", dict(pages_per_block=4, num_stages=1)),
-                    ("ppb4 st3", dict(pages_per_block=4, num_stages=3)),
-                    ("ppb2 st3", dict(pages_per_block=2, num_stages=3)),
-                    ("ppb2 st4", dict(pages_per_block=2, num_stages=4)),
-                    ("ppb4 s4 st3", dict(pages_per_block=4, splits=4, num_stages=3)),
-                    ("ppb4 w2", dict(pages_per_block=4, num_warps=2)),
-                    ("r64 ppb4", dict(block_rows=64, pages_per_block=4)),
-                    ("r64 ppb4 st3", dict(block_rows=64, pages_per_block=4, num_stages=3)),
-                    ("r64 ppb8 w8", dict(block_rows=64, pages_per_block=8, num_warps=8)),
-                    ("r128 ppb4 st3", dict(block_rows=128, pages_per_block=4, num_stages=3))]
+    if FOCUS:  # launch order of the grid (see paged_attention), pipeline depth, tile and row-block sizes
+        variants = [("auto", {}), ("ppb4 st3", dict(pages_per_block=4, num_stages=3)),
+                    ("r64 ppb4 st3", dict(block_rows=64, pages_per_block=4, num_stages=3))]
+        for order in ("qhbs", "hbqs", "qbhs"):
+            variants += [(f"{order}", dict(grid_order=order)),
+                         (f"{order} ppb4 st3", dict(grid_order=order, pages_per_block=4, num_stages=3))]
+        variants += [("qhbs r64 ppb4 st3", dict(grid_order="qhbs", block_rows=64, pages_per_block=4, num_stages=3)),
+                     ("r256 w8", dict(block_rows=256, num_warps=8)),
+                     ("r256 w8 ppb2", dict(block_rows=256, num_warps=8, pages_per_block=2))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:

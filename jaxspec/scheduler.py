@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
 from jaxspec.paging import PagePool
 from jaxspec.programs import BATCH_BUCKETS, TOKEN_BUCKETS, TREE_BUCKETS, Programs, bucket, page_bucket
@@ -89,6 +90,7 @@ class InFlight:
     nodes: int = 1
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
+    match_keys: list | None = None  # a host drafter's: DraftPolicy keys its requests drafted at
 
 
 class Scheduler:
@@ -97,7 +99,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=32, spec_min_nodes=4, spec_min_accept=2.0,
-                 spec_probe_every=8, spec_min_gain=None, spec_strong_match=None,
+                 spec_probe_every=8, spec_min_gain=None,
                  overlap=True):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -129,25 +131,16 @@ class Scheduler:
         # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
         # A host drafter's steps cannot chain (it drafts from the tokens just emitted), so their host time adds to the
-        # device's: one costs about two plain steps on the H100 at batch 1, and more at larger batch, where NGRAM lost
+        # device's: one costs about 1.5 plain steps on the H100 at batch 1, and more at larger batch, where NGRAM lost
         # while EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*). Its trees get a smaller budget, none from
-        # batch 16 by default, and a verify step must pay for itself: the scheduler times both kinds of step per batch
-        # bucket (the wall time between two read-backs of the same kind) and drafts while accept length x plain step /
-        # verify step >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an unchained step). While
-        # paused it probes: two verify steps after spec_probe_every plain ones, the interval doubling after each probe
-        # that does not pay (up to 8x); while drafting, a few plain steps every
-        # 4 x spec_probe_every verify steps keep the plain time current. Until both are timed, spec_min_accept (tokens
-        # a step) stands in for the ratio. A paused drafter may still verify where a request's context repeats
-        # >= spec_strong_match tokens (_strong_match; off by default).
+        # batch 16 by default, and a verify step must pay for itself: DraftPolicy (draft_policy.py) verifies while
+        # the accept length expected at the requests' match lengths x plain step / verify step >= spec_min_gain
+        # (above 1: the estimate is noisy, and every switch costs an unchained step), and probes the match lengths
+        # that do not pay every spec_probe_every plain steps (backing off to 8x).
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
-        self.spec_min_accept, self.spec_probe_every = spec_min_accept, spec_probe_every
-        self.spec_min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
-        self.spec_strong_match = spec_strong_match
-        self.accept_mean: float | None = None
-        self.step_time: dict[tuple, float] = {}  # (kind, batch bucket) -> seconds a step (EWMA)
-        self.plain_run = self.verify_run = 0  # consecutive plain / verify steps read back
-        self.probe_backoff = 1
-        self._last_read: tuple | None = None  # (kind, bucket, time) of the last decode/verify read-back
+        min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
+        self.policy = (DraftPolicy(min_gain, spec_min_accept, spec_probe_every)
+                       if drafter is not None and not self.device_drafter else None)
         self.overlap = overlap
         self.inflight: InFlight | None = None
         self.waiting: list[Request] = []
@@ -225,71 +218,21 @@ class Scheduler:
         return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
 
     def _nodes_for(self, reqs) -> int:
-        """Nodes a step verifies now: the tree that fits, or 1 while a host drafter is paused and
-        no request's context matches strongly."""
+        """Nodes a step verifies now: the tree that fits, or 1 where a host drafter's policy says
+        the batch decodes plainly."""
         nodes = self.tree_size(len(reqs))
-        if nodes > 1 and self.drafting_paused(len(reqs)) and not self._strong_match(reqs):
+        if nodes > 1 and self.policy is not None and not self.policy.should_verify(self._match_keys(reqs), len(reqs)):
             return 1
         return nodes
 
-    def _strong_match(self, reqs) -> bool:
-        """Whether a paused host drafter should verify now (opt-in, spec_strong_match): a request's
-        latest tokens continue a stretch of at least that many tokens seen before (a repeated line
-        of code, a quoted passage). Code alternates such stretches with fresh text: the average
-        over recent steps pauses drafting in the fresh text, and backed-off probes then miss the
-        repeats. Modeled at H100 step costs it helps HumanEval at batch 1 (bench/ngram_policy.py);
-        it has no guard of its own against strong matches that do not pay, hence off by default."""
-        if not self.spec_strong_match or not hasattr(self.drafter, "match_length"):
-            return False
-        return any(self.drafter.match_length(r) >= self.spec_strong_match for r in reqs)
-
-    def verify_gain(self, batch: int) -> float | None:
-        """Tokens per second drafting over tokens per second decoding plainly, at this batch."""
-        if self.accept_mean is None:
-            return None
-        b = bucket(batch, BATCH_BUCKETS)
-        tv, tp = self.step_time.get(("verify", b)), self.step_time.get(("decode", b))
-        if not tv or tp is None:
-            return self.accept_mean / self.spec_min_accept
-        return self.accept_mean * tp / tv
-
-    @property
-    def host_drafter(self) -> bool:
-        return self.drafter is not None and not self.device_drafter
-
-    def drafting_paused(self, batch: int) -> bool:
-        """Whether a host drafter's batch decodes plainly now (see __init__)."""
-        if not self.host_drafter or self.accept_mean is None:
-            return False
-        if 0 < self.verify_run < 2 or 0 < self.plain_run < 2:
-            return self.plain_run > 0  # a probe runs two steps, so that one interval is timed
-        gain = self.verify_gain(batch)
-        if gain >= self.spec_min_gain:
-            untimed = ("decode", bucket(batch, BATCH_BUCKETS)) not in self.step_time
-            return untimed or self.verify_run >= 4 * self.spec_probe_every
-        return self.plain_run < self.spec_probe_every * self.probe_backoff
+    def _match_keys(self, reqs) -> list:
+        """Each request's DraftPolicy key: how many of its latest tokens the host drafter matched."""
+        match_length = getattr(self.drafter, "match_length", None)
+        return [DraftPolicy.key(match_length(r)) if match_length else 1 for r in reqs]
 
     def _time_step(self, kind, batch, now, prefill=False):
-        """A step's outputs arrived at `now`: the interval since the last read-back of the same
-        kind and batch bucket is one step's wall time (a prefill in between voids it)."""
-        if not self.host_drafter:  # only a host drafter's policy reads the step times
-            return
-        if prefill:
-            self._last_read = None
-            return
-        b = bucket(batch, BATCH_BUCKETS)
-        if self._last_read is not None and self._last_read[:2] == (kind, b):
-            dt = now - self._last_read[2]
-            old = self.step_time.get((kind, b))
-            self.step_time[(kind, b)] = dt if old is None else 0.75 * old + 0.25 * dt
-        self._last_read = (kind, b, now)
-        if kind == "verify":
-            self.verify_run, self.plain_run = self.verify_run + 1, 0
-            if self.verify_run == 2:  # a probe's second step: back off if drafting did not pay
-                paid = self.verify_gain(batch) >= self.spec_min_gain
-                self.probe_backoff = 1 if paid else min(8, 2 * self.probe_backoff)
-        else:
-            self.plain_run, self.verify_run = self.plain_run + 1, 0
+        if self.policy is not None:  # only a host drafter's policy reads the step times
+            self.policy.timed(kind, batch, now, prefill)
 
     def _pages_needed(self, req, extra):
         return -(-(req.kv_len + req.todo + extra) // self.page_size)
@@ -449,6 +392,8 @@ class Scheduler:
         flags = SamplerFlags.of([r.params for r in reqs])
         f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
                                 self._sampling(reqs, rows, flags), int(kv_lens.max()) + n)
+        if self.policy is not None:
+            f.match_keys = self._match_keys(reqs)
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):
@@ -553,10 +498,9 @@ class Scheduler:
             return
         toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
                                                         *f.outputs[3:5]))
-        live = [int(count[i]) for i, r in enumerate(f.reqs) if not r.finished]
-        if live:
-            m = sum(live) / len(live)
-            self.accept_mean = m if self.accept_mean is None else 0.75 * self.accept_mean + 0.25 * m
+        if self.policy is not None:
+            live = [i for i, r in enumerate(f.reqs) if not r.finished]
+            self.policy.verified([f.match_keys[i] for i in live], [int(count[i]) for i in live], len(f.reqs))
         self._time_step("verify", len(f.reqs), arrived)
         for i, r in enumerate(f.reqs):
             if r.finished:

@@ -26,8 +26,10 @@ CASES = [  # (B, T, Hq, Hkv, D, ps, tree, dtype)
 ]
 
 
-BLOCKINGS = [  # (case, pages_per_block, splits): several pages a tile, split-K with empty and partial splits
-    (0, 1, 1), (1, 2, 3), (3, 1, 6), (3, 4, 2), (4, 1, 4), (2, 1, 4),
+BLOCKINGS = [  # (case, pages_per_block, splits, grid_order): several pages a tile, split-K with empty and
+    # partial splits, grid axes launched in other orders (case 4 has two query blocks)
+    (0, 1, 1, "bhqs"), (1, 2, 3, "bhqs"), (3, 1, 6, "bhqs"), (3, 4, 2, "bhqs"), (4, 1, 4, "bhqs"), (2, 1, 4, "bhqs"),
+    (4, 1, 4, "qhbs"), (1, 2, 3, "hbqs"), (4, 2, 1, "qsbh"),
 ]
 
 
@@ -36,9 +38,9 @@ def test_paged_attention_kernel_matches_reference(b, t, hq, hkv, d, ps, tree, dt
     check_kernel(b, t, hq, hkv, d, ps, tree, dtype)
 
 
-@pytest.mark.parametrize("case,pages_per_block,splits", BLOCKINGS)
-def test_paged_attention_split_k_and_page_blocks_match_reference(case, pages_per_block, splits):
-    check_kernel(*CASES[case], pages_per_block=pages_per_block, splits=splits)
+@pytest.mark.parametrize("case,pages_per_block,splits,grid_order", BLOCKINGS)
+def test_paged_attention_split_k_and_page_blocks_match_reference(case, pages_per_block, splits, grid_order):
+    check_kernel(*CASES[case], pages_per_block=pages_per_block, splits=splits, grid_order=grid_order)
 
 
 def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, **blocking):

@@ -227,8 +227,8 @@ def test_no_leaked_pages_after_many_mixed_requests(tiny):
 
 
 def test_host_drafter_drafts_only_while_it_pays(tiny):
-    """A host drafter's batch verifies trees while accept length x plain step time / verify step
-    time >= spec_min_gain, and otherwise decodes plainly with sparse probes; outputs stay plain greedy's. The
+    """A host drafter's batch verifies trees while expected accept length x plain step time / verify
+    step time >= spec_min_gain, and otherwise decodes plainly with sparse probes; outputs stay plain greedy's. The
     step timer is driven: each read-back advances it by its kind's cost."""
     rng = np.random.default_rng(9)
     prompts = [list(map(int, rng.integers(0, 62, 12))) for _ in range(2)]
@@ -252,33 +252,70 @@ def test_host_drafter_drafts_only_while_it_pays(tiny):
         verify_steps[verify_cost] = sched.stats["verify_steps"]
         assert sched.pool.in_use == 0
         if verify_cost == 50.0:
-            assert sched.probe_backoff > 1  # failed probes space the next ones out
+            assert max(sched.policy.backoff.values()) > 1  # failed probes space the next ones out
     # verify steps cost half a plain one: drafting always pays (plain steps only to time them);
-    # verify steps cost 50 plain ones: two to start, then two-step probes, ever sparser
+    # verify steps cost 50 plain ones: each match length tried once (8 of them), then sparse probes
     assert verify_steps[0.5] >= 20
-    assert 2 <= verify_steps[50.0] <= 10
+    assert 2 <= verify_steps[50.0] <= 14
 
 
-def test_paused_host_drafter_verifies_strong_matches(tiny):
-    """With spec_strong_match, a request whose latest tokens repeat a stretch of at least that many
-    tokens gets a tree while drafting is paused (recent accept x plain / verify time below
-    spec_min_gain); a request without such a stretch decodes plainly."""
+def test_draft_policy_learns_accept_by_match_length():
+    """DraftPolicy verifies where the accept length learned at a match length pays for a verify
+    step (1.5 plain steps here), decodes plainly where it does not, probes a match length that did
+    not pay after probe_every plain steps (backing off after a failed probe), and reopens it once
+    a probe pays."""
+    from jaxspec.draft_policy import DraftPolicy
+    pol = DraftPolicy(min_gain=1.1, probe_every=4)
+    clock = iter(range(0, 10_000, 1))
+
+    def read_back(kind, n=1):
+        for _ in range(n):
+            pol.timed(kind, 1, next(clock) * (1.5 if kind == "verify" else 1.0))
+
+    assert not pol.should_verify([8], 1)  # plain steps are timed first
+    read_back("decode", 2)
+    assert pol.should_verify([8], 1)  # never verified at 8: tried
+    assert not pol.should_verify([0], 1)  # no match, nothing to draft
+    pol.verified([8], [5], 1)
+    assert pol.should_verify([3], 1)  # nor at 3
+    pol.verified([3], [1], 1)
+    pol.step_time = {("decode", 1): 1.0, ("verify", 1): 1.5}
+    assert pol.should_verify([8], 1) and not pol.should_verify([3], 1)
+    assert pol.should_verify([3, 8], 1)  # mean expected accept 3 x 1 / 1.5 >= 1.1
+    assert not pol.should_verify([3, 0, 0], 1)
+    assert pol.backoff[3] == 2  # its first sample did not pay
+    read_back("decode", 7)
+    assert not pol.should_verify([3], 1)
+    read_back("decode", 1)  # 8 = probe_every x backoff plain steps since 3 last verified
+    assert pol.should_verify([3], 1)
+    pol.verified([3], [1], 1)  # the probe did not pay: the next one waits twice as long
+    assert pol.backoff[3] == 4 and not pol.should_verify([3], 1)
+    read_back("decode", 16)
+    assert pol.should_verify([3], 1)
+    for _ in range(8):  # the text turned repetitive: probes pay, 3 verifies again
+        pol.verified([3], [4], 1)
+    assert pol.backoff[3] == 1 and pol.should_verify([3], 1)
+    assert DraftPolicy.key(30) == 8 and DraftPolicy.key(2) == 2
+
+
+def test_host_drafter_policy_reads_match_lengths(tiny):
+    """The scheduler asks the policy with each request's NGRAM match length: with accept learned
+    high at long matches and low at none-to-short ones, a request repeating a stretch seen before
+    verifies a tree, a fresh one decodes plainly, and one repeating request in the batch lifts it."""
     from jaxspec.scheduler import Scheduler
     sched = Scheduler(tiny, None, drafter=SpecConfig(num_draft_tokens=8).build(tiny), max_batch=8, max_seq_len=128,
-                      num_pages=300, spec_min_gain=1.1, spec_strong_match=4)
+                      num_pages=300, spec_min_gain=1.1, spec_probe_every=1000)
     params = SamplingParams(max_tokens=4)
-    fresh = sched.add(list(range(1, 25)), params)  # no earlier occurrence of any suffix
+    fresh = sched.add(list(range(1, 25)) + [3], params)  # its last token was seen once before
     repeated = sched.add([5, 9, 14, 2, 33, 7, 21, 40] * 3, params)  # its last 8+ tokens occurred before
     for _ in range(4):  # each call folds at least 16 tokens in
         sched.drafter.prepare([fresh, repeated])
-    assert sched.drafter.match_length(repeated) >= 8 and sched.drafter.match_length(fresh) == 0
-    sched.accept_mean, sched.plain_run, sched.probe_backoff = 1.0, 2, 8
-    sched.step_time = {("verify", 1): 3.0, ("decode", 1): 1.0}  # gain 1/3: paused
-    assert sched.drafting_paused(1)
+    assert sched._match_keys([fresh, repeated]) == [1, 8]
+    pol = sched.policy
+    pol.step_time = {("verify", 1): 1.5, ("decode", 1): 1.0, ("verify", 2): 1.5, ("decode", 2): 1.0}
+    pol.accept = {1: (1.1, 20), 8: (6.0, 20)}
     assert sched._nodes_for([fresh]) == 1
     assert sched._nodes_for([repeated]) == sched.tree_size(1) == 8
-    assert sched._nodes_for([fresh, repeated]) == 8  # one strong match verifies the batch
-    sched.spec_strong_match = 30  # longer than any match
-    assert sched._nodes_for([repeated]) == 1
-    sched.spec_strong_match = None  # the default
+    assert sched._nodes_for([fresh, repeated]) == 8  # mean expected accept 3.55 x 1 / 1.5
+    pol.accept[8] = (1.2, 20)
     assert sched._nodes_for([repeated]) == 1

@@ -35,8 +35,8 @@ def pack_tree_mask(tree_mask):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
-            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap):
-    b, h, qb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order):
+    b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
     rows = qb * block_rows + jnp.arange(block_rows)
@@ -105,6 +105,12 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
+def _axes(grid_order, ids):
+    """Grid indices (launch order) -> (request, kv head, query block, split)."""
+    named = dict(zip(grid_order, ids))
+    return named["b"], named["h"], named["q"], named["s"]
+
+
 def combine_splits(acc, m, l):
     """acc [..., S, R, D], m/l [..., S, R] partials of S key ranges -> [..., R, D] softmax output."""
     m_all = m.max(axis=-2, keepdims=True)
@@ -127,11 +133,15 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
-                                             "pages_per_block", "splits"))
+                                             "pages_per_block", "splits", "grid_order"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
-                    pages_per_block=None, splits=None):
-    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D]."""
+                    pages_per_block=None, splits=None, grid_order="bhqs"):
+    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
+
+    grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
+    order, the first varying fastest: programs launched together share L2, so the query blocks
+    of one request and head, which read the same pages, run side by side when q comes first."""
     b, t, hq, d = q.shape
     _, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
@@ -151,21 +161,26 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
-                               pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap)
+                               pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap,
+                               grid_order=grid_order)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    qspec = pl.BlockSpec((None, None, block_rows, d), lambda i, j, k, s: (i, j, k, 0))
+
+    def spec(shape, index):  # index: (request, head, query block, split) -> block index
+        return pl.BlockSpec(shape, lambda *g: index(*_axes(grid_order, g)))
+
+    qspec = spec((None, None, block_rows, d), lambda i, j, k, s: (i, j, k, 0))
     if splits == 1:
         out_specs, out_shape = qspec, jax.ShapeDtypeStruct(qr.shape, q.dtype)
     else:
         part = (b, hkv, splits, padded)
-        out_specs = (pl.BlockSpec((None, None, None, block_rows, d), lambda i, j, k, s: (i, j, s, k, 0)),
-                     pl.BlockSpec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)),
-                     pl.BlockSpec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)))
+        out_specs = (spec((None, None, None, block_rows, d), lambda i, j, k, s: (i, j, s, k, 0)),
+                     spec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)),
+                     spec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)))
         out_shape = (jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(b, hkv, q_blocks, splits),
+        grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
         in_specs=[full(layer), full(page_table), full(kv_lens), full(q_lens), full(bits), qspec,
                   full(k_pages), full(v_pages)],
         out_specs=out_specs,
