@@ -8,8 +8,9 @@ tokens, one whose last token alone matches rarely more than the bonus token. A s
 recent steps mixes the two, and code alternates them: it paused drafting in fresh text and missed
 the repeats that followed (HumanEval batch 1: 1.54x paused as it was vs 1.85x drafting every step).
 
-So the policy keeps the mean accept length per match length (1 to MAX_MATCH_KEY tokens; a request
-with no match drafts nothing and expects 1), learned from the steps that verified at it, and
+So the policy keeps the mean accept length per match length (1, 2-3, 4-7 and 8 or more tokens:
+coarse, so that each mean gathers samples fast; a request with no match drafts nothing and expects
+1), learned from the steps that verified at it, and
 verifies a batch while the mean of its requests' expected accepts x plain step / verify step
 >= min_gain. A match length that does not pay is probed again after probe_every plain steps, the
 interval doubling after each probe that does not pay (up to 8x), so that a mean gone stale can
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from jaxspec.programs import BATCH_BUCKETS, bucket
 
-MAX_MATCH_KEY = 8  # matches of 8 and more tokens share one mean
+MAX_MATCH_KEY = 8
 
 
 class DraftPolicy:
@@ -37,7 +38,8 @@ class DraftPolicy:
 
     @staticmethod
     def key(match_len: int) -> int:
-        return min(match_len, MAX_MATCH_KEY)
+        """A match length's bucket: 0 (none), 1, 2 (2-3), 4 (4-7) or 8 (8 and more)."""
+        return min(MAX_MATCH_KEY, 1 << (match_len.bit_length() - 1)) if match_len > 0 else 0
 
     def cost_ratio(self, batch: int) -> float:
         """A plain step's time over a verify step's, at this batch size."""
@@ -81,7 +83,7 @@ class DraftPolicy:
                 continue
             mean, n = self.accept.get(k, (0.0, 0))
             n += 1
-            self.accept[k] = (mean + (c - mean) * max(1.0 / n, 0.125), n)
+            self.accept[k] = (mean + (c - mean) * max(1.0 / n, 1 / 16), n)
             self.last_verified[k] = self.plain_steps
         ratio = self.cost_ratio(batch)
         for k in set(keys) - {0}:

@@ -277,25 +277,25 @@ def test_draft_policy_learns_accept_by_match_length():
     assert pol.should_verify([8], 1)  # never verified at 8: tried
     assert not pol.should_verify([0], 1)  # no match, nothing to draft
     pol.verified([8], [5], 1)
-    assert pol.should_verify([3], 1)  # nor at 3
-    pol.verified([3], [1], 1)
+    assert pol.should_verify([2], 1)  # nor at 2
+    pol.verified([2], [1], 1)
     pol.step_time = {("decode", 1): 1.0, ("verify", 1): 1.5}
-    assert pol.should_verify([8], 1) and not pol.should_verify([3], 1)
-    assert pol.should_verify([3, 8], 1)  # mean expected accept 3 x 1 / 1.5 >= 1.1
-    assert not pol.should_verify([3, 0, 0], 1)
-    assert pol.backoff[3] == 2  # its first sample did not pay
+    assert pol.should_verify([8], 1) and not pol.should_verify([2], 1)
+    assert pol.should_verify([2, 8], 1)  # mean expected accept 3 x 1 / 1.5 >= 1.1
+    assert not pol.should_verify([2, 0, 0], 1)
+    assert pol.backoff[2] == 2  # its first sample did not pay
     read_back("decode", 7)
-    assert not pol.should_verify([3], 1)
-    read_back("decode", 1)  # 8 = probe_every x backoff plain steps since 3 last verified
-    assert pol.should_verify([3], 1)
-    pol.verified([3], [1], 1)  # the probe did not pay: the next one waits twice as long
-    assert pol.backoff[3] == 4 and not pol.should_verify([3], 1)
+    assert not pol.should_verify([2], 1)
+    read_back("decode", 1)  # 8 = probe_every x backoff plain steps since 2 last verified
+    assert pol.should_verify([2], 1)
+    pol.verified([2], [1], 1)  # the probe did not pay: the next one waits twice as long
+    assert pol.backoff[2] == 4 and not pol.should_verify([2], 1)
     read_back("decode", 16)
-    assert pol.should_verify([3], 1)
-    for _ in range(8):  # the text turned repetitive: probes pay, 3 verifies again
-        pol.verified([3], [4], 1)
-    assert pol.backoff[3] == 1 and pol.should_verify([3], 1)
-    assert DraftPolicy.key(30) == 8 and DraftPolicy.key(2) == 2
+    assert pol.should_verify([2], 1)
+    for _ in range(8):  # the text turned repetitive: probes pay, 2 verifies again
+        pol.verified([2], [4], 1)
+    assert pol.backoff[2] == 1 and pol.should_verify([2], 1)
+    assert [DraftPolicy.key(m) for m in (0, 1, 2, 3, 4, 7, 8, 30)] == [0, 1, 2, 2, 4, 4, 8, 8]
 
 
 def test_host_drafter_policy_reads_match_lengths(tiny):
