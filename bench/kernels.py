@@ -108,7 +108,7 @@ def main():
 
     # (name, kwargs): "auto" is what the engine runs (choose_blocking); ppb = pages per tile,
     # sN = split-K into N key ranges, wN = warps, stN = pipeline stages, rN = query rows a program,
-    # a four-letter name: the grid's launch order, pf = page table prefetched
+    # a four-letter name: the grid's launch order
     variants = [("auto", {}), ("ppb1 s1", dict(pages_per_block=1, splits=1)),
                 ("ppb4", dict(pages_per_block=4)), ("ppb8 w8", dict(pages_per_block=8, num_warps=8)),
                 ("ppb8 w2", dict(pages_per_block=8, num_warps=2)), ("ppb8 st3", dict(pages_per_block=8, num_stages=3)),
@@ -117,15 +117,11 @@ def main():
                    ("ppb8 s8", dict(pages_per_block=8, splits=8)), ("ppb8 s16", dict(pages_per_block=8, splits=16)),
                    ("ppb4 s32", dict(pages_per_block=4, splits=32)), ("ppb8 s16 w8", dict(pages_per_block=8, splits=16,
                                                                                         num_warps=8))]
-    if FOCUS:  # launch order of the grid (see paged_attention), pipelining, the page table prefetched
+    if FOCUS:  # launch order of the grid (see paged_attention) and pipelining around the engine's choice
         variants = [("auto", {}), ("bhqs", dict(grid_order="bhqs")), ("qhbs", dict(grid_order="qhbs")),
                     ("ppb4 st3", dict(pages_per_block=4, num_stages=3)),
                     ("hbqs ppb4 st3", dict(grid_order="hbqs", pages_per_block=4, num_stages=3)),
-                    ("qhbs ppb4 st3", dict(grid_order="qhbs", pages_per_block=4, num_stages=3)),
-                    ("pf", dict(prefetch_table=True)), ("pf st3", dict(prefetch_table=True, num_stages=3)),
-                    ("pf st4", dict(prefetch_table=True, num_stages=4)),
-                    ("pf ppb8 st3", dict(prefetch_table=True, pages_per_block=8, num_stages=3)),
-                    ("pf ppb2 st4", dict(prefetch_table=True, pages_per_block=2, num_stages=4))]
+                    ("qhbs ppb4 st3", dict(grid_order="qhbs", pages_per_block=4, num_stages=3))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:

@@ -12,7 +12,9 @@ So the policy keeps the mean accept length per match length (1, 2-3, 4-7 and 8 o
 coarse, so that each mean gathers samples fast; a request with no match drafts nothing and expects
 1), learned from the steps that verified at it, and
 verifies a batch while the mean of its requests' expected accepts x plain step / verify step
->= min_gain. A match length that does not pay is probed again after probe_every plain steps, the
+>= min_gain. The expectation is optimistic while samples are few (upper confidence bound): a mean
+judged on a handful of probes shut match lengths that paid when drafted every time. A match
+length that does not pay is probed again after probe_every plain steps, the
 interval doubling after each probe that does not pay (up to 8x), so that a mean gone stale can
 reopen. Step times are per (kind, batch bucket): the wall time between two read-backs of the same
 kind (a lone step of a kind not yet timed is followed by a second); until both kinds are timed,
@@ -48,11 +50,14 @@ class DraftPolicy:
         return tp / tv if tv and tp else 1.0 / self.min_accept
 
     def expected(self, key: int) -> float | None:
-        """Expected accept length of a request drafting at this match key; None until one is seen."""
+        """Accept length to expect of a request drafting at this match key, optimistic by one
+        standard error of the mean (taking accept lengths' spread as about one token): a match
+        length judged on a few samples keeps verifying until they are many (up to the mean's
+        window of 16). None until one is seen."""
         if key == 0:
             return 1.0
         a = self.accept.get(key)
-        return None if a is None else a[0]
+        return None if a is None else a[0] + 1.0 / min(a[1], 16) ** 0.5
 
     def gain(self, keys, batch: int) -> float | None:
         exp = [self.expected(k) for k in keys]
@@ -87,7 +92,7 @@ class DraftPolicy:
             self.last_verified[k] = self.plain_steps
         ratio = self.cost_ratio(batch)
         for k in set(keys) - {0}:
-            pays = self.accept[k][0] * ratio >= self.min_gain
+            pays = self.expected(k) * ratio >= self.min_gain
             self.backoff[k] = 1 if pays else min(8, 2 * self.backoff.get(k, 1))
 
     def timed(self, kind: str, batch: int, now: float, prefill: bool = False):

@@ -33,11 +33,6 @@ BLOCKINGS = [  # (case, pages_per_block, splits, grid_order): several pages a ti
 ]
 
 
-@pytest.mark.parametrize("case,pages_per_block,splits", [(3, 2, 2), (4, 1, 1), (0, 4, 1)])
-def test_paged_attention_prefetched_page_table_matches_reference(case, pages_per_block, splits):
-    check_kernel(*CASES[case], pages_per_block=pages_per_block, splits=splits, prefetch_table=True)
-
-
 @pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,dtype", CASES)
 def test_paged_attention_kernel_matches_reference(b, t, hq, hkv, d, ps, tree, dtype):
     check_kernel(b, t, hq, hkv, d, ps, tree, dtype)

@@ -261,9 +261,9 @@ def test_host_drafter_drafts_only_while_it_pays(tiny):
 
 def test_draft_policy_learns_accept_by_match_length():
     """DraftPolicy verifies where the accept length learned at a match length pays for a verify
-    step (1.5 plain steps here), decodes plainly where it does not, probes a match length that did
-    not pay after probe_every plain steps (backing off after a failed probe), and reopens it once
-    a probe pays."""
+    step (1.5 plain steps here), optimistic while its samples are few; decodes plainly where it
+    does not pay; probes such a match length after probe_every x backoff plain steps; and reopens
+    it once probes pay."""
     from jaxspec.draft_policy import DraftPolicy
     pol = DraftPolicy(min_gain=1.1, probe_every=4)
     clock = iter(range(0, 10_000, 1))
@@ -277,21 +277,21 @@ def test_draft_policy_learns_accept_by_match_length():
     assert pol.should_verify([8], 1)  # never verified at 8: tried
     assert not pol.should_verify([0], 1)  # no match, nothing to draft
     pol.verified([8], [5], 1)
-    assert pol.should_verify([2], 1)  # nor at 2
-    pol.verified([2], [1], 1)
     pol.step_time = {("decode", 1): 1.0, ("verify", 1): 1.5}
-    assert pol.should_verify([8], 1) and not pol.should_verify([2], 1)
-    assert pol.should_verify([2, 8], 1)  # mean expected accept 3 x 1 / 1.5 >= 1.1
+    pol.verified([2], [1], 1)
+    assert pol.should_verify([2], 1)  # one sample of 1 token: 1 + 1 expected, 2 x 1 / 1.5 >= 1.1
+    for _ in range(15):
+        pol.verified([2], [1], 1)
+    assert pol.should_verify([8], 1) and not pol.should_verify([2], 1)  # 16 samples: 1.25 expected
+    assert pol.should_verify([2, 8], 1)  # mean expected accept (1.25 + 6) / 2 x 1 / 1.5 >= 1.1
     assert not pol.should_verify([2, 0, 0], 1)
-    assert pol.backoff[2] == 2  # its first sample did not pay
-    read_back("decode", 7)
+    assert pol.backoff[2] == 8  # each verify at 2 that did not pay doubled it (up to 8)
+    read_back("decode", 31)
     assert not pol.should_verify([2], 1)
-    read_back("decode", 1)  # 8 = probe_every x backoff plain steps since 2 last verified
+    read_back("decode", 1)  # 32 = probe_every x backoff plain steps since 2 last verified
     assert pol.should_verify([2], 1)
-    pol.verified([2], [1], 1)  # the probe did not pay: the next one waits twice as long
-    assert pol.backoff[2] == 4 and not pol.should_verify([2], 1)
-    read_back("decode", 16)
-    assert pol.should_verify([2], 1)
+    pol.verified([2], [1], 1)  # the probe did not pay: the next waits as long again
+    assert not pol.should_verify([2], 1)
     for _ in range(8):  # the text turned repetitive: probes pay, 2 verifies again
         pol.verified([2], [4], 1)
     assert pol.backoff[2] == 1 and pol.should_verify([2], 1)
@@ -313,9 +313,9 @@ def test_host_drafter_policy_reads_match_lengths(tiny):
     assert sched._match_keys([fresh, repeated]) == [1, 8]
     pol = sched.policy
     pol.step_time = {("verify", 1): 1.5, ("decode", 1): 1.0, ("verify", 2): 1.5, ("decode", 2): 1.0}
-    pol.accept = {1: (1.1, 20), 8: (6.0, 20)}
+    pol.accept = {1: (1.1, 20), 8: (6.0, 20)}  # expected: 1.35 and 6.25 tokens
     assert sched._nodes_for([fresh]) == 1
     assert sched._nodes_for([repeated]) == sched.tree_size(1) == 8
-    assert sched._nodes_for([fresh, repeated]) == 8  # mean expected accept 3.55 x 1 / 1.5
+    assert sched._nodes_for([fresh, repeated]) == 8  # mean expected accept 3.8 x 1 / 1.5
     pol.accept[8] = (1.2, 20)
     assert sched._nodes_for([repeated]) == 1

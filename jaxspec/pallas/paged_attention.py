@@ -35,8 +35,7 @@ def pack_tree_mask(tree_mask):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
-            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order,
-            table_block):
+            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -59,19 +58,13 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     first = split * pages_per_split
     last = jnp.minimum(first + pages_per_split, (kv_len + q_len + page_size - 1) // page_size)
     num_blocks = (jnp.maximum(last - first, 0) + pages_per_block - 1) // pages_per_block
-    if table_block:  # the split's page numbers read once, so no tile's loads wait on a table load
-        split_pages = pt_ref[b, pl.ds(first, table_block)]
 
     def tile(i, carry, masked):
         m, l, acc = carry
         p0 = first + i * pages_per_block
         # pages past the sequence's end (table padding: page 0) are read but masked below; a split
         # is a whole number of blocks, so no block reaches into the next split's pages
-        if table_block:
-            pick = (i * pages_per_block + jnp.arange(pages_per_block))[:, None] == jnp.arange(table_block)[None, :]
-            pages = jnp.sum(jnp.where(pick, split_pages[None, :], 0), axis=1)
-        else:
-            pages = pt_ref[b, pl.ds(p0, pages_per_block)]
+        pages = pt_ref[b, pl.ds(p0, pages_per_block)]
         k = k_ref[layer, pages, :, h, :].reshape(block, -1)
         v = v_ref[layer, pages, :, h, :].reshape(block, -1)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
@@ -140,19 +133,17 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
-                                             "pages_per_block", "splits", "grid_order",
-                                             "prefetch_table"))
+                                             "pages_per_block", "splits", "grid_order"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
-                    pages_per_block=None, splits=None, grid_order=None, prefetch_table=False):
+                    pages_per_block=None, splits=None, grid_order=None):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
     of one request and head, which read the same pages, run side by side when q comes first.
     By default q comes first where there are several query blocks (a 64-token tree at GQA 4: 771 vs
-    903 us on the H100, kernels-focus-v16), and requests first otherwise (decode at batch 64: 400 vs
-    519 us heads first)."""
+    903 us and 745 vs 898 us on the H100, kernels-focus-v16/-v17), and requests first otherwise."""
     b, t, hq, d = q.shape
     _, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
@@ -166,10 +157,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     splits = splits or auto_splits
     grid_order = grid_order or ("qhbs" if q_blocks > 1 else "bhqs")
     pages_per_split = -(-page_table.shape[1] // (splits * ppb)) * ppb
-    # prefetch_table: each program loads its split's page numbers up front (a power-of-two block)
-    table_block = 1 << (pages_per_split - 1).bit_length() if prefetch_table else 0
-    width = (splits - 1) * pages_per_split + max(pages_per_split, table_block)
-    page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
+    page_table = jnp.pad(page_table, ((0, 0), (0, splits * pages_per_split - page_table.shape[1])))
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     causal = tree_mask is None
@@ -177,7 +165,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
                                pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap,
-                               grid_order=grid_order, table_block=table_block)
+                               grid_order=grid_order)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
     def spec(shape, index):  # index: (request, head, query block, split) -> block index
