@@ -10,7 +10,8 @@ the repeats that followed (HumanEval batch 1: 1.54x paused as it was vs 1.85x dr
 
 So the policy keeps the mean accept length per match length (1, 2-3, 4-7 and 8 or more tokens:
 coarse, so that each mean gathers samples fast; a request with no match drafts nothing and expects
-1), learned from the steps that verified at it, and
+1) and tree size (the scheduler's keys are (nodes, match bucket) pairs; any hashable works here),
+learned from the steps that verified at it, and
 verifies a batch while the mean of its requests' expected accepts x plain step / verify step
 >= min_gain. The expectation is optimistic while samples are few (upper confidence bound): a mean
 judged on a handful of probes shut match lengths that paid when drafted every time. A match

@@ -221,14 +221,18 @@ class Scheduler:
         """Nodes a step verifies now: the tree that fits, or 1 where a host drafter's policy says
         the batch decodes plainly."""
         nodes = self.tree_size(len(reqs))
-        if nodes > 1 and self.policy is not None and not self.policy.should_verify(self._match_keys(reqs), len(reqs)):
+        if nodes > 1 and self.policy is not None and not self.policy.should_verify(self._match_keys(reqs, nodes),
+                                                                                   len(reqs)):
             return 1
         return nodes
 
-    def _match_keys(self, reqs) -> list:
-        """Each request's DraftPolicy key: how many of its latest tokens the host drafter matched."""
+    def _match_keys(self, reqs, nodes) -> list:
+        """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
+        host drafter matched), or 0 where it matched none. The tree size is part of the key because
+        the accept length learned with 8-node trees at batch 1 overstates 4-node trees' at batch 8."""
         match_length = getattr(self.drafter, "match_length", None)
-        return [DraftPolicy.key(match_length(r)) if match_length else 1 for r in reqs]
+        keys = [DraftPolicy.key(match_length(r)) if match_length else 1 for r in reqs]
+        return [(nodes, k) if k else 0 for k in keys]
 
     def _time_step(self, kind, batch, now, prefill=False):
         if self.policy is not None:  # only a host drafter's policy reads the step times
@@ -393,7 +397,7 @@ class Scheduler:
         f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
                                 self._sampling(reqs, rows, flags), int(kv_lens.max()) + n)
         if self.policy is not None:
-            f.match_keys = self._match_keys(reqs)
+            f.match_keys = self._match_keys(reqs, nodes)
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):

@@ -310,12 +310,13 @@ def test_host_drafter_policy_reads_match_lengths(tiny):
     repeated = sched.add([5, 9, 14, 2, 33, 7, 21, 40] * 3, params)  # its last 8+ tokens occurred before
     for _ in range(4):  # each call folds at least 16 tokens in
         sched.drafter.prepare([fresh, repeated])
-    assert sched._match_keys([fresh, repeated]) == [1, 8]
+    assert sched._match_keys([fresh, repeated], 8) == [(8, 1), (8, 8)]
+    assert sched._match_keys([fresh, repeated], 4) == [(4, 1), (4, 8)]  # trees of another size learn apart
     pol = sched.policy
     pol.step_time = {("verify", 1): 1.5, ("decode", 1): 1.0, ("verify", 2): 1.5, ("decode", 2): 1.0}
-    pol.accept = {1: (1.1, 20), 8: (6.0, 20)}  # expected: 1.35 and 6.25 tokens
+    pol.accept = {(8, 1): (1.1, 20), (8, 8): (6.0, 20)}  # expected: 1.35 and 6.25 tokens
     assert sched._nodes_for([fresh]) == 1
     assert sched._nodes_for([repeated]) == sched.tree_size(1) == 8
     assert sched._nodes_for([fresh, repeated]) == 8  # mean expected accept 3.8 x 1 / 1.5
-    pol.accept[8] = (1.2, 20)
+    pol.accept[(8, 8)] = (1.2, 20)
     assert sched._nodes_for([repeated]) == 1
