@@ -98,7 +98,7 @@ class Scheduler:
 
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
-                 spec_max_verify_tokens=128, spec_max_host_verify_tokens=32, spec_min_nodes=4, spec_min_accept=2.0,
+                 spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
                  spec_probe_every=8, spec_min_gain=None,
                  overlap=True):
         cfg = model.cfg
@@ -132,8 +132,9 @@ class Scheduler:
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
         # A host drafter's steps cannot chain (it drafts from the tokens just emitted), so their host time adds to the
         # device's: one costs about 1.5 plain steps on the H100 at batch 1, and more at larger batch, where NGRAM lost
-        # while EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*). Its trees get a smaller budget, none from
-        # batch 16 by default, and a verify step must pay for itself: DraftPolicy (draft_policy.py) verifies while
+        # while EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*; 0.78x under DraftPolicy, spec-v17-b8). Its
+        # trees get a smaller budget, none from batch 8 by default, and a verify step must pay for itself:
+        # DraftPolicy (draft_policy.py) verifies while
         # the accept length expected at the requests' match lengths x plain step / verify step >= spec_min_gain
         # (above 1: the estimate is noisy, and every switch costs an unchained step), and probes the match lengths
         # that do not pay every spec_probe_every plain steps (backing off to 8x).

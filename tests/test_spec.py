@@ -85,7 +85,8 @@ def test_ngram_greedy_equals_plain(tiny, draft, match, ps):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     kw = dict(max_batch=8, max_seq_len=128, num_pages=300, page_size=ps)
     plain = Generator(tiny, None, **kw).generate(prompts, params)
-    spec_gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=draft, ngram_match_type=match).build(tiny), **kw)
+    spec_gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=draft, ngram_match_type=match).build(tiny),
+                         spec_max_host_verify_tokens=128, **kw)  # trees for all 7 requests at once
     spec = spec_gen.generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert max(c.mean_accept_length for c in spec) > 1.5  # drafts were accepted, not just verified
