@@ -8,7 +8,8 @@ for that kind of step, so the policy sees H100 timings while running on any mach
 Defaults: bench/results/spec-v15-humaneval-b1-gain0-* (plain 448 tok/s: 2.23 ms a step; NGRAM
 drafting every step, 827 tok/s at 2.79 tokens a step: 3.37 ms a verify step). The modeled
 speedup is plain's modeled time over the policy's; outputs are checked against plain decoding.
-Policies: `always` (spec_min_gain 0), `timed` (the scheduler's defaults), and variants given as
+Policies: `always` (spec_min_gain 0: verify wherever a request has a match), `default` (the
+scheduler's defaults, DraftPolicy), and variants given as
 --policies name=key:value,... over Scheduler keyword arguments.
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main():
     ap.add_argument("--plain-ms", type=float, default=2.23)
     ap.add_argument("--verify-ms", type=float, default=3.37)
     ap.add_argument("--prefill-ms", type=float, default=5.0)
-    ap.add_argument("--policies", default="always=spec_min_gain:0.0;timed=",
+    ap.add_argument("--policies", default="always=spec_min_gain:0.0;default=",
                     help="';'-separated name=key:value,... (Scheduler keyword arguments)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()

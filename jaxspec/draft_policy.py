@@ -23,17 +23,20 @@ kind (a lone step of a kind not yet timed is followed by a second); until both k
 """
 from __future__ import annotations
 
+from typing import Hashable
+
 from jaxspec.programs import BATCH_BUCKETS, bucket
 
-MAX_MATCH_KEY = 8
+MAX_MATCH_KEY = 8  # matches of 8 tokens and more share one mean
 
 
 class DraftPolicy:
     def __init__(self, min_gain: float, min_accept: float = 2.0, probe_every: int = 8):
         self.min_gain, self.min_accept, self.probe_every = min_gain, min_accept, probe_every
-        self.accept: dict[int, tuple[float, int]] = {}  # match key -> (mean accept length, samples)
-        self.backoff: dict[int, int] = {}  # match key -> probe interval multiplier
-        self.last_verified: dict[int, int] = {}  # match key -> plain_steps when it last verified
+        # keys: whatever the caller buckets requests by (0: no match); the scheduler's are (nodes, key(m))
+        self.accept: dict[Hashable, tuple[float, int]] = {}  # key -> (mean accept length, samples)
+        self.backoff: dict[Hashable, int] = {}  # key -> probe interval multiplier
+        self.last_verified: dict[Hashable, int] = {}  # key -> plain_steps when it last verified
         self.plain_steps = 0  # plain steps read back so far
         self.step_time: dict[tuple, float] = {}  # (kind, batch bucket) -> seconds a step (EWMA)
         self._last_read: tuple | None = None  # (kind, bucket, time) of the last read-back
@@ -50,7 +53,7 @@ class DraftPolicy:
         tv, tp = self.step_time.get(("verify", b)), self.step_time.get(("decode", b))
         return tp / tv if tv and tp else 1.0 / self.min_accept
 
-    def expected(self, key: int) -> float | None:
+    def expected(self, key: Hashable) -> float | None:
         """Accept length to expect of a request drafting at this match key, optimistic by one
         standard error of the mean (taking accept lengths' spread as about one token): a match
         length judged on a few samples keeps verifying until they are many (up to the mean's
