@@ -134,10 +134,9 @@ class Scheduler:
         # device's: one costs about 1.5 plain steps on the H100 at batch 1, and more at larger batch, where NGRAM lost
         # while EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*; 0.78x under DraftPolicy, spec-v17-b8). Its
         # trees get a smaller budget, none from batch 8 by default, and a verify step must pay for itself:
-        # DraftPolicy (draft_policy.py) verifies while
-        # the accept length expected at the requests' match lengths x plain step / verify step >= spec_min_gain
-        # (above 1: the estimate is noisy, and every switch costs an unchained step), and probes the match lengths
-        # that do not pay every spec_probe_every plain steps (backing off to 8x).
+        # DraftPolicy (draft_policy.py) verifies while the accept length expected at the requests' match lengths
+        # x plain step / verify step >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an
+        # unchained step), and probes the match lengths that do not pay every spec_probe_every plain steps.
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
         min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
         self.policy = (DraftPolicy(min_gain, spec_min_accept, spec_probe_every)
