@@ -99,8 +99,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
-                 spec_probe_every=8, spec_min_gain=None,
-                 overlap=True):
+                 spec_probe_every=8, spec_min_gain=None, overlap=True):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk

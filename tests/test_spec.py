@@ -309,9 +309,10 @@ def test_host_drafter_policy_reads_match_lengths(tiny):
     params = SamplingParams(max_tokens=4)
     fresh = sched.add(list(range(1, 25)) + [3], params)  # its last token was seen once before
     repeated = sched.add([5, 9, 14, 2, 33, 7, 21, 40] * 3, params)  # its last 8+ tokens occurred before
+    assert sched._match_keys([fresh, repeated], 8) == [0, 0]  # nothing folded in yet
     for _ in range(4):  # each call folds at least 16 tokens in
         sched.drafter.prepare([fresh, repeated])
-    assert sched._match_keys([fresh, repeated], 8) == [(8, 1), (8, 8)]
+    assert sched._match_keys([fresh, repeated], 8) == [(8, 1), (8, 8)]  # the kept matches were renewed
     assert sched._match_keys([fresh, repeated], 4) == [(4, 1), (4, 8)]  # trees of another size learn apart
     pol = sched.policy
     pol.step_time = {("verify", 1): 1.5, ("decode", 1): 1.0, ("verify", 2): 1.5, ("decode", 2): 1.0}

@@ -33,10 +33,12 @@ class NgramCache:
         if max_trie_depth < 2:
             raise ValueError("max_trie_depth must be >= 2")
         self.depth, self.capacity = max_trie_depth, capacity
+        self.generation = 0  # bumped by every clear: with the node count it dates a match
         self._clear()
         self.recent: collections.deque = collections.deque(maxlen=64)  # kept across evictions
 
     def _clear(self):
+        self.generation += 1
         self.edges: dict[int, int] = {}  # (node << _TOKEN_BITS) | token -> child node
         self.token = array.array("q", [-1])
         self.counts = array.array("q", [0])
@@ -174,6 +176,7 @@ class NgramDrafter:
         self.fold_budget_s, self.min_fold_tokens = fold_budget_ms / 1e3, min_fold_tokens
         self.cursors: dict[int, list] = {}  # a request's open insertion paths
         self.folded: dict[int, int] = {}  # how many of its tokens are in the trie
+        self._matched: dict[int, tuple] = {}  # a request's latest _match: (stamp, (node, window))
         self.host_time = 0.0  # between device steps
         self.overlapped_time = 0.0  # while a device step runs
 
@@ -183,6 +186,7 @@ class NgramDrafter:
         self.cache = NgramCache(max_trie_depth=c.depth, capacity=c.capacity)
         self.cursors.clear()
         self.folded.clear()
+        self._matched.clear()
 
     def prepare(self, reqs, busy=None):
         """Fold the requests' new tokens into the trie while `busy()` says the device is still
@@ -213,10 +217,19 @@ class NgramDrafter:
         self.overlapped_time += time.perf_counter() - t0
 
     def _match(self, req):
-        """(trie node, window) of the longest suffix of the request's tokens that the trie continues."""
+        """(trie node, window) of the longest suffix of the request's tokens that the trie continues.
+        A step asks up to three times (the scheduler's policy, the draft, the policy's bookkeeping)
+        with the same tokens and trie: the answer is kept until either changes (only new nodes
+        change a match; counts do not)."""
         o = self.opts
         n = len(req.prompt_ids) + len(req.output_ids)
-        return self.cache.match(req.token_slice(max(0, n - o["max_window"]), n), o["min_window"], o["max_window"])
+        stamp = (n, self.cache.generation, len(self.cache.counts))
+        kept = self._matched.get(req.rid)
+        if kept is not None and kept[0] == stamp:
+            return kept[1]
+        found = self.cache.match(req.token_slice(max(0, n - o["max_window"]), n), o["min_window"], o["max_window"])
+        self._matched[req.rid] = (stamp, found)
+        return found
 
     def propose(self, req, max_nodes=None):
         t0 = time.perf_counter()
@@ -232,5 +245,6 @@ class NgramDrafter:
 
     def finish(self, req):
         self.folded.pop(req.rid, None)
+        self._matched.pop(req.rid, None)
         if self.cursors.pop(req.rid, None) is not None:
             self.cache.recent.append(req.prompt_ids + req.output_ids)
