@@ -9,6 +9,7 @@ queues. A client that disconnects aborts its requests; a bad request gets a 4xx 
 from __future__ import annotations
 
 import argparse
+import gc
 import asyncio
 import contextlib
 import json
@@ -416,6 +417,10 @@ def main(argv=None):
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
                                     max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages)
     app = create_app(gen, args.served_model_name or args.model)
+    # the model, tokenizer and drafter live as long as the server: the collector's full passes
+    # need not walk them (each pass pauses every request's stream)
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
 
 

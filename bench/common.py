@@ -53,24 +53,54 @@ def _fmt(v):
     return "" if v is None else str(v)
 
 
-def time_fn(fn, *args, warmup=3, iters=20):
-    """Median wall time (s) of fn(*args) with a device sync after each call."""
+def time_fn(fn, *args, warmup=3, iters=20, queue=1):
+    """Median wall time (s) of fn(*args). queue > 1 launches that many calls between syncs and
+    divides: the sync's latency (tens of us here) then stays out of a kernel's time."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
+        outs = [fn(*args) for _ in range(queue)]
+        jax.block_until_ready(outs)
+        ts.append((time.perf_counter() - t0) / queue)
     return float(np.median(ts))
 
 
-def copy_bandwidth(nbytes=1 << 30) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
+def copy_bandwidths(nbytes=1 << 30) -> dict:
+    """Bytes read + written per second by a large device-to-device copy: through XLA (an
+    elementwise pass) and, where PyTorch is installed, torch's copy_ timed with CUDA events.
+    Bandwidth fractions divide by the larger: the best copy this machine showed."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     f = jax.jit(lambda a: a + 1.0)  # one read, one write per element
-    t = time_fn(f, x, iters=10)
-    return 2 * nbytes / t
+    out = {"xla": 2 * nbytes / time_fn(f, x, iters=10, queue=4)}
+    del x
+    try:
+        import torch
+        if torch.cuda.is_available():
+            a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            ts = []
+            for _ in range(10):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(4):
+                    b.copy_(a)
+                e1.record()
+                torch.cuda.synchronize()
+                ts.append(e0.elapsed_time(e1) / 1e3 / 4)
+            out["torch"] = 2 * nbytes / float(np.median(ts))
+            del a, b
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    return out
+
+
+def copy_bandwidth(nbytes=1 << 30) -> float:
+    return max(copy_bandwidths(nbytes).values())
 
 
 def random_model(cfg, dtype, seed=0):
