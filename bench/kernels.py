@@ -126,11 +126,18 @@ def main():
                    ("ppb8 s8", dict(pages_per_block=8, splits=8)), ("ppb8 s16", dict(pages_per_block=8, splits=16)),
                    ("ppb4 s32", dict(pages_per_block=4, splits=32)), ("ppb8 s16 w8", dict(pages_per_block=8, splits=16,
                                                                                         num_warps=8))]
-    if FOCUS:  # launch order of the grid (see paged_attention) and pipelining around the engine's choice
-        variants = [("auto", {}), ("bhqs", dict(grid_order="bhqs")), ("qhbs", dict(grid_order="qhbs")),
-                    ("ppb4 st3", dict(pages_per_block=4, num_stages=3)),
-                    ("hbqs ppb4 st3", dict(grid_order="hbqs", pages_per_block=4, num_stages=3)),
-                    ("qhbs ppb4 st3", dict(grid_order="qhbs", pages_per_block=4, num_stages=3))]
+    verify_variants = variants
+    if FOCUS:  # warps, pipeline depth, splits and launch order around the engine's choice, timed
+        # with queued calls (kernels-focus-v19 on: the earlier per-call syncs added their latency)
+        variants = [("auto", {}), ("w2", dict(num_warps=2)), ("w2 st3", dict(num_warps=2, num_stages=3)),
+                    ("st3", dict(num_stages=3)), ("ppb8 st3", dict(pages_per_block=8, num_stages=3)),
+                    ("ppb8 w2 st3", dict(pages_per_block=8, num_warps=2, num_stages=3)),
+                    ("s2", dict(splits=2)), ("s2 w2", dict(splits=2, num_warps=2)),
+                    ("hbqs", dict(grid_order="hbqs")), ("hbqs w2", dict(grid_order="hbqs", num_warps=2))]
+        verify_variants = [("auto", {}), ("st3", dict(num_stages=3)), ("st4", dict(num_stages=4)),
+                           ("w8", dict(num_warps=8)), ("w8 st3", dict(num_warps=8, num_stages=3)),
+                           ("r256 w8", dict(block_rows=256, num_warps=8)),
+                           ("ppb2 st3", dict(pages_per_block=2, num_stages=3)), ("s2", dict(splits=2))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:
@@ -155,7 +162,7 @@ def main():
         except Exception as e:
             print(f"upstream paged_attention: {type(e).__name__}: {str(e)[:300]}")
     for t in (16, 32, 64):
-        tv = attn_row("verify", BIG_BATCH, t, CTX, True, variants)
+        tv = attn_row("verify", BIG_BATCH, t, CTX, True, verify_variants)
         if tv and dec[BIG_BATCH]:
             rows[-1]["over_decode"] = tv / dec[BIG_BATCH]  # best verify variant over best decode variant
     if FOCUS:
