@@ -129,15 +129,15 @@ def main():
     verify_variants = variants
     if FOCUS:  # warps, pipeline depth, splits and launch order around the engine's choice, timed
         # with queued calls (kernels-focus-v19 on: the earlier per-call syncs added their latency)
-        variants = [("auto", {}), ("w2", dict(num_warps=2)), ("w2 st3", dict(num_warps=2, num_stages=3)),
-                    ("st3", dict(num_stages=3)), ("ppb8 st3", dict(pages_per_block=8, num_stages=3)),
-                    ("ppb8 w2 st3", dict(pages_per_block=8, num_warps=2, num_stages=3)),
-                    ("s2", dict(splits=2)), ("s2 w2", dict(splits=2, num_warps=2)),
-                    ("hbqs", dict(grid_order="hbqs")), ("hbqs w2", dict(grid_order="hbqs", num_warps=2))]
-        verify_variants = [("auto", {}), ("st3", dict(num_stages=3)), ("st4", dict(num_stages=4)),
-                           ("w8", dict(num_warps=8)), ("w8 st3", dict(num_warps=8, num_stages=3)),
-                           ("r256 w8", dict(block_rows=256, num_warps=8)),
-                           ("ppb2 st3", dict(pages_per_block=2, num_stages=3)), ("s2", dict(splits=2))]
+        # "rows": key rows gathered one by one into a 2-D tile (gather_rows) instead of whole pages
+        rows = dict(gather_rows=True)
+        variants = [("auto", {}), ("w2", dict(num_warps=2)), ("rows", rows), ("rows w2", dict(rows, num_warps=2)),
+                    ("rows st3", dict(rows, num_stages=3)), ("rows ppb8 st3", dict(rows, pages_per_block=8, num_stages=3)),
+                    ("rows hbqs", dict(rows, grid_order="hbqs")), ("hbqs", dict(grid_order="hbqs")), ("auto again", {})]
+        verify_variants = [("auto", {}), ("st4", dict(num_stages=4)), ("rows", rows), ("rows st3", dict(rows, num_stages=3)),
+                           ("rows st4", dict(rows, num_stages=4)), ("rows w8", dict(rows, num_warps=8)),
+                           ("rows ppb8", dict(rows, pages_per_block=8)), ("rows r64", dict(rows, block_rows=64)),
+                           ("auto again", {})]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:

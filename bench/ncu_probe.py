@@ -1,0 +1,73 @@
+"""What the paged attention kernel does on the GPU, read by Nsight Compute: registers a thread,
+occupancy limit, dynamic shared memory, tensor-core instructions (Hopper's warpgroup `gmma` or
+the older `hmma` path), DRAM bytes read, and kernel time, for decode and tree verify at the
+kernels bench's shapes (Llama-3-8B heads, batch 64, context 2048), in several variants.
+
+    python bench/ncu_probe.py        (runs itself under ncu with --run-only, parses, writes JSON)
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+METRICS = ["gpu__time_duration.sum", "launch__registers_per_thread", "launch__occupancy_limit_registers",
+           "launch__shared_mem_per_block_dynamic", "sm__inst_executed_pipe_tensor_op_gmma.sum",
+           "sm__inst_executed_pipe_tensor_op_hmma.sum", "dram__bytes_read.sum"]
+CONFIGS = [("decode", 1, {}), ("decode", 1, dict(gather_rows=True)),
+           ("verify", 16, {}), ("verify", 16, dict(gather_rows=True)),
+           ("verify", 64, {}), ("verify", 64, dict(gather_rows=True)),
+           ("verify", 64, dict(gather_rows=True, num_stages=3)), ("verify", 64, dict(gather_rows=True, num_warps=8))]
+
+
+def run_only():
+    import jax
+    from kernels import random_tree, setup
+    from jaxspec.pallas.paged_attention import paged_attention
+    from jaxspec.pallas.tree_mask import tree_attention_mask
+    for kernel, t, kw in CONFIGS:  # one launch of the Pallas kernel each, in CONFIGS' order
+        q, k, v, pt, kv_lens, q_lens = setup(64, t, 2048)
+        mask = None if kernel == "decode" else tree_attention_mask(random_tree(64, t), q_lens)[0]
+        f = jax.jit(lambda q, k, v, kw=kw: paged_attention(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
+        jax.block_until_ready(f(q, k, v))
+
+
+def parse(text: str) -> list[dict]:
+    """ncu's default report: a '  _kernel (grid)x(block), ...' line, then '    metric unit value'."""
+    kernels = []
+    for line in text.splitlines():
+        m = re.match(r"\s{2}(\S+) \((\d+), (\d+), (\d+)\)x\((\d+), 1, 1\)", line)
+        if m:
+            kernels.append(dict(entry=m.group(1), grid=[int(m.group(i)) for i in (2, 3, 4)], threads=int(m.group(5))))
+            continue
+        m = re.match(r"\s{4}(\S+)\s+(\S+)\s+([\d,.]+)$", line)
+        if m and kernels:
+            kernels[-1][m.group(1)] = float(m.group(3).replace(",", ""))
+            kernels[-1][m.group(1) + ":unit"] = m.group(2)
+    return kernels
+
+
+def main():
+    from common import print_table, write_results
+    cmd = ["ncu", "-k", "regex:^_kernel$", "-c", str(len(CONFIGS)), "--metrics", ",".join(METRICS),
+           sys.executable, os.path.abspath(__file__), "--run-only"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    found = parse(r.stdout)
+    if len(found) != len(CONFIGS):
+        print(r.stdout[-3000:], r.stderr[-2000:])
+        raise SystemExit(f"ncu reported {len(found)} kernels, expected {len(CONFIGS)}")
+    rows = []
+    for (kernel, t, kw), k in zip(CONFIGS, found):
+        rows.append(dict(kernel=kernel, q_tokens=t, variant=" ".join(f"{a}={b}" for a, b in kw.items()) or "auto",
+                         **{key.split("__")[-1].replace(".sum", ""): val for key, val in k.items()}))
+    print_table(rows, ["kernel", "q_tokens", "variant", "time_duration", "registers_per_thread",
+                       "occupancy_limit_registers", "inst_executed_pipe_tensor_op_gmma", "bytes_read"])
+    print(write_results("ncu_probe", rows, {"ncu_command": " ".join(cmd[:-2])}))
+
+
+if __name__ == "__main__":
+    run_only() if "--run-only" in sys.argv else main()
