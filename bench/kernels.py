@@ -128,16 +128,13 @@ def main():
                                                                                         num_warps=8))]
     verify_variants = variants
     if FOCUS:  # warps, pipeline depth, splits and launch order around the engine's choice, timed
-        # with queued calls (kernels-focus-v19 on: the earlier per-call syncs added their latency)
-        # "rows": key rows gathered one by one into a 2-D tile (gather_rows) instead of whole pages
-        gr = dict(gather_rows=True)
-        variants = [("auto", {}), ("w2", dict(num_warps=2)), ("rows", gr), ("rows w2", dict(gr, num_warps=2)),
-                    ("rows st3", dict(gr, num_stages=3)), ("rows ppb8 st3", dict(gr, pages_per_block=8, num_stages=3)),
-                    ("rows hbqs", dict(gr, grid_order="hbqs")), ("hbqs", dict(grid_order="hbqs")), ("auto again", {})]
-        verify_variants = [("auto", {}), ("st4", dict(num_stages=4)), ("rows", gr), ("rows st3", dict(gr, num_stages=3)),
-                           ("rows st4", dict(gr, num_stages=4)), ("rows w8", dict(gr, num_warps=8)),
-                           ("rows ppb8", dict(gr, pages_per_block=8)), ("rows r64", dict(gr, block_rows=64)),
-                           ("auto again", {})]
+        # with queued calls (kernels-focus-v19 on: the earlier per-call syncs added their latency;
+        # v21 compared page and row gathers, rows became the kernel's only way)
+        variants = [("auto", {}), ("w2", dict(num_warps=2)), ("st3", dict(num_stages=3)),
+                    ("ppb8 st3", dict(pages_per_block=8, num_stages=3)), ("hbqs", dict(grid_order="hbqs")),
+                    ("auto again", {})]
+        verify_variants = [("auto", {}), ("st3", dict(num_stages=3)), ("st4", dict(num_stages=4)),
+                           ("w8", dict(num_warps=8)), ("r64", dict(block_rows=64)), ("auto again", {})]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:

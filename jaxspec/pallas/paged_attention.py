@@ -3,8 +3,8 @@
 Grid (request, kv head, query block, kv split). A program holds the query rows of one KV head's
 whole GQA group, (token, group-member) flattened into rows, so each K/V page is read once per
 group. It walks its split's share of the request's pages `pages_per_block` at a time (one
-gathered [pages_per_block * page_size, D] tile: several page loads in flight per iteration) with
-an online softmax. With more than one split (split-K, for small batches and long contexts) each
+[pages_per_block * page_size, D] tile gathered row by row through the page table: several pages'
+loads in flight per iteration) with an online softmax. With more than one split (split-K, for small batches and long contexts) each
 split writes its unnormalised partial output and log-sum-exp terms, and `combine_splits` merges
 them. The new tokens' visibility among themselves is either causal (computed) or a draft tree,
 passed bit-packed: bit j of tree_bits[b, t, j // 32] says query t may read new token j, so a
@@ -35,8 +35,7 @@ def pack_tree_mask(tree_mask):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
-            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order,
-            gather_rows):
+            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -65,19 +64,14 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         p0 = first + i * pages_per_block
         # pages past the sequence's end (table padding: page 0) are read but masked below; a split
         # is a whole number of blocks, so no block reaches into the next split's pages
-        if gather_rows:
-            # each key row's cache row (the cache seen as [L, pages * page_size, Hkv, D]): the tile
-            # is loaded 2-D, as the dots take it, so Triton can stream it into shared memory
-            # asynchronously; a [pages, page_size, D] load reshaped to 2-D went through registers
-            # (255 registers a thread for a 64-token verify, ncu_probe-*)
-            kr = jnp.arange(block)
-            row = pt_ref[b, p0 + kr // page_size] * page_size + kr % page_size
-            k = k_ref[layer, row, h, :]
-            v = v_ref[layer, row, h, :]
-        else:
-            pages = pt_ref[b, pl.ds(p0, pages_per_block)]
-            k = k_ref[layer, pages, :, h, :].reshape(block, -1)
-            v = v_ref[layer, pages, :, h, :].reshape(block, -1)
+        # each key's row in the cache seen as [L, pages * page_size, Hkv, D]: the tile is gathered
+        # 2-D, as the dots take it. Gathering whole pages ([ppb, page_size, D]) and reshaping took
+        # 281-291 us against 222-224 for decode at 64 x 2k, 622-632 against 579 for a 64-token
+        # verify (kernels-focus-v21; decode under Nsight Compute 269 against 186 us, ncu_probe-*)
+        kr = jnp.arange(block)
+        row = pt_ref[b, p0 + kr // page_size] * page_size + kr % page_size
+        k = k_ref[layer, row, h, :]
+        v = v_ref[layer, row, h, :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=precision)
         if softcap is not None:
@@ -144,10 +138,10 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
-                                             "pages_per_block", "splits", "grid_order", "gather_rows"))
+                                             "pages_per_block", "splits", "grid_order"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
-                    pages_per_block=None, splits=None, grid_order=None, gather_rows=False):
+                    pages_per_block=None, splits=None, grid_order=None):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
@@ -174,12 +168,12 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     causal = tree_mask is None
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    if gather_rows:  # [L, N, ps, Hkv, D] -> [L, N * ps, Hkv, D]: merging adjacent axes, no copy
-        k_pages = k_pages.reshape(k_pages.shape[0], -1, *k_pages.shape[3:])
-        v_pages = v_pages.reshape(v_pages.shape[0], -1, *v_pages.shape[3:])
+    # [L, N, ps, Hkv, D] -> [L, N * ps, Hkv, D]: adjacent axes merged, no copy
+    k_rows = k_pages.reshape(k_pages.shape[0], -1, *k_pages.shape[3:])
+    v_rows = v_pages.reshape(v_pages.shape[0], -1, *v_pages.shape[3:])
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
                                pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap,
-                               grid_order=grid_order, gather_rows=gather_rows)
+                               grid_order=grid_order)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
     def spec(shape, index):  # index: (request, head, query block, split) -> block index
@@ -199,12 +193,12 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         kernel,
         grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
         in_specs=[full(layer), full(page_table), full(kv_lens), full(q_lens), full(bits), qspec,
-                  full(k_pages), full(v_pages)],
+                  full(k_rows), full(v_rows)],
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=None if interpret else _triton_params(num_warps, num_stages),
-    )(layer, page_table, kv_lens, q_lens, bits, qr, k_pages, v_pages)
+    )(layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows)
     if splits > 1:
         out = combine_splits(*out).astype(q.dtype)
     out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
