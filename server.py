@@ -9,9 +9,9 @@ queues. A client that disconnects aborts its requests; a bad request gets a 4xx 
 from __future__ import annotations
 
 import argparse
-import gc
 import asyncio
 import contextlib
+import gc
 import json
 import queue
 import threading

@@ -4,11 +4,12 @@ Grid (request, kv head, query block, kv split). A program holds the query rows o
 whole GQA group, (token, group-member) flattened into rows, so each K/V page is read once per
 group. It walks its split's share of the request's pages `pages_per_block` at a time (one
 [pages_per_block * page_size, D] tile gathered row by row through the page table: several pages'
-loads in flight per iteration) with an online softmax. With more than one split (split-K, for small batches and long contexts) each
-split writes its unnormalised partial output and log-sum-exp terms, and `combine_splits` merges
-them. The new tokens' visibility among themselves is either causal (computed) or a draft tree,
-passed bit-packed: bit j of tree_bits[b, t, j // 32] says query t may read new token j, so a
-[T, T] mask never leaves the tree-mask program as bools.
+loads in flight per iteration) with an online softmax. With more than one split (split-K, for
+small batches and long contexts) each split writes its unnormalised partial output and
+log-sum-exp terms, and `combine_splits` merges them. The new tokens' visibility among
+themselves is either causal (computed) or a draft tree, passed bit-packed: bit j of
+tree_bits[b, t, j // 32] says query t may read new token j, so a [T, T] mask never leaves the
+tree-mask program as bools.
 
 `paged_attention_ref` in attention_ref.py is the reference; tests run this with interpret=True.
 """
