@@ -55,8 +55,7 @@ def _fmt(v):
 
 def time_fn(fn, *args, warmup=3, iters=20, queue=1):
     """Median wall time (s) of fn(*args). queue > 1 launches that many calls between syncs and
-    divides: the sync's latency (about 0.1 ms a call on the lent H100s) stays out of a kernel's
-    time."""
+    divides: the sync's latency then stays out of a kernel's time."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     ts = []
