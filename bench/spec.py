@@ -17,6 +17,7 @@ in float32; bf16 kernels differ by batch shape).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import os
 import sys
@@ -90,6 +91,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="timed rounds (median reported)")
     ap.add_argument("--min-seconds", type=float, default=0.0,
                     help="more rounds (up to 4x --repeats) until each algorithm has this much timed")
+    ap.add_argument("--warmup-threads", type=int, default=0,
+                    help="engines compiling at once in the warm-up passes (0: all; 1: one after another)")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--spec-max-verify-tokens", type=int, default=None,
                     help="scheduler's tree budget per step over the batch (default: the scheduler's)")
@@ -127,10 +130,14 @@ def main():
             n = 8 if b == 1 else b * args.prompts_per_batch
             ps = prompts[:n]
             # compile every shape this workload meets; twice, so the prefix cache is in the state the
-            # timed runs will find it (its hits change prefill shapes)
-            for gen in gens.values():
+            # timed runs will find it (its hits change prefill shapes). The engines warm up side by
+            # side, a thread each: XLA compiles without the GIL, and compiling an EAGLE engine's
+            # shapes at batch 64 one engine after another took most of a 540 s call (spec-v19-*)
+            def warm(gen):
                 run(gen, ps, b, args.max_tokens)
                 run(gen, ps, b, args.max_tokens)
+            with concurrent.futures.ThreadPoolExecutor(args.warmup_threads or len(gens)) as pool:
+                list(pool.map(warm, gens.values()))
             # what exists now lives to the end (models, compiled programs): the collector's full
             # passes need not walk it (a pause of its own inside a timed pass is noise)
             gc.collect()

@@ -35,8 +35,23 @@ def pack_tree_mask(tree_mask):
     return jax.lax.bitcast_convert_type(words, jnp.int32)
 
 
+LOG2E = 1.4426950408889634
+
+
+def _exp2(x, impl):
+    if impl == "ex2.approx":  # one MUFU instruction; libdevice's exp2f/expf add range handling
+        from jax.experimental.pallas import triton as plgpu
+        [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+        return y
+    if impl == "exp":
+        return jnp.exp(x / LOG2E)
+    return jnp.exp2(x)
+
+
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
-            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order):
+            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order,
+            exp_impl, rescale_slack):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -45,7 +60,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     # operands stay in the cache's dtype (bf16 tensor-core dots, f32 accumulation); float32 asks
     # for IEEE dots, not Triton's TF32 default, so float32 runs match the reference exactly
     precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
-    q = (q_ref[...].astype(jnp.float32) * scale).astype(k_ref.dtype)
+    # scores in base 2 (log2(e) folded into q's scale): exp2 is the hardware's exponential
+    q = (q_ref[...].astype(jnp.float32) * (scale if softcap is not None else scale * LOG2E)).astype(k_ref.dtype)
     if not causal:
         w0 = bits_ref[b, :, 0]
         w1 = bits_ref[b, :, 1]
@@ -76,7 +92,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=precision)
         if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
+            s = (softcap * LOG2E) * jnp.tanh(s / softcap)
         if masked:
             rel = p0 * page_size + jnp.arange(block)[None, :] - kv_len
             if causal:
@@ -87,12 +103,19 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
             ok = (rel < 0) | ((rel < q_len) & among)
             s = jnp.where(ok, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
-        corr = jnp.exp(m - m_new)
-        pr = jnp.exp(s - m_new[:, None])
-        l = l * corr + pr.sum(axis=1)
-        acc = acc * corr[:, None] + jax.lax.dot_general(pr.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                        preferred_element_type=jnp.float32, precision=precision)
-        return m_new, l, acc
+        if rescale_slack is None:
+            corr = _exp2(m - m_new, exp_impl)
+            l, acc, m = l * corr, acc * corr[:, None], m_new
+        else:  # keep a stale max until some row's grows by more than the slack (exponents <= 2^slack)
+            def rescale(m, l, acc):
+                corr = _exp2(m - m_new, exp_impl)
+                return m_new, l * corr, acc * corr[:, None]
+            m, l, acc = jax.lax.cond(jnp.max(m_new - m) > rescale_slack, rescale, lambda *c: c, m, l, acc)
+        pr = _exp2(s - m[:, None], exp_impl)
+        l = l + pr.sum(axis=1)
+        acc = acc + jax.lax.dot_general(pr.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32, precision=precision)
+        return m, l, acc
 
     d = q.shape[1]
     init = (jnp.full((block_rows,), NEG_INF, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
@@ -120,7 +143,8 @@ def _axes(grid_order, ids):
 def combine_splits(acc, m, l):
     """acc [..., S, R, D], m/l [..., S, R] partials of S key ranges -> [..., R, D] softmax output."""
     m_all = m.max(axis=-2, keepdims=True)
-    w = jnp.exp(m - m_all)  # an empty split has m = NEG_INF, l = 0: weight 0 unless all are empty
+    # the kernel's maxima are in base 2; an empty split has m = NEG_INF, l = 0: weight 0 unless all are empty
+    w = jnp.exp2(m - m_all)
     l_all = (l * w).sum(axis=-2)
     return (acc * w[..., None]).sum(axis=-3) / jnp.maximum(l_all, 1e-30)[..., None]
 
@@ -139,10 +163,10 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
-                                             "pages_per_block", "splits", "grid_order"))
+                                             "pages_per_block", "splits", "grid_order", "exp_impl", "rescale_slack"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
-                    pages_per_block=None, splits=None, grid_order=None):
+                    pages_per_block=None, splits=None, grid_order=None, exp_impl="exp", rescale_slack=None):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
@@ -174,7 +198,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     v_rows = v_pages.reshape(v_pages.shape[0], -1, *v_pages.shape[3:])
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
                                pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap,
-                               grid_order=grid_order)
+                               grid_order=grid_order, exp_impl="exp2" if interpret else exp_impl,
+                               rescale_slack=rescale_slack)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
     def spec(shape, index):  # index: (request, head, query block, split) -> block index
