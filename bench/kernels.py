@@ -129,14 +129,13 @@ def main():
     verify_variants = variants
     if FOCUS:  # warps, pipeline depth, splits and launch order around the engine's choice, timed
         # with queued calls (kernels-focus-v19 on: the earlier per-call syncs added their latency;
-        # v21 compared page and row gathers, rows became the kernel's only way)
-        ex2a = dict(exp_impl="ex2.approx")
-        variants = [("auto", {}), ("exp2", dict(exp_impl="exp2")), ("ex2a", ex2a),
-                    ("lazy8", dict(rescale_slack=8.0)), ("ex2a lazy8", dict(ex2a, rescale_slack=8.0)),
+        # v21 compared page and row gathers, rows became the kernel's only way; v23 compared exp
+        # implementations and a lazy rescale, ex2.approx became the kernel's only exp)
+        variants = [("auto", {}), ("w2", dict(num_warps=2)), ("st3", dict(num_stages=3)),
+                    ("ppb8 st3", dict(pages_per_block=8, num_stages=3)), ("hbqs", dict(grid_order="hbqs")),
                     ("auto again", {})]
-        verify_variants = variants[:-1] + [("ex2a r256 w8", dict(ex2a, block_rows=256, num_warps=8)),
-                                           ("ex2a lazy8 st3", dict(ex2a, rescale_slack=8.0, num_stages=3)),
-                                           ("auto again", {})]
+        verify_variants = [("auto", {}), ("st3", dict(num_stages=3)), ("st4", dict(num_stages=4)),
+                           ("w8", dict(num_warps=8)), ("r64", dict(block_rows=64)), ("auto again", {})]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:
