@@ -38,12 +38,14 @@ def pack_tree_mask(tree_mask):
 LOG2E = 1.4426950408889634
 
 
-def _exp2(x, interpret):
-    """2**x as one ex2.approx (MUFU) instruction: jnp.exp and jnp.exp2 lower to libdevice's expf /
-    exp2f, which add range handling around it. A 32-token verify 329-339 -> 300 us, a 64-token one
-    575-584 -> 524 us (kernels-focus-v23); a lazy rescale of the accumulator (FlashAttention-4's)
-    measured slower or no faster there."""
-    if interpret:
+def _exp2(x, approx):
+    """2**x; with `approx` one ex2.approx (MUFU) instruction, where jnp.exp / jnp.exp2 lower to
+    libdevice's expf / exp2f, which add range handling around it. Tiles of 128 query rows (trees
+    of 32 tokens and more at GQA 4) are compute-bound and gain: a 32-token verify 329-339 -> 300
+    us, a 64-token one 575-584 -> 524 us (kernels-focus-v23). Decode's 16-row tiles do not (exp2
+    227 us, ex2.approx 246 / 238-268 in v23 / v24), nor 16-token trees' 64 rows (258 vs 271 us), so
+    they keep exp2. A lazy rescale of the accumulator (FlashAttention-4's) was slower or no faster."""
+    if not approx:
         return jnp.exp2(x)
     from jax.experimental.pallas import triton as plgpu
     [y] = plgpu.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
@@ -53,7 +55,7 @@ def _exp2(x, interpret):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
             group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order,
-            interpret):
+            exp2_approx):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -105,8 +107,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
             ok = (rel < 0) | ((rel < q_len) & among)
             s = jnp.where(ok, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
-        corr = _exp2(m - m_new, interpret)
-        pr = _exp2(s - m_new[:, None], interpret)
+        corr = _exp2(m - m_new, exp2_approx)
+        pr = _exp2(s - m_new[:, None], exp2_approx)
         l = l * corr + pr.sum(axis=1)
         acc = acc * corr[:, None] + jax.lax.dot_general(pr.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                                         preferred_element_type=jnp.float32, precision=precision)
@@ -193,7 +195,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     v_rows = v_pages.reshape(v_pages.shape[0], -1, *v_pages.shape[3:])
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
                                pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap,
-                               grid_order=grid_order, interpret=interpret)
+                               grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
     def spec(shape, index):  # index: (request, head, query block, split) -> block index
