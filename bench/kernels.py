@@ -130,7 +130,7 @@ def main():
     if FOCUS:  # warps, pipeline depth, splits and launch order around the engine's choice, timed
         # with queued calls (kernels-focus-v19 on: the earlier per-call syncs added their latency;
         # v21 compared page and row gathers, rows became the kernel's only way; v23 compared exp
-        # implementations and a lazy rescale, ex2.approx became the kernel's only exp)
+        # implementations and a lazy rescale: ex2.approx for 128-row tiles, exp2 below)
         variants = [("auto", {}), ("w2", dict(num_warps=2)), ("st3", dict(num_stages=3)),
                     ("ppb8 st3", dict(pages_per_block=8, num_stages=3)), ("hbqs", dict(grid_order="hbqs")),
                     ("auto again", {})]

@@ -43,12 +43,18 @@ def test_paged_attention_split_k_and_page_blocks_match_reference(case, pages_per
     check_kernel(*CASES[case], pages_per_block=pages_per_block, splits=splits, grid_order=grid_order)
 
 
-def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, **blocking):
+@pytest.mark.parametrize("case,splits", [(3, 1), (1, 3)])
+def test_paged_attention_softcap_matches_reference(case, splits):
+    # scores scaled up (x4) so that the cap bends them: tanh near-linear would hide a wrong cap
+    check_kernel(*CASES[case], softcap=5.0, q_gain=4.0, splits=splits)
+
+
+def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, **blocking):
     rng = np.random.default_rng(b * 100 + t)
     n_pages, width, layers = 48, 6, 2
     k = jnp.asarray(rng.standard_normal((layers, n_pages, ps, hkv, d)), dtype)
     v = jnp.asarray(rng.standard_normal((layers, n_pages, ps, hkv, d)), dtype)
-    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
+    q = jnp.asarray(q_gain * rng.standard_normal((b, t, hq, d)), dtype)
     # ragged: empty prefix, one token, page boundaries, a full table
     kv_lens = np.array([0, ps, 2 * ps - 1, 3 * ps + 1][:b] + [0] * max(0, b - 4), np.int32)
     q_lens = np.array([t, max(t - 1, 0), 1, t][:b] + [t] * max(0, b - 4), np.int32)
@@ -60,9 +66,9 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, **blocking):
         mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
     # interpret mode starts every output buffer as NaN, so an element the kernel never wrote fails
     # the isfinite check below (padding rows included)
-    out = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=True, **blocking)
+    out = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=True, softcap=softcap, **blocking)
     ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
-                              kv_lens, q_lens, mask)
+                              kv_lens, q_lens, mask, softcap=softcap)
     valid = (np.arange(t)[None] < q_lens[:, None])[:, :, None, None]
     out, ref = np.asarray(out, np.float32), np.asarray(ref)
     assert np.isfinite(out).all()
