@@ -3,11 +3,11 @@
     python bench/spec.py --model smollm2-135m [--datasets humaneval,mt-bench] [--batches 1,8,64]
         [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16]   (eagle3:steps:topk:tokens)
 
-Each (dataset, batch) runs its prompts twice per algorithm to compile, then `--repeats` timed
-rounds with the algorithms interleaved, in reverse order every other round (a pass is timed again,
-up to twice, if it compiled a new shape: `compiles_in_timed_run`, `timed_passes`); tokens/s counts
-emitted tokens over wall time with `batch` requests in flight, the median over rounds, and speedup
-is the median of per-round ratios (`--min-seconds` adds rounds where passes are short);
+Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
+in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
+reverse order every other round (a pass is timed again, up to twice, if it compiled a new shape:
+`compiles_in_timed_run`, `timed_passes`); tokens/s counts emitted tokens over wall time with
+`batch` requests in flight, the median over rounds, and speedup is the median of per-round ratios (`--min-seconds` adds rounds where passes are short);
 `speedup_pooled` divides all rounds' tokens by all their seconds. An algorithm named twice runs
 twice (`plain,plain,...`: the second plain's speedup is the noise between two identical engines).
 The heap is frozen for the garbage collector after the compile passes, as a server does after its
@@ -48,6 +48,11 @@ def run(gen, prompts, batch, max_tokens):
     for i in range(0, len(prompts), batch):
         outs += gen.generate(prompts[i:i + batch], params)
     return outs, time.perf_counter() - t0
+
+
+def pooled_rate(runs) -> float:
+    """All timed passes' tokens over all their seconds."""
+    return sum(r["tokens"] for r in runs) / sum(r["secs"] for r in runs)
 
 
 def compiled_programs(gen) -> int:
@@ -131,8 +136,8 @@ def main():
             ps = prompts[:n]
             # compile every shape this workload meets; twice, so the prefix cache is in the state the
             # timed runs will find it (its hits change prefill shapes). The engines warm up side by
-            # side, a thread each: XLA compiles without the GIL, and compiling an EAGLE engine's
-            # shapes at batch 64 one engine after another took most of a 540 s call (spec-v19-*)
+            # side, a thread each: XLA compiles without the GIL (one engine after another, the
+            # EAGLE batch-64 compiles left no time for HumanEval in spec-v19-eagle-b64's call)
             def warm(gen):
                 run(gen, ps, b, args.max_tokens)
                 run(gen, ps, b, args.max_tokens)
@@ -171,9 +176,8 @@ def main():
                     ratios = [t / p for t, p in zip(tps, base[0])]
                     vs = sum(r["verify_steps"] for r in runs)
                     acc = [a for o in outs for a in (o.accept_lengths or [])]
-                    pooled = (sum(r["tokens"] for r in runs) / sum(r["secs"] for r in runs)) / (
-                        sum(r["tokens"] for r in base[2]) / sum(r["secs"] for r in base[2]))
-                    row.update(speedup=float(np.median(ratios)), speedup_runs=ratios, speedup_pooled=pooled,
+                    row.update(speedup=float(np.median(ratios)), speedup_runs=ratios,
+                               speedup_pooled=pooled_rate(runs) / pooled_rate(base[2]),
                                accept_length=sum(acc) / max(len(acc), 1),
                                identical_to_plain=[o.token_ids for o in outs] == base[1],
                                verify_steps=vs, emitted=sum(r["emitted"] for r in runs))
