@@ -1,0 +1,236 @@
+"""Tree verify on Hopper: paged attention for 32-64 draft tokens through Mosaic GPU (wgmma, TMA).
+
+A verify of T tokens at GQA g holds T * g query rows per KV head (256 for a 64-token tree at 8B
+heads): compute-bound, where paged_attention.py's Triton kernel tops out near 260 TFLOP/s. This
+kernel is FlashAttention-3's shape over pages: a CTA takes 128 query rows of one request and KV
+head; two consumer warpgroups (64 rows each) run wgmma and the online softmax, taking turns on the
+tensor cores (a shared barrier: one's softmax overlaps the other's matmul), while a producer
+warpgroup fills a ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a
+tile, all counted on the tile's barrier).
+
+Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
+or two tiles hold the new tokens, whose visibility comes as two 32-bit words per query row (bit j:
+may read new token j; a chain's words are its causal triangle).
+
+Scores are in base 2 (log2 e folded into q's scale, which the wrapper applies in q's dtype as the
+Triton kernel does). The reference is `paged_attention_ref` (attention_ref.py). Under
+interpret=True (CPU tests) the two products are jnp dots: jax 0.10's GPU interpreter cannot read
+a transposed wgmma operand nor run run_state; the copies, barriers, masks and softmax run as on the
+GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxspec.pallas.attention_ref import NEG_INF
+from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
+
+ROWS = 64  # query rows of one consumer warpgroup (one wgmma M)
+
+
+def supports(q, k_pages, tree_mask, softcap=None, block_kv=128) -> bool:
+    """Shapes this kernel takes: trees (or chains) of at most 64 tokens, bf16/f16, head_dim 64 or
+    128, pages that tile a K/V block (8 rows and up: TMA's tile)."""
+    b, t, hq, d = q.shape
+    ps = k_pages.shape[2]
+    return (softcap is None and t <= 64 and d in (64, 128)
+            and q.dtype in (jnp.bfloat16, jnp.float16) and k_pages.dtype == q.dtype
+            and ps >= 8 and block_kv % ps == 0)
+
+
+def _row_words(tree_mask, b, t, g, rows_padded):
+    """[B, 2, R] int32: bit j of row r's words says r's token (r // g) may read new token j."""
+    if tree_mask is None:
+        tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    bits = pack_tree_mask(tree_mask)  # [B, T, 2]
+    token = jnp.minimum(jnp.arange(rows_padded) // g, t - 1)
+    return bits[:, token].transpose(0, 2, 1)
+
+
+def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
+            page_size, block_kv, stages, interpret):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    (q_smem2, k_smem, v_smem, w_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scratch
+    b, h, qb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+    wg = lax.axis_index("wg")
+    kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
+    n_tiles = lax.div(kv_len + q_len + (block_kv - 1), block_kv)
+    n_plain = lax.div(kv_len, block_kv)  # tiles wholly inside the cached prefix: no mask
+    pages_per_tile = block_kv // page_size
+
+    def laid_out(x, layout):  # registers in wgmma's layout (the interpreter has no layouts)
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    def take_turn():  # the two consumers alternate on the tensor cores
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        row0 = qb * (2 * ROWS) + wg * ROWS
+        q_smem, w_smem = q_smem2.at[wg], w_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_smem, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(row0, ROWS)], w_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+        if interpret:  # the interpreter has no layouts (nor plgpu.load)
+            w0, w1 = w_smem[0], w_smem[1]
+        else:
+            w0 = plgpu.load(w_smem.at[0], (), layout=wgmma_rows)
+            w1 = plgpu.load(w_smem.at[1], (), layout=wgmma_rows)
+        m = laid_out(jnp.full((ROWS,), NEG_INF, jnp.float32), wgmma_rows)
+        l = laid_out(jnp.full((ROWS,), 0, jnp.float32), wgmma_rows)
+        acc = laid_out(jnp.full((ROWS, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
+        pl.when(wg == 1)(take_turn)
+
+        def step(i, carry, masked):
+            acc, m, l = carry
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            if interpret:
+                s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                take_turn()
+            else:
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    take_turn()
+                    return acc_ref[...]
+                s = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                col = (lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1) if interpret else
+                       plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA))
+                rel = col + (i * block_kv - kv_len)
+                word = jnp.where(rel < 32, lax.broadcast_in_dim(w0, s.shape, [0]),
+                                 lax.broadcast_in_dim(w1, s.shape, [0]))
+                bit = lax.shift_right_logical(word, rel & 31) & 1
+                s = jnp.where((rel < 0) | ((rel < q_len) & (bit == 1)), s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            p16 = p.astype(k_smem.dtype)
+            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(turn)
+
+            if interpret:
+                acc = acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+            else:
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
+        acc, m, l = lax.fori_loop(n_plain, n_tiles, functools.partial(step, masked=True), carry)
+        pl.when(wg == 0)(take_turn)
+        acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+        q_smem[...] = acc.astype(q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, pl.ds(row0, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        layer = layer_ref[0]
+
+        def fetch(cache_ref, smem, ready, tile, slot):
+            for j in range(pages_per_tile):
+                page = pt_ref[b, tile * pages_per_tile + j]
+                plgpu.copy_gmem_to_smem(cache_ref.at[layer, pl.ds(page * page_size, page_size), h],
+                                        smem.at[slot, pl.ds(j * page_size, page_size)], ready.at[slot])
+
+        for i in range(stages):
+            @pl.when(i < n_tiles)
+            def _():
+                fetch(k_ref, k_smem, k_ready, i, i)
+                fetch(v_ref, v_smem, v_ready, i, i)
+
+        @pl.loop(stages, jnp.maximum(n_tiles, stages))
+        def _(tile):
+            slot = lax.rem(tile, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            fetch(k_ref, k_smem, k_ready, tile, slot)
+            plgpu.barrier_wait(v_free.at[slot])
+            fetch(v_ref, v_smem, v_ready, tile, slot)
+
+        # observe the last tiles' releases too: every waiter of a barrier sees each of its phases
+        # (the interpreter checks this; on the GPU these waits end as the consumers finish)
+        @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
+        def _(tile):
+            plgpu.barrier_wait(k_free.at[lax.rem(tile, stages)])
+            plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
+
+
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "interpret"))
+def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
+                       block_kv=128, stages=2, interpret=False):
+    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
+
+    The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
+    [B, T, T] bool, or None for a chain (causal)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    b, t, hq, d = q.shape
+    n_layers, _, ps, hkv, _ = k_pages.shape
+    g = hq // hkv
+    rows = t * g
+    padded = -(-rows // (2 * ROWS)) * 2 * ROWS
+    assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
+    pages_per_tile = block_kv // ps
+    width = -(-page_table.shape[1] // pages_per_tile) * pages_per_tile
+    page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
+    qr = (q.astype(jnp.float32) * (d ** -0.5 * LOG2E)).astype(q.dtype)
+    qr = qr.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    words = _row_words(tree_mask, b, t, g, padded)
+    k_rows = k_pages.reshape(n_layers, -1, hkv, d)  # [L, N * ps, Hkv, D]: one page = ps rows
+    v_rows = v_pages.reshape(n_layers, -1, hkv, d)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
+                                     interpret=interpret),
+            (plgpu.SMEM((2, ROWS, d), q.dtype, transforms=tiled),
+             plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
+             plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
+             plgpu.SMEM((2, 2, ROWS), jnp.int32)),
+            (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=2, num_barriers=2)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    interpret_params = None
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret_params = InterpretGPUParams()
+    out = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((b, hkv, padded, d), q.dtype),
+        # query blocks of one request and head launch side by side: they read the same pages
+        grid=(padded // (2 * ROWS), hkv, b),
+        grid_names=("q", "h", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params,
+    )(layer, page_table, kv_lens, q_lens, words, qr, k_rows, v_rows)
+    return out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)

@@ -1,0 +1,56 @@
+"""The Mosaic GPU tree-verify kernel against the reference: interpreted on CPU, compiled on a GPU
+(run there with JAX_PLATFORMS=cuda: conftest pins the CPU otherwise)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.pallas.attention_ref import paged_attention_ref
+from jaxspec.pallas.tree_mask import tree_attention_mask
+from jaxspec.pallas.verify_hopper import supports, verify_tree_hopper
+from test_kernels import random_parents
+
+ON_GPU = jax.default_backend() == "gpu"
+# cached prefixes: empty; one past a 128-key tile; mid-page; exactly on a tile boundary
+CASES = [  # (B, T, Hq, Hkv, D, ps, tree, block_kv, stages, kv_lens)
+    (3, 32, 8, 2, 128, 16, True, 128, 2, [0, 129, 150]),  # 8B-like GQA 4: one 128-row block
+    (2, 64, 3, 1, 64, 16, False, 128, 2, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
+    (4, 40, 4, 1, 128, 32, True, 64, 3, [0, 129, 150, 256]),  # pages of 32, 64-key tiles, three stages
+]
+if not ON_GPU:  # the interpreter runs every warpgroup as a thread: two cases cover its paths
+    CASES = CASES[:2]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,block_kv,stages,kv_lens", CASES)
+def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, block_kv, stages, kv_lens):
+    rng = np.random.default_rng(t)
+    n_pages, width = 104, 24  # 24 pages of 16 hold 256 + 64 keys
+    k = jnp.asarray(rng.standard_normal((2, n_pages, ps, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, n_pages, ps, hkv, d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
+    kv_lens = np.array(kv_lens, np.int32)
+    q_lens = np.array([t, t - 3, 1, t][:b], np.int32)
+    pt = rng.permutation(np.arange(1, n_pages))[: b * width].reshape(b, width).astype(np.int32)
+    mask = None
+    if tree:
+        mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
+    assert supports(q, k, mask, block_kv=block_kv)
+    out = verify_tree_hopper(q, k, v, 1, pt, kv_lens, q_lens, mask, block_kv=block_kv, stages=stages,
+                             interpret=not ON_GPU)
+    ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
+                              kv_lens, q_lens, mask)
+    valid = (np.arange(t)[None] < q_lens[:, None])[:, :, None, None]
+    out, ref = np.asarray(out, np.float32), np.asarray(ref)
+    assert np.isfinite(out).all()
+    err = np.abs(np.where(valid, out - ref, 0)).max()
+    assert err < 2e-2, err
+
+
+def test_verify_tree_hopper_declines_what_it_cannot_run():
+    q = jnp.zeros((2, 16, 8, 128), jnp.bfloat16)
+    pages = jnp.zeros((1, 4, 16, 2, 128), jnp.bfloat16)
+    assert supports(q, pages, None)
+    assert not supports(q, pages, None, softcap=30.0)
+    assert not supports(q.astype(jnp.float32), pages.astype(jnp.float32), None)  # float32: Triton's IEEE dots
+    assert not supports(jnp.zeros((2, 65, 8, 128), jnp.bfloat16), pages, None)  # > 64 tokens: two bit words
+    assert not supports(q, jnp.zeros((1, 4, 4, 2, 128), jnp.bfloat16), None)  # pages under TMA's 8-row tile
