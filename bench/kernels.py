@@ -139,8 +139,11 @@ def main():
                     ("auto again", {})]
         # v25: the Mosaic GPU (wgmma + TMA, warp-specialized) verify kernel, kvN = keys a tile
         verify_variants = [("auto", {}), ("kv128 st2", dict(hopper=True)),
-                           ("kv64 st3", dict(hopper=True, block_kv=64, stages=3)),
+                           ("kv128 st3", dict(hopper=True, stages=3)),
                            ("kv64 st4", dict(hopper=True, block_kv=64, stages=4)),
+                           ("kv64 st6", dict(hopper=True, block_kv=64, stages=6)),
+                           ("c4 kv64 st4", dict(hopper=True, block_kv=64, stages=4, consumers=4)),
+                           ("c4 kv64 st5", dict(hopper=True, block_kv=64, stages=5, consumers=4)),
                            ("kv128 st2 again", dict(hopper=True)), ("auto again", {})]
     dec = {}
     for b in (1, BIG_BATCH):

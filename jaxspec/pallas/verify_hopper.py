@@ -53,9 +53,9 @@ def _row_words(tree_mask, b, t, g, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, interpret):
+            page_size, block_kv, stages, consumers, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    (q_smem2, k_smem, v_smem, w_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scratch
+    (q_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scratch
     b, h, qb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
     wg = lax.axis_index("wg")
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -66,24 +66,27 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
     def laid_out(x, layout):  # registers in wgmma's layout (the interpreter has no layouts)
         return x if interpret else plgpu.layout_cast(x, layout)
 
-    def take_turn():  # the two consumers alternate on the tensor cores
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+    pingpong = consumers == 2
 
-    @pl.when(wg < 2)
+    def take_turn():  # two consumers alternate on the tensor cores
+        if pingpong:
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
-        row0 = qb * (2 * ROWS) + wg * ROWS
-        q_smem, w_smem = q_smem2.at[wg], w_smem2.at[wg]
+        plgpu.set_max_registers(232 if pingpong else 120, action="increase")
+        row0 = qb * (consumers * ROWS) + wg * ROWS
+        q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_smem, q_ready.at[wg])
-        plgpu.copy_gmem_to_smem(words_ref.at[b, :, pl.ds(row0, ROWS)], w_smem, q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+        # each row's words straight from device memory into registers (no shared memory to spare)
+        words = [words_ref.at[b, i, pl.ds(row0, ROWS)] for i in range(2)]
         if interpret:  # the interpreter has no layouts (nor plgpu.load)
-            w0, w1 = w_smem[0], w_smem[1]
+            w0, w1 = words[0][...], words[1][...]
         else:
-            w0 = plgpu.load(w_smem.at[0], (), layout=wgmma_rows)
-            w1 = plgpu.load(w_smem.at[1], (), layout=wgmma_rows)
+            w0, w1 = (plgpu.load(w, (), layout=wgmma_rows, optimized=False) for w in words)
+        plgpu.barrier_wait(q_ready.at[wg])
         m = laid_out(jnp.full((ROWS,), NEG_INF, jnp.float32), wgmma_rows)
         l = laid_out(jnp.full((ROWS,), 0, jnp.float32), wgmma_rows)
         acc = laid_out(jnp.full((ROWS, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -119,9 +122,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             l = l * alpha + p.sum(axis=1)
             p16 = p.astype(k_smem.dtype)
             acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
+            if pingpong:
+                plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
             plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(turn)
+            if pingpong:
+                plgpu.barrier_wait(turn)
 
             if interpret:
                 acc = acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())),
@@ -142,9 +147,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, pl.ds(row0, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @pl.when(wg == consumers)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(40 if pingpong else 24, action="decrease")
         layer = layer_ref[0]
 
         def fetch(cache_ref, smem, ready, tile, slot):
@@ -175,9 +180,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "consumers", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
-                       block_kv=128, stages=2, interpret=False):
+                       block_kv=128, stages=2, consumers=2, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -187,7 +192,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     n_layers, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
     rows = t * g
-    padded = -(-rows // (2 * ROWS)) * 2 * ROWS
+    padded = -(-rows // (consumers * ROWS)) * consumers * ROWS
     assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
     pages_per_tile = block_kv // ps
     width = -(-page_table.shape[1] // pages_per_tile) * pages_per_tile
@@ -205,15 +210,14 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     def entry(*refs):
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
-                                     interpret=interpret),
-            (plgpu.SMEM((2, ROWS, d), q.dtype, transforms=tiled),
+                                     consumers=consumers, interpret=interpret),
+            (plgpu.SMEM((consumers, ROWS, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
-             plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
-             plgpu.SMEM((2, 2, ROWS), jnp.int32)),
+             plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled)),
             (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=2, num_barriers=2)),
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+             plgpu.Barrier(num_arrivals=1, num_barriers=consumers)),
+            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
@@ -226,9 +230,9 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         entry,
         out_type=jax.ShapeDtypeStruct((b, hkv, padded, d), q.dtype),
         # query blocks of one request and head launch side by side: they read the same pages
-        grid=(padded // (2 * ROWS), hkv, b),
+        grid=(padded // (consumers * ROWS), hkv, b),
         grid_names=("q", "h", "b"),
-        num_threads=3,
+        num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
