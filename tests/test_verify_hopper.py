@@ -12,17 +12,17 @@ from test_kernels import random_parents
 
 ON_GPU = jax.default_backend() == "gpu"
 # cached prefixes: empty; one past a 128-key tile; mid-page; exactly on a tile boundary
-CASES = [  # (B, T, Hq, Hkv, D, ps, tree, block_kv, stages, consumers, kv_lens)
-    (3, 32, 8, 2, 128, 16, True, 128, 2, 2, [0, 129, 150]),  # 8B-like GQA 4: one 128-row block
-    (2, 64, 3, 1, 64, 16, False, 128, 2, 2, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
-    (4, 40, 4, 1, 128, 32, True, 64, 3, 4, [0, 129, 150, 256]),  # pages of 32, 64-key tiles, 3 stages, 4 consumers
+CASES = [  # (B, T, Hq, Hkv, D, ps, tree, block_kv, stages, kv_lens)
+    (3, 32, 8, 2, 128, 16, True, 128, 2, [0, 129, 150]),  # 8B-like GQA 4: one 128-row block
+    (2, 64, 3, 1, 64, 16, False, 128, 2, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
+    (4, 40, 4, 1, 128, 32, True, 64, 3, [0, 129, 150, 256]),  # pages of 32, 64-key tiles, three stages
 ]
 if not ON_GPU:  # the interpreter runs every warpgroup as a thread: two cases cover its paths
     CASES = CASES[:2]
 
 
-@pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,block_kv,stages,consumers,kv_lens", CASES)
-def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, block_kv, stages, consumers, kv_lens):
+@pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,block_kv,stages,kv_lens", CASES)
+def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, block_kv, stages, kv_lens):
     rng = np.random.default_rng(t)
     n_pages, width = 104, 24  # 24 pages of 16 hold 256 + 64 keys
     k = jnp.asarray(rng.standard_normal((2, n_pages, ps, hkv, d)), jnp.bfloat16)
@@ -35,7 +35,7 @@ def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, block_
     if tree:
         mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
     assert supports(q, k, mask, block_kv=block_kv)
-    out = verify_tree_hopper(q, k, v, 1, pt, kv_lens, q_lens, mask, block_kv=block_kv, stages=stages, consumers=consumers,
+    out = verify_tree_hopper(q, k, v, 1, pt, kv_lens, q_lens, mask, block_kv=block_kv, stages=stages,
                              interpret=not ON_GPU)
     ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
                               kv_lens, q_lens, mask)

@@ -31,6 +31,7 @@ from jaxspec.pallas.attention_ref import NEG_INF
 from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
 
 ROWS = 64  # query rows of one consumer warpgroup (one wgmma M)
+PT_LANES = 32  # page-table row staged as [width / 32, 32]: 128-byte TMA rows
 
 
 def supports(q, k_pages, tree_mask, softcap=None, block_kv=128) -> bool:
@@ -53,9 +54,9 @@ def _row_words(tree_mask, b, t, g, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, consumers, interpret):
+            page_size, block_kv, stages, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    (q_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scratch
+    (q_smem2, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), turn = scratch
     b, h, qb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
     wg = lax.axis_index("wg")
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -66,17 +67,14 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
     def laid_out(x, layout):  # registers in wgmma's layout (the interpreter has no layouts)
         return x if interpret else plgpu.layout_cast(x, layout)
 
-    pingpong = consumers == 2
+    def take_turn():  # the two consumers alternate on the tensor cores
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
 
-    def take_turn():  # two consumers alternate on the tensor cores
-        if pingpong:
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
-
-    @pl.when(wg < consumers)
+    @pl.when(wg < 2)
     def _consumer():
-        plgpu.set_max_registers(232 if pingpong else 120, action="increase")
-        row0 = qb * (consumers * ROWS) + wg * ROWS
+        plgpu.set_max_registers(232, action="increase")
+        row0 = qb * (2 * ROWS) + wg * ROWS
         q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_smem, q_ready.at[wg])
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
@@ -122,11 +120,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             l = l * alpha + p.sum(axis=1)
             p16 = p.astype(k_smem.dtype)
             acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            if pingpong:
-                plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
+            plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
             plgpu.barrier_wait(v_ready.at[slot])
-            if pingpong:
-                plgpu.barrier_wait(turn)
+            plgpu.barrier_wait(turn)
 
             if interpret:
                 acc = acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())),
@@ -147,14 +143,19 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, pl.ds(row0, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == consumers)
+    @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(40 if pingpong else 24, action="decrease")
+        plgpu.set_max_registers(40, action="decrease")
         layer = layer_ref[0]
+        # the request's page-table row into shared memory first: a page number read from device
+        # memory per copy would put a global load's latency in front of every page's TMA
+        plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_ready.at[0])
+        plgpu.barrier_wait(pt_ready.at[0])
 
         def fetch(cache_ref, smem, ready, tile, slot):
             for j in range(pages_per_tile):
-                page = pt_ref[b, tile * pages_per_tile + j]
+                p = tile * pages_per_tile + j
+                page = pt_smem[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]
                 plgpu.copy_gmem_to_smem(cache_ref.at[layer, pl.ds(page * page_size, page_size), h],
                                         smem.at[slot, pl.ds(j * page_size, page_size)], ready.at[slot])
 
@@ -180,9 +181,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "consumers", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
-                       block_kv=128, stages=2, consumers=2, interpret=False):
+                       block_kv=128, stages=2, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -192,11 +193,13 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     n_layers, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
     rows = t * g
-    padded = -(-rows // (consumers * ROWS)) * consumers * ROWS
+    padded = -(-rows // (2 * ROWS)) * 2 * ROWS
     assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
     pages_per_tile = block_kv // ps
-    width = -(-page_table.shape[1] // pages_per_tile) * pages_per_tile
+    lanes = max(PT_LANES, pages_per_tile)
+    width = -(-page_table.shape[1] // lanes) * lanes
     page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
+    page_table = page_table.reshape(b, width // PT_LANES, PT_LANES)  # 2-D: TMA boxes hold <= 256 a side
     qr = (q.astype(jnp.float32) * (d ** -0.5 * LOG2E)).astype(q.dtype)
     qr = qr.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
@@ -210,14 +213,16 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     def entry(*refs):
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
-                                     consumers=consumers, interpret=interpret),
-            (plgpu.SMEM((consumers, ROWS, d), q.dtype, transforms=tiled),
+                                     interpret=interpret),
+            (plgpu.SMEM((2, ROWS, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
-             plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled)),
+             plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
+             plgpu.SMEM((width // PT_LANES, PT_LANES), jnp.int32)),
             (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=1, num_barriers=consumers)),
-            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2,
+             plgpu.Barrier(num_arrivals=1, num_barriers=2),
+             plgpu.Barrier(num_arrivals=1, num_barriers=1)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
@@ -230,9 +235,9 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         entry,
         out_type=jax.ShapeDtypeStruct((b, hkv, padded, d), q.dtype),
         # query blocks of one request and head launch side by side: they read the same pages
-        grid=(padded // (consumers * ROWS), hkv, b),
+        grid=(padded // (2 * ROWS), hkv, b),
         grid_names=("q", "h", "b"),
-        num_threads=consumers + 1,
+        num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
