@@ -24,9 +24,19 @@ def kernel_wins(q) -> bool:
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers); layer: traced index.
 
-    impl: 'auto' (the kernel on GPU where it wins), 'pallas' (kernel; interpreted off-GPU), 'ref'.
+    impl: 'auto' (the kernel on GPU where it wins), 'pallas' (kernel; interpreted off-GPU), 'ref',
+    'mosaic' (as 'pallas', but trees and chains of at most 64 tokens go to the Mosaic GPU verify
+    kernel, verify_hopper.py: opt-in, since it ties the Triton kernel at 64 tokens and is ~8%
+    ahead at 32 on the H100, kernels-focus-v25..v28, and no engine run has used it yet).
     """
     on_gpu = jax.default_backend() == "gpu"
+    if impl == "mosaic" and q.shape[1] > 1:
+        from jaxspec.pallas import verify_hopper
+        if verify_hopper.supports(q, k_pages, tree_mask):
+            return verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
+                                                    tree_mask, interpret=not on_gpu)
+    if impl == "mosaic":
+        impl = "pallas"
     use = impl == "pallas" or (impl == "auto" and on_gpu and kernel_wins(q))
     if use and kernel_supports(q, k_pages, tree_mask):
         from jaxspec.pallas.paged_attention import paged_attention as kernel

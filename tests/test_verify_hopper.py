@@ -54,3 +54,21 @@ def test_verify_tree_hopper_declines_what_it_cannot_run():
     assert not supports(q.astype(jnp.float32), pages.astype(jnp.float32), None)  # float32: Triton's IEEE dots
     assert not supports(jnp.zeros((2, 65, 8, 128), jnp.bfloat16), pages, None)  # > 64 tokens: two bit words
     assert not supports(q, jnp.zeros((1, 4, 4, 2, 128), jnp.bfloat16), None)  # pages under TMA's 8-row tile
+
+
+def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypatch):
+    """impl='mosaic': a 16-token verify takes the Mosaic kernel; decode (one token) and shapes the
+    Mosaic kernel declines stay on the Triton one."""
+    from jaxspec import attention
+    from jaxspec.pallas import paged_attention as triton_kernel
+    from jaxspec.pallas import verify_hopper
+    calls = []
+    monkeypatch.setattr(verify_hopper, "verify_tree_hopper", lambda *a, **k: calls.append("mosaic") or a[0])
+    monkeypatch.setattr(triton_kernel, "paged_attention", lambda *a, **k: calls.append("triton") or a[0])
+    pages = jnp.zeros((1, 4, 16, 2, 128), jnp.bfloat16)
+    lens = jnp.zeros((2,), jnp.int32)
+    pt = jnp.zeros((2, 4), jnp.int32)
+    for t, dtype in ((16, jnp.bfloat16), (1, jnp.bfloat16), (16, jnp.float32)):
+        q = jnp.zeros((2, t, 8, 128), dtype)
+        attention.paged_attention(q, pages.astype(dtype), pages.astype(dtype), 0, pt, lens, lens, impl="mosaic")
+    assert calls == ["mosaic", "triton", "triton"]
