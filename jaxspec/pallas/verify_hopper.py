@@ -3,7 +3,7 @@
 A verify of T tokens at GQA g holds T * g query rows per KV head (256 for a 64-token tree at 8B
 heads): compute-bound, where paged_attention.py's Triton kernel tops out near 260 TFLOP/s. This
 kernel is FlashAttention-3's shape over pages: a CTA takes 128 query rows of one request and KV
-head; two consumer warpgroups (64 rows each) run wgmma and the online softmax, taking turns on the
+head; two consumer warpgroups (64 rows each; or 128: `wg_rows`, one CTA for a 64-token tree's 256) run wgmma and the online softmax, taking turns on the
 tensor cores (a shared barrier: one's softmax overlaps the other's matmul), while a producer
 warpgroup fills a ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a
 tile, all counted on the tile's barrier).
@@ -30,7 +30,6 @@ from jax.experimental import pallas as pl
 from jaxspec.pallas.attention_ref import NEG_INF
 from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
 
-ROWS = 64  # query rows of one consumer warpgroup (one wgmma M)
 PT_LANES = 32  # page-table row staged as [width / 32, 32]: 128-byte TMA rows
 
 
@@ -54,7 +53,7 @@ def _row_words(tree_mask, b, t, g, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, interpret):
+            page_size, block_kv, stages, wg_rows, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem2, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), turn = scratch
     b, h, qb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
@@ -74,20 +73,20 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        row0 = qb * (2 * ROWS) + wg * ROWS
+        row0 = qb * (2 * wg_rows) + wg * wg_rows
         q_smem = q_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_smem, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, wg_rows)], q_smem, q_ready.at[wg])
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
         # each row's words straight from device memory into registers (no shared memory to spare)
-        words = [words_ref.at[b, i, pl.ds(row0, ROWS)] for i in range(2)]
+        words = [words_ref.at[b, i, pl.ds(row0, wg_rows)] for i in range(2)]
         if interpret:  # the interpreter has no layouts (nor plgpu.load)
             w0, w1 = words[0][...], words[1][...]
         else:
             w0, w1 = (plgpu.load(w, (), layout=wgmma_rows, optimized=False) for w in words)
         plgpu.barrier_wait(q_ready.at[wg])
-        m = laid_out(jnp.full((ROWS,), NEG_INF, jnp.float32), wgmma_rows)
-        l = laid_out(jnp.full((ROWS,), 0, jnp.float32), wgmma_rows)
-        acc = laid_out(jnp.full((ROWS, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
+        m = laid_out(jnp.full((wg_rows,), NEG_INF, jnp.float32), wgmma_rows)
+        l = laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows)
+        acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
         pl.when(wg == 1)(take_turn)
 
         def step(i, carry, masked):
@@ -103,11 +102,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     take_turn()
                     return acc_ref[...]
-                s = pl.run_scoped(scores, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
-                col = (lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1) if interpret else
-                       plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA))
+                col = (lax.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1) if interpret else
+                       plgpu.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1, layout=plgpu.Layout.WGMMA))
                 rel = col + (i * block_kv - kv_len)
                 word = jnp.where(rel < 32, lax.broadcast_in_dim(w0, s.shape, [0]),
                                  lax.broadcast_in_dim(w1, s.shape, [0]))
@@ -140,7 +139,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
         q_smem[...] = acc.astype(q_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, pl.ds(row0, ROWS)])
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, pl.ds(row0, wg_rows)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -181,9 +180,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
-                       block_kv=128, stages=2, interpret=False):
+                       block_kv=128, stages=2, wg_rows=64, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -193,7 +192,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     n_layers, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
     rows = t * g
-    padded = -(-rows // (2 * ROWS)) * 2 * ROWS
+    padded = -(-rows // (2 * wg_rows)) * 2 * wg_rows
     assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
     pages_per_tile = block_kv // ps
     lanes = max(PT_LANES, pages_per_tile)
@@ -213,8 +212,8 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     def entry(*refs):
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
-                                     interpret=interpret),
-            (plgpu.SMEM((2, ROWS, d), q.dtype, transforms=tiled),
+                                     wg_rows=wg_rows, interpret=interpret),
+            (plgpu.SMEM((2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((width // PT_LANES, PT_LANES), jnp.int32)),
@@ -235,7 +234,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         entry,
         out_type=jax.ShapeDtypeStruct((b, hkv, padded, d), q.dtype),
         # query blocks of one request and head launch side by side: they read the same pages
-        grid=(padded // (2 * ROWS), hkv, b),
+        grid=(padded // (2 * wg_rows), hkv, b),
         grid_names=("q", "h", "b"),
         num_threads=3,
         thread_name="wg",
