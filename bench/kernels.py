@@ -140,12 +140,13 @@ def main():
         # v25: the Mosaic GPU (wgmma + TMA, warp-specialized) verify kernel, kvN = keys a tile,
         # stN = tiles in its ring (v26: deeper rings no faster; v27: page table staged in smem),
         # r128 = 128 query rows a consumer warpgroup (v29)
-        verify_variants = [("auto", {}), ("kv128 st2", dict(hopper=True)),
-                           ("kv64 st4", dict(hopper=True, block_kv=64, stages=4)),
-                           ("kv64 st5", dict(hopper=True, block_kv=64, stages=5)),
+        verify_variants = [("auto", {}), ("default", dict(hopper=True)),
+                           ("kv128 st2", dict(hopper=True, block_kv=128, wg_rows=64)),
+                           ("kv64 st4", dict(hopper=True, block_kv=64, stages=4, wg_rows=64)),
+                           ("kv64 st5", dict(hopper=True, block_kv=64, stages=5, wg_rows=64)),
                            ("r128 kv64 st2", dict(hopper=True, block_kv=64, stages=2, wg_rows=128)),
                            ("r128 kv64 st4", dict(hopper=True, block_kv=64, stages=4, wg_rows=128)),
-                           ("kv128 st2 again", dict(hopper=True)), ("auto again", {})]
+                           ("kv128 st2 again", dict(hopper=True, block_kv=128, wg_rows=64)), ("auto again", {})]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:
@@ -177,7 +178,7 @@ def main():
         # pages of 128 keys: one TMA copy a K or V tile instead of eight (v28: is the per-page copy
         # what holds the Mosaic kernel at the Triton one's time?)
         for t in (32, 64) if "--ps128" in sys.argv else ():
-            attn_row("verify", BIG_BATCH, t, CTX, True, [("auto ps128", {}), ("kv128 st2 ps128", dict(hopper=True))],
+            attn_row("verify", BIG_BATCH, t, CTX, True, [("auto ps128", {}), ("kv128 st2 ps128", dict(hopper=True, block_kv=128, wg_rows=64))],
                      ps=128)
         tree_rows(rows)
         print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction", "rel_err",

@@ -31,7 +31,8 @@ def programs(t=T):
     # float16, as the example's shared-memory buffers are (the verify kernel takes either)
     q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
     mask = tree_attention_mask(random_tree(64, t), q_lens)[0]
-    for name, kw in (("verify_hopper kv128 st2", {}), ("verify_hopper kv64 st4", dict(block_kv=64, stages=4))):
+    for name, kw in (("verify_hopper kv128 st2", dict(block_kv=128, wg_rows=64)),
+                     ("verify_hopper kv64 st4", dict(block_kv=64, stages=4, wg_rows=64))):
         f = jax.jit(lambda q, k, v, kw=kw: verify_tree_hopper(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
         out.append((f"{name} t{t}", f, (q, k, v)))
     # the same matrix work contiguous: [512 heads as batch, 128 rows, 1 head, 128]

@@ -33,14 +33,14 @@ from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
 PT_LANES = 32  # page-table row staged as [width / 32, 32]: 128-byte TMA rows
 
 
-def supports(q, k_pages, tree_mask, softcap=None, block_kv=128) -> bool:
+def supports(q, k_pages, tree_mask, softcap=None, block_kv=None) -> bool:
     """Shapes this kernel takes: trees (or chains) of at most 64 tokens, bf16/f16, head_dim 64 or
-    128, pages that tile a K/V block (8 rows and up: TMA's tile)."""
+    128, pages that tile a K/V block (8 rows and up: TMA's tile; by default blocks of 64 and 128)."""
     b, t, hq, d = q.shape
     ps = k_pages.shape[2]
     return (softcap is None and t <= 64 and d in (64, 128)
             and q.dtype in (jnp.bfloat16, jnp.float16) and k_pages.dtype == q.dtype
-            and ps >= 8 and block_kv % ps == 0)
+            and ps >= 8 and all(kv % ps == 0 for kv in ((64, 128) if block_kv is None else (block_kv,))))
 
 
 def _row_words(tree_mask, b, t, g, rows_padded):
@@ -182,16 +182,21 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
-                       block_kv=128, stages=2, wg_rows=64, interpret=False):
+                       block_kv=None, stages=2, wg_rows=None, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
-    [B, T, T] bool, or None for a chain (causal)."""
+    [B, T, T] bool, or None for a chain (causal). By default more than 128 query rows a KV head
+    (a 64-token tree at GQA 4) take one CTA of two 128-row consumers with 64-key tiles (423-435 us
+    against 500-539 for two CTAs of 64-row consumers, kernels-focus-v29: two CTAs a head stream
+    its K/V twice); up to 128 rows, 64-row consumers with 128-key tiles."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     b, t, hq, d = q.shape
     n_layers, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
     rows = t * g
+    wg_rows = wg_rows or (128 if rows > 2 * 64 else 64)
+    block_kv = block_kv or (64 if wg_rows == 128 else 128)
     padded = -(-rows // (2 * wg_rows)) * 2 * wg_rows
     assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
     pages_per_tile = block_kv // ps
