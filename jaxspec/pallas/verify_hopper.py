@@ -1,9 +1,10 @@
 """Tree verify on Hopper: paged attention for 32-64 draft tokens through Mosaic GPU (wgmma, TMA).
 
 A verify of T tokens at GQA g holds T * g query rows per KV head (256 for a 64-token tree at 8B
-heads): compute-bound, where paged_attention.py's Triton kernel tops out near 260 TFLOP/s. This
-kernel is FlashAttention-3's shape over pages: a CTA takes 128 query rows of one request and KV
-head; two consumer warpgroups (64 rows each; or 128: `wg_rows`, one CTA for a 64-token tree's 256) run wgmma and the online softmax, taking turns on the
+heads), where paged_attention.py's Triton kernel tops out near 260 TFLOP/s. This kernel is
+FlashAttention-3's shape over pages: a CTA takes 2 * wg_rows query rows of one request and KV head;
+two consumer warpgroups (wg_rows = 64 rows each, or 128 so that one CTA covers a 64-token tree's
+256 rows and reads its K/V once) run wgmma and the online softmax, taking turns on the
 tensor cores (a shared barrier: one's softmax overlaps the other's matmul), while a producer
 warpgroup fills a ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a
 tile, all counted on the tile's barrier).
