@@ -1,14 +1,13 @@
 """Where the Mosaic GPU verify kernel's time goes: timed beside JAX's own FlashAttention-3 example
 (jax.experimental.pallas.ops.gpu.attention_mgpu) at the same work without pages (512 heads x 128
-query rows x 2048 keys, head_dim 128, bf16: a 32-token tree at batch 64, 8 KV heads, GQA 4), and
-read by Nsight Compute (speed of light, warp stall reasons) for both.
+or 256 query rows x 2048 keys, head_dim 128, float16: 32- and 64-token trees at batch 64, 8 KV
+heads, GQA 4). An Nsight Compute pass over every kernel of the run outran 400 s and was dropped.
 
-    python bench/mosaic_probe.py            (times, then runs itself under ncu; JSON + ncu text)
+    python bench/mosaic_probe.py
 """
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -47,11 +46,6 @@ def programs(t=T):
     return out
 
 
-def run_only():
-    for _, f, args in programs():
-        jax.block_until_ready(f(*args))
-
-
 def main():
     from common import print_table, time_fn, write_results
     rows = []
@@ -65,24 +59,8 @@ def main():
         flops = 512 * args[0].shape[1] * (4 if "verify" in name else 1) * CTX * 128 * 4
         rows.append(dict(kernel=name, time_us=t * 1e6, tflops=flops / t / 1e12))
     print_table(rows, ["kernel", "time_us", "tflops"])
-    out = os.environ.get("BENCH_OUT", "")
-    if "--no-ncu" in sys.argv:  # the ncu pass over every kernel outran 400 s once
-        print(write_results("mosaic_probe", rows, {}))
-        return
-    cmd = ["ncu", "--section", "SpeedOfLight", "--section", "WarpStateStats", "--section", "Occupancy",
-           "-k", "regex:^(?!.*(fusion|copy|transpose|convert|iota|pad|broadcast|concatenate|gather|slice)).*$",
-           sys.executable, os.path.abspath(__file__), "--run-only"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-        text = r.stdout + r.stderr[-3000:]
-    except Exception as e:
-        text = f"ncu failed: {e}"
-    if out:
-        with open(os.path.join(out, "mosaic_probe_ncu.txt"), "w") as fh:
-            fh.write(text)
-    print(text[-6000:])
-    print(write_results("mosaic_probe", rows, {"ncu_command": " ".join(cmd[:-2])}))
+    print(write_results("mosaic_probe", rows))
 
 
 if __name__ == "__main__":
-    run_only() if "--run-only" in sys.argv else main()
+    main()

@@ -26,8 +26,9 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
 
     impl: 'auto' (the kernel on GPU where it wins), 'pallas' (kernel; interpreted off-GPU), 'ref',
     'mosaic' (as 'pallas', but trees and chains of at most 64 tokens go to the Mosaic GPU verify
-    kernel, verify_hopper.py: opt-in, since it ties the Triton kernel at 64 tokens and is ~8%
-    ahead at 32 on the H100, kernels-focus-v25..v28, and no engine run has used it yet).
+    kernel, verify_hopper.py). Opt-in: on the H100 it beat the Triton kernel at 32 tokens in
+    kernels-focus-v25..v29 and at 64 in v29 (one run), and the engine has run it only on a random
+    model (mosaic_engine_check-*: outputs identical to the Triton run's).
     """
     on_gpu = jax.default_backend() == "gpu"
     if impl == "mosaic" and q.shape[1] > 1:
@@ -35,9 +36,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         if verify_hopper.supports(q, k_pages, tree_mask):
             return verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
                                                     tree_mask, interpret=not on_gpu)
-    if impl == "mosaic":
-        impl = "pallas"
-    use = impl == "pallas" or (impl == "auto" and on_gpu and kernel_wins(q))
+    use = impl in ("pallas", "mosaic") or (impl == "auto" and on_gpu and kernel_wins(q))
     if use and kernel_supports(q, k_pages, tree_mask):
         from jaxspec.pallas.paged_attention import paged_attention as kernel
         return kernel(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, interpret=not on_gpu)
