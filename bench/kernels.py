@@ -139,14 +139,17 @@ def main():
         variants = [("auto", {}), ("st3", dict(num_stages=3)), ("auto again", {})]
         # v25: the Mosaic GPU (wgmma + TMA, warp-specialized) verify kernel, kvN = keys a tile,
         # stN = tiles in its ring (v26: deeper rings no faster; v27: page table staged in smem),
-        # r128 = 128 query rows a consumer warpgroup (v29)
+        # r128 = 128 query rows a consumer warpgroup (v29); v30: query blocks launched next to each
+        # other (grid "bhq", now the default) or a whole launch wave apart ("qhb", v25-v29); v31: q
+        # and o in the model's layout (no transposes around the kernel), 64-row consumers the default
+        # v32: ovl = scores of tile i and values of tile i - 1 issued together, softmax under the
+        # values product (no ping-pong between the consumers)
         verify_variants = [("auto", {}), ("default", dict(hopper=True)),
-                           ("kv128 st2", dict(hopper=True, block_kv=128, wg_rows=64)),
-                           ("kv64 st4", dict(hopper=True, block_kv=64, stages=4, wg_rows=64)),
-                           ("kv64 st5", dict(hopper=True, block_kv=64, stages=5, wg_rows=64)),
+                           ("ovl kv128 st2", dict(hopper=True, overlap=True)),
+                           ("ovl kv64 st4", dict(hopper=True, overlap=True, block_kv=64, stages=4)),
                            ("r128 kv64 st2", dict(hopper=True, block_kv=64, stages=2, wg_rows=128)),
-                           ("r128 kv64 st4", dict(hopper=True, block_kv=64, stages=4, wg_rows=128)),
-                           ("kv128 st2 again", dict(hopper=True, block_kv=128, wg_rows=64)), ("auto again", {})]
+                           ("default again", dict(hopper=True)), ("ovl kv128 st2 again", dict(hopper=True, overlap=True)),
+                           ("auto again", {})]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:

@@ -3,7 +3,9 @@ occupancy limit, dynamic shared memory, tensor-core instructions (Hopper's warpg
 the older `hmma` path) and kernel time, for decode and tree verify at the
 kernels bench's shapes (Llama-3-8B heads, batch 64, context 2048), in several variants.
 
-    python bench/ncu_probe.py        (runs itself under ncu with --run-only, parses, writes JSON)
+    python bench/ncu_probe.py          (runs itself under ncu with --run-only, parses, writes JSON)
+    python bench/ncu_probe.py --mosaic (the Mosaic GPU verify kernel: where its time goes, stall
+                                        reasons, L2 hits, tensor-pipe and DRAM use)
 """
 from __future__ import annotations
 
@@ -20,6 +22,28 @@ METRICS = ["gpu__time_duration.sum", "launch__registers_per_thread", "launch__oc
            "sm__inst_executed_pipe_tensor_op_hmma.sum"]
 # the v21 file compared the page gather (auto then) with gather_rows=True, now the only way
 CONFIGS = [("decode", 1, {}), ("decode", 1, dict(num_warps=2)), ("verify", 64, {}), ("verify", 64, dict(num_warps=8))]
+MOSAIC = "--mosaic" in sys.argv
+if MOSAIC:  # why 128 rows a CTA take ~1.3x decode's time, and 256 rows (two CTAs a head) more
+    METRICS = ["gpu__time_duration.sum", "launch__registers_per_thread", "launch__grid_size",
+               "dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum",
+               "lts__t_sector_hit_rate.pct", "lts__t_bytes.sum",
+               "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
+               "sm__throughput.avg.pct_of_peak_sustained_elapsed", "smsp__cycles_active.avg",
+               "sm__cycles_elapsed.avg", "smsp__inst_executed.sum",
+               "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+               "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_membar_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_misc_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio"]
+    CONFIGS = [("verify", 32, dict(block_kv=128, wg_rows=64)), ("verify", 64, dict(block_kv=128, wg_rows=64)),
+               ("verify", 64, dict(block_kv=64, wg_rows=128))]
 
 
 def run_only():
@@ -27,10 +51,12 @@ def run_only():
     from kernels import random_tree, setup
     from jaxspec.pallas.paged_attention import paged_attention
     from jaxspec.pallas.tree_mask import tree_attention_mask
+    from jaxspec.pallas.verify_hopper import verify_tree_hopper
+    attention = verify_tree_hopper if MOSAIC else paged_attention
     for kernel, t, kw in CONFIGS:  # one launch of the Pallas kernel each, in CONFIGS' order
         q, k, v, pt, kv_lens, q_lens = setup(64, t, 2048)
         mask = None if kernel == "decode" else tree_attention_mask(random_tree(64, t), q_lens)[0]
-        f = jax.jit(lambda q, k, v, kw=kw: paged_attention(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
+        f = jax.jit(lambda q, k, v, kw=kw: attention(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
         jax.block_until_ready(f(q, k, v))
 
 
@@ -51,9 +77,10 @@ def parse(text: str) -> list[dict]:
 
 def main():
     from common import print_table, write_results
-    cmd = ["ncu", "-k", "regex:^_kernel$", "-c", str(len(CONFIGS)), "--metrics", ",".join(METRICS),
-           sys.executable, os.path.abspath(__file__), "--run-only"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    name = "regex:verify_tree_hopper" if MOSAIC else "regex:^_kernel$"
+    cmd = ["ncu", "-k", name, "-c", str(len(CONFIGS)), "--metrics", ",".join(METRICS),
+           sys.executable, os.path.abspath(__file__), "--run-only"] + (["--mosaic"] if MOSAIC else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=250 if MOSAIC else 500)
     found = parse(r.stdout)
     if len(found) != len(CONFIGS):
         print(r.stdout[-3000:], r.stderr[-2000:])
@@ -64,7 +91,10 @@ def main():
                          **{key.split("__")[-1].replace(".sum", ""): val for key, val in k.items()}))
     print_table(rows, ["kernel", "q_tokens", "variant", "time_duration", "registers_per_thread",
                        "occupancy_limit_registers", "inst_executed_pipe_tensor_op_gmma"])
-    print(write_results("ncu_probe", rows, {"ncu_command": " ".join(cmd[:-2])}))
+    if MOSAIC:
+        for r in rows:
+            print(r)
+    print(write_results("ncu_probe" + ("-mosaic" if MOSAIC else ""), rows, {"ncu_command": " ".join(cmd[:-2])}))
 
 
 if __name__ == "__main__":

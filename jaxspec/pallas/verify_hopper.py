@@ -44,23 +44,25 @@ def supports(q, k_pages, tree_mask, softcap=None, block_kv=None) -> bool:
             and ps >= 8 and all(kv % ps == 0 for kv in ((64, 128) if block_kv is None else (block_kv,))))
 
 
-def _row_words(tree_mask, b, t, g, rows_padded):
-    """[B, 2, R] int32: bit j of row r's words says r's token (r // g) may read new token j."""
+def _row_words(tree_mask, b, t, t_pad, rows_padded):
+    """[B, 2, R] int32: bit j of row r's words says r's token (r % t_pad) may read new token j."""
     if tree_mask is None:
         tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     bits = pack_tree_mask(tree_mask)  # [B, T, 2]
-    token = jnp.minimum(jnp.arange(rows_padded) // g, t - 1)
+    token = jnp.minimum(jnp.arange(rows_padded) % t_pad, t - 1)
     return bits[:, token].transpose(0, 2, 1)
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, wg_rows, interpret):
+            page_size, block_kv, stages, wg_rows, group, scale, overlap, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem2, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), turn = scratch
     b, h, qb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
     wg = lax.axis_index("wg")
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
-    n_tiles = lax.div(kv_len + q_len + (block_kv - 1), block_kv)
+    # at least one tile, also for an empty row (its output is not read): the overlapped loop
+    # computes tile 0's scores before it
+    n_tiles = jnp.maximum(lax.div(kv_len + q_len + (block_kv - 1), block_kv), 1)
     n_plain = lax.div(kv_len, block_kv)  # tiles wholly inside the cached prefix: no mask
     pages_per_tile = block_kv // page_size
 
@@ -76,7 +78,13 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         plgpu.set_max_registers(232, action="increase")
         row0 = qb * (2 * wg_rows) + wg * wg_rows
         q_smem = q_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, wg_rows)], q_smem, q_ready.at[wg])
+        # rows are head-major (r = j * t_pad + token, query head h * group + j): each head's t_pad
+        # rows come straight from q [B, T, Hq, D] in one strided copy, and go back to o the same way
+        t_pad = q_ref.shape[1]
+        heads = [row0 // t_pad + i for i in range(wg_rows // t_pad)]
+        for i, j in enumerate(heads):  # padding rows past the last head copy that head again
+            plgpu.copy_gmem_to_smem(q_ref.at[b, :, h * group + jnp.minimum(j, group - 1)],
+                                    q_smem.at[pl.ds(i * t_pad, t_pad)], q_ready.at[wg])
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
         # each row's words straight from device memory into registers (no shared memory to spare)
         words = [words_ref.at[b, i, pl.ds(row0, wg_rows)] for i in range(2)]
@@ -88,23 +96,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         m = laid_out(jnp.full((wg_rows,), NEG_INF, jnp.float32), wgmma_rows)
         l = laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows)
         acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
-        pl.when(wg == 1)(take_turn)
 
-        def step(i, carry, masked):
-            acc, m, l = carry
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
-            if interpret:
-                s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-                take_turn()
-            else:
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    take_turn()
-                    return acc_ref[...]
-                s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
+        def softmax(s, i, m, l, masked):
+            s = s * scale  # softmax scale and log2 e, in float32 on the scores
             if masked:
                 col = (lax.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1) if interpret else
                        plgpu.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1, layout=plgpu.Layout.WGMMA))
@@ -116,17 +110,40 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
-            p16 = p.astype(k_smem.dtype)
+            return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+
+        def qk_dot(slot):  # the interpreter's products
+            return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        def pv_dot(acc, p16, slot):
+            return acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+        def rescale(acc, alpha):
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        def step(i, carry, masked):  # ping-pong: one consumer's softmax under the other's products
+            acc, m, l = carry
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            if interpret:
+                s = qk_dot(slot)
+                take_turn()
+            else:
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    take_turn()
+                    return acc_ref[...]
+                s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            p16, m_new, l, alpha = softmax(s, i, m, l, masked)
+            acc = rescale(acc, alpha)
             acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
             plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(turn)
 
             if interpret:
-                acc = acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())),
-                                            preferred_element_type=jnp.float32)
+                acc = pv_dot(acc, p16, slot)
             else:
                 def values(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -134,13 +151,71 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
-        carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
-        acc, m, l = lax.fori_loop(n_plain, n_tiles, functools.partial(step, masked=True), carry)
-        pl.when(wg == 0)(take_turn)
+        def step_overlapped(i, carry, masked):
+            """Tile i's scores and tile i - 1's values go to the tensor cores together; tile i's
+            softmax runs while the values product is in flight (FlashAttention-3's intra-warpgroup
+            overlap)."""
+            acc, m, l, p_prev = carry
+            slot, prev = lax.rem(i, stages), lax.rem(i - 1, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[prev])
+            if interpret:
+                s = qk_dot(slot)
+                acc = pv_dot(acc, p_prev, prev)
+                plgpu.barrier_arrive(k_free.at[slot])
+                p16, m, l, alpha = softmax(s, i, m, l, masked)
+            else:
+                def body(refs):
+                    acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+
+                    def scores(s_ref):
+                        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
+                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores, not the values
+                    s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...], masked)
+                acc, p16, m, l, alpha = pl.run_state(body)((plgpu.ACC.init(acc), p_prev, m, l, m))
+                # p_prev's registers feed the in-flight product: keep them until run_state's wait
+                acc, p_prev = lax.optimization_barrier((acc, p_prev))
+            plgpu.barrier_arrive(v_free.at[prev])
+            return rescale(acc, alpha), m, l, p16
+
+        if overlap:
+            plgpu.barrier_wait(k_ready.at[0])
+            if interpret:
+                s = qk_dot(0)
+            else:
+                def first_scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[0], (1, 0)))
+                    return acc_ref[...]
+                s = pl.run_scoped(first_scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[0])
+            p16, m, l, _ = softmax(s, 0, m, l, masked=True)  # tile 0 may hold new tokens
+            first_masked = jnp.maximum(n_plain, 1)
+            carry = lax.fori_loop(1, first_masked, functools.partial(step_overlapped, masked=False), (acc, m, l, p16))
+            acc, m, l, p16 = lax.fori_loop(first_masked, n_tiles, functools.partial(step_overlapped, masked=True), carry)
+            last = lax.rem(n_tiles - 1, stages)
+            plgpu.barrier_wait(v_ready.at[last])
+            if interpret:
+                acc = pv_dot(acc, p16, last)
+            else:
+                def last_values(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[last])
+                acc = pl.run_state(last_values)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[last])
+        else:
+            pl.when(wg == 1)(take_turn)
+            carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(n_plain, n_tiles, functools.partial(step, masked=True), carry)
+            pl.when(wg == 0)(take_turn)
         acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
         q_smem[...] = acc.astype(q_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, pl.ds(row0, wg_rows)])
+        for i, j in enumerate(heads):
+            @pl.when(j < group)
+            def _():
+                plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -181,22 +256,25 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
-                       block_kv=None, stages=2, wg_rows=None, interpret=False):
+                       block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
+                       interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
-    [B, T, T] bool, or None for a chain (causal). By default more than 128 query rows a KV head
-    (a 64-token tree at GQA 4) take one CTA of two 128-row consumers with 64-key tiles (423-435 us
-    against 500-539 for two CTAs of 64-row consumers, kernels-focus-v29: two CTAs a head stream
-    its K/V twice); up to 128 rows, 64-row consumers with 128-key tiles."""
+    [B, T, T] bool, or None for a chain (causal). By default two consumers of 64 query rows take
+    128-key tiles; wg_rows=128 (64-key tiles: registers) reads a 64-token tree's K/V once a head
+    instead of twice, but the CTAs of one head run side by side and share its pages in L2
+    (kernels-focus-v30: 393-401 us against 441-445 at 64 tokens). Tokens are padded to a power of
+    two from 8 (a head's rows fill whole tiles); q and o keep the model's [B, T, Hq, D]."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     b, t, hq, d = q.shape
     n_layers, _, ps, hkv, _ = k_pages.shape
     g = hq // hkv
-    rows = t * g
-    wg_rows = wg_rows or (128 if rows > 2 * 64 else 64)
+    t_pad = max(8, 1 << (t - 1).bit_length())
+    rows = t_pad * g
+    wg_rows = wg_rows or 64
     block_kv = block_kv or (64 if wg_rows == 128 else 128)
     padded = -(-rows // (2 * wg_rows)) * 2 * wg_rows
     assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
@@ -205,27 +283,26 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     width = -(-page_table.shape[1] // lanes) * lanes
     page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
     page_table = page_table.reshape(b, width // PT_LANES, PT_LANES)  # 2-D: TMA boxes hold <= 256 a side
-    qr = (q.astype(jnp.float32) * (d ** -0.5 * LOG2E)).astype(q.dtype)
-    qr = qr.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
-    words = _row_words(tree_mask, b, t, g, padded)
+    qp = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0))) if t_pad > t else q
+    words = _row_words(tree_mask, b, t, t_pad, padded)
     k_rows = k_pages.reshape(n_layers, -1, hkv, d)  # [L, N * ps, Hkv, D]: one page = ps rows
     v_rows = v_pages.reshape(n_layers, -1, hkv, d)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def entry(*refs):
+    def verify_tree_hopper_kernel(*refs):  # the name profilers show
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
-                                     wg_rows=wg_rows, interpret=interpret),
+                                     wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap,
+                                     interpret=interpret),
             (plgpu.SMEM((2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((width // PT_LANES, PT_LANES), jnp.int32)),
             (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=1, num_barriers=2),
+             plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=2),
              plgpu.Barrier(num_arrivals=1, num_barriers=1)),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
@@ -237,14 +314,15 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_params = InterpretGPUParams()
     out = plgpu.kernel(
-        entry,
-        out_type=jax.ShapeDtypeStruct((b, hkv, padded, d), q.dtype),
-        # query blocks of one request and head launch side by side: they read the same pages
-        grid=(padded // (2 * wg_rows), hkv, b),
-        grid_names=("q", "h", "b"),
+        verify_tree_hopper_kernel,
+        out_type=jax.ShapeDtypeStruct((b, t_pad, hq, d), q.dtype),
+        # the last axis varies fastest (Mosaic GPU reverses the grid into CUDA's x, y, z): with q
+        # last, a request and head's query blocks run side by side and share its pages through L2
+        grid=tuple(dict(b=b, h=hkv, q=padded // (2 * wg_rows))[a] for a in grid_order),
+        grid_names=tuple(grid_order),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params,
-    )(layer, page_table, kv_lens, q_lens, words, qr, k_rows, v_rows)
-    return out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    )(layer, page_table, kv_lens, q_lens, words, qp, k_rows, v_rows)
+    return out[:, :t] if t_pad > t else out
