@@ -144,12 +144,17 @@ def main():
         # and o in the model's layout (no transposes around the kernel), 64-row consumers the default
         # v32: ovl = scores of tile i and values of tile i - 1 issued together, softmax under the
         # values product (no ping-pong between the consumers)
-        verify_variants = [("auto", {}), ("default", dict(hopper=True)),
-                           ("ovl kv128 st2", dict(hopper=True, overlap=True)),
-                           ("ovl kv64 st4", dict(hopper=True, overlap=True, block_kv=64, stages=4)),
-                           ("r128 kv64 st2", dict(hopper=True, block_kv=64, stages=2, wg_rows=128)),
-                           ("default again", dict(hopper=True)), ("ovl kv128 st2 again", dict(hopper=True, overlap=True)),
-                           ("auto again", {})]
+        # v33: fma = the softmax scale applied inside exp2's argument (one FFMA) with the max taken
+        # on raw scores; st3 / kv192: three 128-key or two 192-key tiles in the ring (fit once the
+        # reduction scratch Mosaic reserves by default is dropped)
+        hop = lambda **kw: dict(hopper=True, **kw)  # noqa: E731
+        verify_variants = [("auto", {}), ("default", hop()), ("fma", hop(fma=True)), ("st3", hop(stages=3)),
+                           ("st3 fma", hop(stages=3, fma=True)), ("kv192", hop(block_kv=192)),
+                           ("kv192 fma", hop(block_kv=192, fma=True)),
+                           ("ovl st3 fma", hop(overlap=True, stages=3, fma=True)),
+                           ("ovl kv192 fma", hop(overlap=True, block_kv=192, fma=True)),
+                           ("r128 kv64 st4", hop(block_kv=64, stages=4, wg_rows=128)),
+                           ("default again", hop()), ("auto again", {})]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:

@@ -12,19 +12,23 @@ from test_kernels import random_parents
 
 ON_GPU = jax.default_backend() == "gpu"
 # cached prefixes: empty; one past a 128-key tile; mid-page; exactly on a tile boundary
-CASES = [  # (B, T, Hq, Hkv, D, ps, tree, block_kv, stages, wg_rows, overlap, kv_lens)
-    (2, 28, 4, 1, 128, 16, True, 128, 2, 64, True, [0, 150]),  # 8B-like GQA 4, head_dim 128, 28 tokens padded to 32
-    (2, 64, 3, 1, 64, 16, False, 128, 2, 64, False, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
-    (4, 40, 4, 1, 128, 32, True, 64, 3, 64, True, [0, 129, 150, 256]),  # pages of 32, 64-key tiles, three stages
-    (3, 64, 8, 2, 128, 16, True, 64, 2, 128, False, [0, 129, 150]),  # 128 rows a consumer: 256 rows one CTA
-    (3, 64, 8, 2, 128, 16, True, 128, 2, 64, True, [0, 129, 150]),  # two CTAs a head
+CASES = [  # (B, T, Hq, Hkv, D, ps, tree, kernel options, kv_lens)
+    # 8B-like GQA 4, head_dim 128, 28 tokens padded to 32; the overlapped loop, scale in the exponent's FFMA
+    (2, 28, 4, 1, 128, 16, True, dict(overlap=True, fma=True), [0, 150]),
+    (2, 64, 3, 1, 64, 16, False, {}, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
+    (4, 40, 4, 1, 128, 32, True, dict(block_kv=64, stages=3, overlap=True), [0, 129, 150, 256]),  # pages of 32
+    (3, 64, 8, 2, 128, 16, True, dict(block_kv=64, wg_rows=128), [0, 129, 150]),  # 128 rows a consumer: one CTA a head
+    (3, 64, 8, 2, 128, 16, True, dict(overlap=True), [0, 129, 150]),  # two CTAs a head
+    (3, 64, 8, 2, 128, 16, True, dict(stages=3, fma=True), [0, 129, 150]),  # three 128-key tiles in flight
+    (3, 64, 8, 2, 128, 16, True, dict(block_kv=192, fma=True), [0, 192, 200]),  # 192-key tiles
+    (3, 64, 8, 2, 128, 16, True, dict(block_kv=192, overlap=True, fma=True), [0, 192, 200]),
 ]
 if not ON_GPU:  # the interpreter runs every warpgroup as a thread: two cases cover its paths
     CASES = CASES[:2]
 
 
-@pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,block_kv,stages,wg_rows,overlap,kv_lens", CASES)
-def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, block_kv, stages, wg_rows, overlap, kv_lens):
+@pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,opts,kv_lens", CASES)
+def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, opts, kv_lens):
     rng = np.random.default_rng(t)
     n_pages, width = 104, 24  # 24 pages of 16 hold 256 + 64 keys
     k = jnp.asarray(rng.standard_normal((2, n_pages, ps, hkv, d)), jnp.bfloat16)
@@ -36,9 +40,8 @@ def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, block_
     mask = None
     if tree:
         mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
-    assert supports(q, k, mask, block_kv=block_kv)
-    out = verify_tree_hopper(q, k, v, 1, pt, kv_lens, q_lens, mask, block_kv=block_kv, stages=stages, wg_rows=wg_rows,
-                             overlap=overlap, interpret=not ON_GPU)
+    assert supports(q, k, mask, block_kv=opts.get("block_kv"))
+    out = verify_tree_hopper(q, k, v, 1, pt, kv_lens, q_lens, mask, **opts, interpret=not ON_GPU)
     ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
                               kv_lens, q_lens, mask)
     valid = (np.arange(t)[None] < q_lens[:, None])[:, :, None, None]

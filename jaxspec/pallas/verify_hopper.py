@@ -54,7 +54,7 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, wg_rows, group, scale, overlap, interpret):
+            page_size, block_kv, stages, wg_rows, group, scale, overlap, fma, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem2, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), turn = scratch
     b, h, qb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
@@ -98,7 +98,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
 
         def softmax(s, i, m, l, masked):
-            s = s * scale  # softmax scale and log2 e, in float32 on the scores
+            if not fma:
+                s = s * scale  # softmax scale and log2 e, in float32 on the scores
             if masked:
                 col = (lax.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1) if interpret else
                        plgpu.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1, layout=plgpu.Layout.WGMMA))
@@ -107,9 +108,13 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                                  lax.broadcast_in_dim(w1, s.shape, [0]))
                 bit = lax.shift_right_logical(word, rel & 31) & 1
                 s = jnp.where((rel < 0) | ((rel < q_len) & (bit == 1)), s, NEG_INF)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            if fma:  # m in scaled units, the raw scores' max scaled once a row: exp2's argument is one FFMA
+                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            else:
+                m_new = jnp.maximum(m, s.max(axis=1))
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
         def qk_dot(slot):  # the interpreter's products
@@ -256,10 +261,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "fma", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
-                       interpret=False):
+                       fma=False, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -294,7 +299,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     def verify_tree_hopper_kernel(*refs):  # the name profilers show
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
-                                     wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap,
+                                     wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, fma=fma,
                                      interpret=interpret),
             (plgpu.SMEM((2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
@@ -322,7 +327,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         grid_names=tuple(grid_order),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=interpret_params,
     )(layer, page_table, kv_lens, q_lens, words, qp, k_rows, v_rows)
     return out[:, :t] if t_pad > t else out

@@ -1,0 +1,63 @@
+"""What ptxas made of the Mosaic GPU verify kernel: registers, spills and the SASS of each variant
+at the kernel bench's 64-token shape (batch 64, 2k context, 8B heads), through Mosaic GPU's dump
+switches. Prints each variant's ptxas report and the instruction mix of its SASS (by opcode); the
+files go to $BENCH_OUT/mosaic_dump/<variant>/ for reading.
+
+    python bench/mosaic_dump.py        (GPU; ptxas and nvdisasm from the CUDA install JAX uses)
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+
+from jaxspec.pallas.verify_hopper import verify_tree_hopper
+from kernels import random_tree, setup
+from jaxspec.pallas.tree_mask import tree_attention_mask
+
+VARIANTS = [("default", {}), ("fma", dict(fma=True)), ("kv192 fma", dict(block_kv=192, fma=True)),
+            ("ovl st3 fma", dict(overlap=True, stages=3, fma=True))]
+
+
+def opcode_mix(sass: str) -> collections.Counter:
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def main():
+    out_root = os.path.join(os.environ.get("BENCH_OUT", "/tmp"), "mosaic_dump")
+    q, k, v, pt, kv_lens, q_lens = setup(64, 64, 2048)
+    mask, _ = tree_attention_mask(random_tree(64, 64), q_lens)
+    for name, kw in VARIANTS:
+        d = os.path.join(out_root, name.replace(" ", "_"))
+        os.makedirs(d, exist_ok=True)
+        os.environ.update(MOSAIC_GPU_DUMP_TO=d, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1")
+        try:
+            jax.block_until_ready(verify_tree_hopper(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
+        except Exception as e:  # noqa: BLE001 - report and go on to the next variant
+            print(f"{name}: {type(e).__name__}: {str(e)[:400]}")
+        for key in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS"):
+            os.environ.pop(key)
+        print(f"== {name} {kw}: {sorted(os.listdir(d))}")
+        for f in sorted(glob.glob(os.path.join(d, "*"))):
+            text = open(f, errors="replace").read()
+            if "ptxas" in f:
+                print("\n".join(l for l in text.splitlines() if re.search(r"registers|spill|smem", l)))
+            if f.endswith(".sass") or "sass" in os.path.basename(f):
+                mix = opcode_mix(text)
+                print(f"{sum(mix.values())} instructions:", ", ".join(f"{o} {n}" for o, n in mix.most_common(28)))
+
+
+if __name__ == "__main__":
+    main()
