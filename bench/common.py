@@ -67,6 +67,21 @@ def time_fn(fn, *args, warmup=3, iters=20, queue=1):
     return float(np.median(ts))
 
 
+def time_interleaved(fns: dict, *args, rounds=7, iters=8, queue=5, warm_s=0.3) -> dict:
+    """{name: median time (s)} of several functions of the same arguments, timed in turns (A B C A B
+    C ...): a clock ramp or a neighbour's load then falls on every variant alike, not on whichever
+    runs first. The first function runs warm_s seconds before any timing."""
+    first = next(iter(fns.values()), None)
+    t_end = time.perf_counter() + warm_s
+    while first is not None and time.perf_counter() < t_end:
+        jax.block_until_ready([first(*args) for _ in range(queue)])
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_fn(fn, *args, warmup=1, iters=iters, queue=queue))
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
 def copy_bandwidths(nbytes=1 << 30) -> dict:
     """Bytes read + written per second by a large device-to-device copy: through XLA (an
     elementwise pass) and, where PyTorch is installed, torch's copy_ timed with CUDA events.

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import copy_bandwidths, print_table, write_results
+from common import copy_bandwidths, print_table, time_interleaved, write_results
 from common import time_fn as _time_fn
 from jaxspec.pallas.accept import accept_tree
 from jaxspec.pallas.attention_ref import paged_attention_ref
@@ -99,7 +99,7 @@ def main():
         t_ref = time_fn(ref_fn, q, k, v)
         rows.append(dict(kernel=kernel, impl="xla-ref", batch=b, q_tokens=t, context=ctx, time_us=t_ref * 1e6,
                          bandwidth_fraction=kv_bytes / t_ref / bw, rel_err=0.0))
-        best = None
+        best, fns, errs = None, {}, {}
         for name, kw in variants:
             kw = dict(kw)
             fn = verify_tree_hopper if kw.pop("hopper", False) else paged_attention
@@ -107,17 +107,22 @@ def main():
                 continue
             f = jax.jit(lambda q, k, v, kw=kw, fn=fn: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, interpret=SMOKE, **kw))
             try:
-                out = f(q, k, v)
-                tt = time_fn(f, q, k, v)
+                errs[name] = rel_err(f(q, k, v), ref)
             except Exception as e:  # a variant that fails to lower is reported, not fatal
                 print(f"{kernel} {name}: {type(e).__name__}: {str(e)[:300]}")
                 continue
-            lowering = "mosaic" if fn is verify_tree_hopper else "pallas"
+            fns[name] = f
+        # --focus: the variants timed in turns (v34 on; before, each in one block, in list order)
+        times = (time_interleaved(fns, q, k, v) if FOCUS else {name: time_fn(f, q, k, v) for name, f in fns.items()})
+        n_rows = len(rows)
+        for name, tt in times.items():
+            lowering = "mosaic" if dict(dict(variants)[name]).get("hopper") else "pallas"
             rows.append(dict(kernel=kernel, impl=f"{lowering}[{name}]", batch=b, q_tokens=t, context=ctx, page_size=ps,
-                             time_us=tt * 1e6, bandwidth_fraction=kv_bytes / tt / bw, rel_err=rel_err(out, ref)))
-            if rows[-1]["rel_err"] < 2e-2:  # a wrong variant is no candidate
+                             time_us=tt * 1e6, bandwidth_fraction=kv_bytes / tt / bw, rel_err=errs[name]))
+            if errs[name] < 2e-2:  # a wrong variant is no candidate
                 best = tt if best is None else min(best, tt)
-        print_table(rows[-len(variants) - 1:], ["kernel", "impl", "batch", "q_tokens", "time_us", "bandwidth_fraction", "rel_err"])
+        print_table(rows[n_rows - 1:], ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction",
+                                        "rel_err"])
         return best
 
     # (name, kwargs): "auto" is what the engine runs (choose_blocking); ppb = pages per tile,
@@ -136,7 +141,7 @@ def main():
         # with queued calls (kernels-focus-v19 on: the earlier per-call syncs added their latency;
         # v21 compared page and row gathers, rows became the kernel's only way; v23 compared exp
         # implementations and a lazy rescale: ex2.approx for 128-row tiles, exp2 below)
-        variants = [("auto", {}), ("st3", dict(num_stages=3)), ("auto again", {})]
+        variants = [("auto", {}), ("st3", dict(num_stages=3))]
         # v25: the Mosaic GPU (wgmma + TMA, warp-specialized) verify kernel, kvN = keys a tile,
         # stN = tiles in its ring (v26: deeper rings no faster; v27: page table staged in smem),
         # r128 = 128 query rows a consumer warpgroup (v29); v30: query blocks launched next to each
@@ -148,13 +153,11 @@ def main():
         # on raw scores; st3 / kv192: three 128-key or two 192-key tiles in the ring (fit once the
         # reduction scratch Mosaic reserves by default is dropped)
         hop = lambda **kw: dict(hopper=True, **kw)  # noqa: E731
-        verify_variants = [("auto", {}), ("default", hop()), ("fma", hop(fma=True)), ("st3", hop(stages=3)),
-                           ("st3 fma", hop(stages=3, fma=True)), ("kv192", hop(block_kv=192)),
+        # v34: variants timed in turns, so no "again" rows; --sweep adds contexts 1k and 4k (a fixed
+        # cost a CTA shows as the intercept of time against context)
+        verify_variants = [("auto", {}), ("default", hop()), ("fma", hop(fma=True)), ("st3 fma", hop(stages=3, fma=True)),
                            ("kv192 fma", hop(block_kv=192, fma=True)),
-                           ("ovl st3 fma", hop(overlap=True, stages=3, fma=True)),
-                           ("ovl kv192 fma", hop(overlap=True, block_kv=192, fma=True)),
-                           ("r128 kv64 st4", hop(block_kv=64, stages=4, wg_rows=128)),
-                           ("default again", hop()), ("auto again", {})]
+                           ("ovl fma", hop(overlap=True, fma=True)), ("ovl st3 fma", hop(overlap=True, stages=3, fma=True))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:
@@ -182,6 +185,10 @@ def main():
         tv = attn_row("verify", BIG_BATCH, t, CTX, True, verify_variants)
         if tv and dec[BIG_BATCH]:
             rows[-1]["over_decode"] = tv / dec[BIG_BATCH]  # best verify variant over best decode variant
+    if FOCUS and "--sweep" in sys.argv:
+        for ctx in (1024, 4096):
+            attn_row("decode", BIG_BATCH, 1, ctx, False, variants[:1])
+            attn_row("verify", BIG_BATCH, 64, ctx, True, verify_variants[1:3])
     if FOCUS:
         # pages of 128 keys: one TMA copy a K or V tile instead of eight (v28: is the per-page copy
         # what holds the Mosaic kernel at the Triton one's time?)
