@@ -155,9 +155,11 @@ def main():
         hop = lambda **kw: dict(hopper=True, **kw)  # noqa: E731
         # v34: variants timed in turns, so no "again" rows; --sweep adds contexts 1k and 4k (a fixed
         # cost a CTA shows as the intercept of time against context)
-        verify_variants = [("auto", {}), ("default", hop()), ("fma", hop(fma=True)), ("st3 fma", hop(stages=3, fma=True)),
-                           ("kv192 fma", hop(block_kv=192, fma=True)),
-                           ("ovl fma", hop(overlap=True, fma=True)), ("ovl st3 fma", hop(overlap=True, stages=3, fma=True))]
+        # v35: a request and head's two CTAs (64 tokens at GQA 4) as a cluster with the K/V copies
+        # multicast to both (the default where the CTA count is even), "apart" = without
+        verify_variants = [("auto", {}), ("default", hop()), ("fma", hop(fma=True)), ("apart", hop(multicast=False)),
+                           ("apart fma", hop(multicast=False, fma=True)), ("st3 fma", hop(stages=3, fma=True)),
+                           ("ovl fma", hop(overlap=True, fma=True))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:

@@ -18,12 +18,15 @@ CASES = [  # (B, T, Hq, Hkv, D, ps, tree, kernel options, kv_lens)
     (2, 64, 3, 1, 64, 16, False, {}, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
     (4, 40, 4, 1, 128, 32, True, dict(block_kv=64, stages=3, overlap=True), [0, 129, 150, 256]),  # pages of 32
     (3, 64, 8, 2, 128, 16, True, dict(block_kv=64, wg_rows=128), [0, 129, 150]),  # 128 rows a consumer: one CTA a head
-    (3, 64, 8, 2, 128, 16, True, dict(overlap=True), [0, 129, 150]),  # two CTAs a head
+    # two CTAs a head: a cluster whose K/V copies are multicast to both (the GPU's default), or apart
+    (3, 64, 8, 2, 128, 16, True, dict(overlap=True, multicast=True), [0, 129, 150]),
+    (3, 64, 8, 2, 128, 16, True, dict(multicast=False), [0, 129, 150]),
+    (2, 64, 16, 2, 128, 8, True, dict(fma=True), [0, 120]),  # GQA 8: four CTAs a head, two clusters; pages of 8
     (3, 64, 8, 2, 128, 16, True, dict(stages=3, fma=True), [0, 129, 150]),  # three 128-key tiles in flight
     (3, 64, 8, 2, 128, 16, True, dict(block_kv=192, fma=True), [0, 192, 200]),  # 192-key tiles
     (3, 64, 8, 2, 128, 16, True, dict(block_kv=192, overlap=True, fma=True), [0, 192, 200]),
 ]
-if not ON_GPU:  # the interpreter runs every warpgroup as a thread: two cases cover its paths
+if not ON_GPU:  # the interpreter runs every warpgroup as a thread (and has no clusters): two cases cover its paths
     CASES = CASES[:2]
 
 
@@ -59,6 +62,9 @@ def test_verify_tree_hopper_declines_what_it_cannot_run():
     assert not supports(q.astype(jnp.float32), pages.astype(jnp.float32), None)  # float32: Triton's IEEE dots
     assert not supports(jnp.zeros((2, 65, 8, 128), jnp.bfloat16), pages, None)  # > 64 tokens: two bit words
     assert not supports(q, jnp.zeros((1, 4, 4, 2, 128), jnp.bfloat16), None)  # pages under TMA's 8-row tile
+    lens = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="multicast pairs a head's CTAs"):  # 16 tokens x GQA 4: one CTA a head
+        verify_tree_hopper(q, pages, pages, 0, jnp.zeros((2, 4), jnp.int32), lens, lens, multicast=True)
 
 
 def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypatch):

@@ -54,10 +54,11 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, wg_rows, group, scale, overlap, fma, interpret):
+            page_size, block_kv, stages, wg_rows, group, scale, overlap, fma, cluster, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem2, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), turn = scratch
-    b, h, qb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+    b, h = lax.axis_index("b"), lax.axis_index("h")
+    qb = lax.axis_index("q") * cluster + (lax.axis_index("c") if cluster > 1 else 0)
     wg = lax.axis_index("wg")
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
     # at least one tile, also for an empty row (its output is not read): the overlapped loop
@@ -233,11 +234,14 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         plgpu.barrier_wait(pt_ready.at[0])
 
         def fetch(cache_ref, smem, ready, tile, slot):
+            # in a cluster both CTAs issue the same copies: each fetches its share of the page and
+            # the TMA unit writes it into both CTAs' rings (one L2 read for the head's two CTAs)
             for j in range(pages_per_tile):
                 p = tile * pages_per_tile + j
                 page = pt_smem[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]
                 plgpu.copy_gmem_to_smem(cache_ref.at[layer, pl.ds(page * page_size, page_size), h],
-                                        smem.at[slot, pl.ds(j * page_size, page_size)], ready.at[slot])
+                                        smem.at[slot, pl.ds(j * page_size, page_size)], ready.at[slot],
+                                        collective_axes="c" if cluster > 1 else None)
 
         for i in range(stages):
             @pl.when(i < n_tiles)
@@ -261,10 +265,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "fma", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "fma", "multicast",
+                                             "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
-                       fma=False, interpret=False):
+                       fma=False, multicast=None, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -283,6 +288,12 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     block_kv = block_kv or (64 if wg_rows == 128 else 128)
     padded = -(-rows // (2 * wg_rows)) * 2 * wg_rows
     assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
+    n_qb = padded // (2 * wg_rows)  # CTAs a request and KV head
+    if multicast is None:  # the interpreter has no clusters
+        multicast = n_qb % 2 == 0 and not interpret
+    if multicast and (n_qb % 2 or interpret):
+        raise ValueError(f"multicast pairs a head's CTAs: needs an even count (got {n_qb}) and a GPU")
+    cluster = 2 if multicast else 1
     pages_per_tile = block_kv // ps
     lanes = max(PT_LANES, pages_per_tile)
     width = -(-page_table.shape[1] // lanes) * lanes
@@ -299,7 +310,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     def verify_tree_hopper_kernel(*refs):  # the name profilers show
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
-                                     wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, fma=fma,
+                                     wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, fma=fma, cluster=cluster,
                                      interpret=interpret),
             (plgpu.SMEM((2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
@@ -309,7 +320,9 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=2),
              plgpu.Barrier(num_arrivals=1, num_barriers=1)),
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            # a ring slot is free once the consumers of every CTA it was written into are done with it
+            (plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2, num_barriers=stages) if cluster > 1
+             else plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
@@ -323,8 +336,10 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         out_type=jax.ShapeDtypeStruct((b, t_pad, hq, d), q.dtype),
         # the last axis varies fastest (Mosaic GPU reverses the grid into CUDA's x, y, z): with q
         # last, a request and head's query blocks run side by side and share its pages through L2
-        grid=tuple(dict(b=b, h=hkv, q=padded // (2 * wg_rows))[a] for a in grid_order),
+        grid=tuple(dict(b=b, h=hkv, q=n_qb // cluster)[a] for a in grid_order),
         grid_names=tuple(grid_order),
+        cluster=(cluster,) if cluster > 1 else (),
+        cluster_names=("c",) if cluster > 1 else (),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
