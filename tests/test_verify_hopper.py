@@ -18,7 +18,7 @@ CASES = [  # (B, T, Hq, Hkv, D, ps, tree, kernel options, kv_lens)
     (2, 64, 3, 1, 64, 16, False, {}, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
     (4, 40, 4, 1, 128, 32, True, dict(block_kv=64, stages=3, overlap=True), [0, 129, 150, 256]),  # pages of 32
     (3, 64, 8, 2, 128, 16, True, dict(block_kv=64, wg_rows=128), [0, 129, 150]),  # 128 rows a consumer: one CTA a head
-    # two CTAs a head: a cluster whose K/V copies are multicast to both (the GPU's default), or apart
+    # two CTAs a head: a cluster whose K/V copies are multicast to both, or apart
     (3, 64, 8, 2, 128, 16, True, dict(overlap=True, multicast=True), [0, 129, 150]),
     (3, 64, 8, 2, 128, 16, True, dict(multicast=False), [0, 129, 150]),
     (2, 64, 16, 2, 128, 8, True, dict(fma=True), [0, 120]),  # GQA 8: four CTAs a head, two clusters; pages of 8

@@ -269,7 +269,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                                              "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
-                       fma=False, multicast=None, interpret=False):
+                       fma=False, multicast=False, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -289,9 +289,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     padded = -(-rows // (2 * wg_rows)) * 2 * wg_rows
     assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
     n_qb = padded // (2 * wg_rows)  # CTAs a request and KV head
-    if multicast is None:  # the interpreter has no clusters
-        multicast = n_qb % 2 == 0 and not interpret
-    if multicast and (n_qb % 2 or interpret):
+    if multicast and (n_qb % 2 or interpret):  # (the interpreter has no clusters)
         raise ValueError(f"multicast pairs a head's CTAs: needs an even count (got {n_qb}) and a GPU")
     cluster = 2 if multicast else 1
     pages_per_tile = block_kv // ps
