@@ -157,9 +157,11 @@ def main():
         # cost a CTA shows as the intercept of time against context)
         # v35: a request and head's two CTAs (64 tokens at GQA 4) as a cluster with the K/V copies
         # multicast to both (the default where the CTA count is even), "apart" = without
-        verify_variants = [("auto", {}), ("default", hop()), ("fma", hop(fma=True)), ("apart", hop(multicast=False)),
-                           ("apart fma", hop(multicast=False, fma=True)), ("st3 fma", hop(stages=3, fma=True)),
-                           ("ovl fma", hop(overlap=True, fma=True))]
+        # v36: the fused scale the only softmax; ovl now with ping-pong between the consumers
+        # (each issues its two products once the other has issued), "ovl solo" = without
+        verify_variants = [("auto", {}), ("default", hop()), ("st3", hop(stages=3)), ("ovl", hop(overlap=True)),
+                           ("ovl solo", hop(overlap=True, pingpong=False)), ("ovl st3", hop(overlap=True, stages=3)),
+                           ("ovl kv64 st4", hop(overlap=True, block_kv=64, stages=4))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:
@@ -190,7 +192,7 @@ def main():
     if FOCUS and "--sweep" in sys.argv:
         for ctx in (1024, 4096):
             attn_row("decode", BIG_BATCH, 1, ctx, False, variants[:1])
-            attn_row("verify", BIG_BATCH, 64, ctx, True, verify_variants[1:3])
+            attn_row("verify", BIG_BATCH, 64, ctx, True, [verify_variants[1], verify_variants[3]])
     if FOCUS:
         # pages of 128 keys: one TMA copy a K or V tile instead of eight (v28: is the per-page copy
         # what holds the Mosaic kernel at the Triton one's time?)

@@ -13,18 +13,18 @@ from test_kernels import random_parents
 ON_GPU = jax.default_backend() == "gpu"
 # cached prefixes: empty; one past a 128-key tile; mid-page; exactly on a tile boundary
 CASES = [  # (B, T, Hq, Hkv, D, ps, tree, kernel options, kv_lens)
-    # 8B-like GQA 4, head_dim 128, 28 tokens padded to 32; the overlapped loop, scale in the exponent's FFMA
-    (2, 28, 4, 1, 128, 16, True, dict(overlap=True, fma=True), [0, 150]),
+    # 8B-like GQA 4, head_dim 128, 28 tokens padded to 32; the overlapped loop (ping-pong)
+    (2, 28, 4, 1, 128, 16, True, dict(overlap=True), [0, 150]),
     (2, 64, 3, 1, 64, 16, False, {}, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
     (4, 40, 4, 1, 128, 32, True, dict(block_kv=64, stages=3, overlap=True), [0, 129, 150, 256]),  # pages of 32
     (3, 64, 8, 2, 128, 16, True, dict(block_kv=64, wg_rows=128), [0, 129, 150]),  # 128 rows a consumer: one CTA a head
     # two CTAs a head: a cluster whose K/V copies are multicast to both, or apart
     (3, 64, 8, 2, 128, 16, True, dict(overlap=True, multicast=True), [0, 129, 150]),
     (3, 64, 8, 2, 128, 16, True, dict(multicast=False), [0, 129, 150]),
-    (2, 64, 16, 2, 128, 8, True, dict(fma=True), [0, 120]),  # GQA 8: four CTAs a head, two clusters; pages of 8
-    (3, 64, 8, 2, 128, 16, True, dict(stages=3, fma=True), [0, 129, 150]),  # three 128-key tiles in flight
-    (3, 64, 8, 2, 128, 16, True, dict(block_kv=192, fma=True), [0, 192, 200]),  # 192-key tiles
-    (3, 64, 8, 2, 128, 16, True, dict(block_kv=192, overlap=True, fma=True), [0, 192, 200]),
+    (2, 64, 16, 2, 128, 8, True, dict(overlap=True), [0, 120]),  # GQA 8: four CTAs a head; pages of 8
+    (3, 64, 8, 2, 128, 16, True, dict(stages=3), [0, 129, 150]),  # three 128-key tiles in flight
+    (3, 64, 8, 2, 128, 16, True, dict(block_kv=192), [0, 192, 200]),  # 192-key tiles
+    (3, 64, 8, 2, 128, 16, True, dict(block_kv=192, overlap=True, pingpong=False), [0, 192, 200]),
 ]
 if not ON_GPU:  # the interpreter runs every warpgroup as a thread (and has no clusters): two cases cover its paths
     CASES = CASES[:2]
