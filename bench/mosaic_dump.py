@@ -22,8 +22,7 @@ from jaxspec.pallas.verify_hopper import verify_tree_hopper
 from kernels import random_tree, setup
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
-VARIANTS = [("default", {}), ("fma", dict(fma=True)), ("kv192 fma", dict(block_kv=192, fma=True)),
-            ("ovl st3 fma", dict(overlap=True, stages=3, fma=True))]
+VARIANTS = [("default", {}), ("ovl", dict(overlap=True)), ("kv192", dict(block_kv=192))]
 
 
 def opcode_mix(sass: str) -> collections.Counter:
