@@ -21,17 +21,23 @@ def kernel_wins(q) -> bool:
     return q.shape[0] >= 8
 
 
+def on_hopper() -> bool:
+    """An sm_90 GPU (H100, H200): the wgmma and TMA that verify_hopper.py is written for."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers); layer: traced index.
 
-    impl: 'auto' (the kernel on GPU where it wins), 'pallas' (kernel; interpreted off-GPU), 'ref',
-    'mosaic' (as 'pallas', but trees and chains of at most 64 tokens go to the Mosaic GPU verify
-    kernel, verify_hopper.py). Opt-in: on the H100 it beat the Triton kernel at 32 tokens in
-    kernels-focus-v25..v29 and at 64 in v29 (one run), and the engine has run it only on a random
-    model (mosaic_engine_check-*: outputs identical to the Triton run's).
-    """
+    impl: 'auto' (the kernels on GPU where they win), 'pallas' (the Triton kernel; interpreted
+    off-GPU), 'ref', 'mosaic' (as 'pallas', but trees and chains of 2 to 64 tokens go to the Mosaic
+    GPU verify kernel, verify_hopper.py). 'auto' on Hopper is 'mosaic': it beat the Triton kernel
+    at 16, 32 and 64 tokens in every run of kernels-focus-v31..v36 (64 tokens: 319-338 us against
+    494-537), and the engine's outputs with it equal the Triton run's (mosaic_engine_check-*)."""
     on_gpu = jax.default_backend() == "gpu"
-    if impl == "mosaic" and q.shape[1] > 1:
+    mosaic = impl == "mosaic" or (impl == "auto" and on_gpu and kernel_wins(q) and on_hopper())
+    if mosaic and q.shape[1] > 1:
         from jaxspec.pallas import verify_hopper
         if verify_hopper.supports(q, k_pages, tree_mask):
             return verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,

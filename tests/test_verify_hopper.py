@@ -68,7 +68,7 @@ def test_verify_tree_hopper_declines_what_it_cannot_run():
 
 
 def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypatch):
-    """impl='mosaic': a 16-token verify takes the Mosaic kernel; decode (one token) and shapes the
+    """impl="mosaic" (and "auto" on Hopper): a 16-token verify takes the Mosaic kernel; decode (one token) and shapes the
     Mosaic kernel declines stay on the Triton one."""
     from jaxspec import attention
     from jaxspec.pallas import paged_attention as triton_kernel
@@ -83,3 +83,12 @@ def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypa
         q = jnp.zeros((2, t, 8, 128), dtype)
         attention.paged_attention(q, pages.astype(dtype), pages.astype(dtype), 0, pt, lens, lens, impl="mosaic")
     assert calls == ["mosaic", "triton", "triton"]
+    # 'auto' takes it on a Hopper GPU at batch >= 8, and the reference below that batch
+    calls.clear()
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)
+    lens8, pt8 = jnp.zeros((8,), jnp.int32), jnp.zeros((8, 4), jnp.int32)
+    for b, t in ((8, 16), (8, 1), (2, 16)):
+        q = jnp.zeros((b, t, 8, 128), jnp.bfloat16)
+        attention.paged_attention(q, pages, pages, 0, pt8[:b], lens8[:b], lens8[:b])
+    assert calls == ["mosaic", "triton"]

@@ -1,23 +1,27 @@
-"""Tree verify on Hopper: paged attention for 32-64 draft tokens through Mosaic GPU (wgmma, TMA).
+"""Tree verify on Hopper: paged attention for 16-64 draft tokens through Mosaic GPU (wgmma, TMA).
 
 A verify of T tokens at GQA g holds T * g query rows per KV head (256 for a 64-token tree at 8B
 heads), where paged_attention.py's Triton kernel tops out near 260 TFLOP/s. This kernel is
-FlashAttention-3's shape over pages: a CTA takes 2 * wg_rows query rows of one request and KV head;
-two consumer warpgroups (wg_rows = 64 rows each, or 128 so that one CTA covers a 64-token tree's
-256 rows and reads its K/V once) run wgmma and the online softmax, taking turns on the
-tensor cores (a shared barrier: one's softmax overlaps the other's matmul), while a producer
-warpgroup fills a ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a
-tile, all counted on the tile's barrier).
+FlashAttention-3's shape over pages: a CTA takes 2 * wg_rows query rows of one request and KV head
+(tokens padded to a power of two from 8, rows head-major, q and o in the model's [B, T, Hq, D]);
+two consumer warpgroups (64 rows each by default) run wgmma and the online softmax, taking turns
+on the tensor cores (one's softmax under the other's products), while a producer warpgroup fills a
+ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a tile, all counted on
+the tile's barrier). The CTAs of one head launch side by side and share its pages through L2.
+Options, each measured in bench/results/kernels-focus-v30..v36: overlap (FlashAttention-3's
+intra-warpgroup overlap: tile i's scores and tile i - 1's values issued together), multicast (a
+head's two CTAs as a cluster, each page copy multicast to both), wg_rows=128, deeper rings and
+192-key tiles; none beat the default at 64 tokens.
 
 Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
 or two tiles hold the new tokens, whose visibility comes as two 32-bit words per query row (bit j:
 may read new token j; a chain's words are its causal triangle).
 
-Scores are in base 2 (log2 e folded into q's scale, which the wrapper applies in q's dtype as the
-Triton kernel does). The reference is `paged_attention_ref` (attention_ref.py). Under
+Scores are in base 2: the softmax scale times log2 e multiplies the raw scores inside exp2's
+argument (one FFMA a score). The reference is `paged_attention_ref` (attention_ref.py). Under
 interpret=True (CPU tests) the two products are jnp dots: jax 0.10's GPU interpreter cannot read
-a transposed wgmma operand nor run run_state; the copies, barriers, masks and softmax run as on the
-GPU.
+a transposed wgmma operand nor run run_state, and has no clusters; the copies, barriers, masks and
+softmax run as on the GPU.
 """
 from __future__ import annotations
 
@@ -288,8 +292,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong", "multicast",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
+                                             "multicast", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
                        pingpong=True, multicast=False, interpret=False):
@@ -297,10 +301,12 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
     [B, T, T] bool, or None for a chain (causal). By default two consumers of 64 query rows take
-    128-key tiles; wg_rows=128 (64-key tiles: registers) reads a 64-token tree's K/V once a head
-    instead of twice, but the CTAs of one head run side by side and share its pages in L2
-    (kernels-focus-v30: 393-401 us against 441-445 at 64 tokens). Tokens are padded to a power of
-    two from 8 (a head's rows fill whole tiles); q and o keep the model's [B, T, Hq, D]."""
+    128-key tiles in a ring of `stages`; wg_rows=128 (64-key tiles: registers) reads a 64-token
+    tree's K/V once a head instead of twice, but the CTAs of one head run side by side and share
+    its pages in L2 (kernels-focus-v30: 393-401 us against 441-445 at 64 tokens). overlap: the
+    intra-warpgroup overlapped loop, its issues passed between the consumers unless pingpong=False
+    (v36: level with the default at 16 and 32 tokens, 11% slower at 64). multicast: a head's CTAs
+    paired in clusters, each page fetched once for both (v35: 4% slower at 64 tokens; GPU only)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     b, t, hq, d = q.shape
     n_layers, _, ps, hkv, _ = k_pages.shape
