@@ -1,7 +1,8 @@
 """Speculative vs plain decoding through the real engine (Generator), side by side in one run.
 
     python bench/spec.py --model smollm2-135m [--datasets humaneval,mt-bench] [--batches 1,8,64]
-        [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16]   (eagle3:steps:topk:tokens)
+        [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16]   (eagle3:steps:topk:tokens;
+        a suffix @pallas / @mosaic / @ref picks the attention, default auto)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -111,6 +112,7 @@ def main():
         label = a
         while any(lab == label for _, lab in gens):
             label += "#2"  # the same algorithm again: a control for the noise between rounds
+        a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         name, *nums = a.split(":")
         nums = [int(x) for x in nums]
         if name == "plain":
@@ -124,6 +126,7 @@ def main():
                               num_draft_tokens=nums[2])
         drafter = spec.build(model, args.model) if spec else None
         kw = {} if args.spec_max_verify_tokens is None else dict(spec_max_verify_tokens=args.spec_max_verify_tokens)
+        kw["attn_impl"] = attn_impl or "auto"
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=64, max_seq_len=1024, page_size=16, **kw)
     rows = []
     for ds in args.datasets.split(","):
