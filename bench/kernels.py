@@ -159,9 +159,12 @@ def main():
         # multicast to both (the default where the CTA count is even), "apart" = without
         # v36: the fused scale the only softmax; ovl now with ping-pong between the consumers
         # (each issues its two products once the other has issued), "ovl solo" = without
-        verify_variants = [("auto", {}), ("default", hop()), ("st3", hop(stages=3)), ("ovl", hop(overlap=True)),
-                           ("ovl solo", hop(overlap=True, pingpong=False)), ("ovl st3", hop(overlap=True, stages=3)),
-                           ("ovl kv64 st4", hop(overlap=True, block_kv=64, stages=4))]
+        # v37: pers = persistent CTAs, one an SM, each taking (request, head, query block) items in
+        # turn: the ring and the next item's query load run on across items
+        n_sm = getattr(jax.devices()[0], "core_count", 132)
+        verify_variants = [("auto", {}), ("default", hop()), ("pers", hop(persistent=n_sm)),
+                           ("pers st3", hop(persistent=n_sm, stages=3)), ("ovl", hop(overlap=True)),
+                           ("ovl pers", hop(overlap=True, persistent=n_sm))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:
@@ -192,7 +195,7 @@ def main():
     if FOCUS and "--sweep" in sys.argv:
         for ctx in (1024, 4096):
             attn_row("decode", BIG_BATCH, 1, ctx, False, variants[:1])
-            attn_row("verify", BIG_BATCH, 64, ctx, True, [verify_variants[1], verify_variants[3]])
+            attn_row("verify", BIG_BATCH, 64, ctx, True, verify_variants[1:3])
     if FOCUS:
         # pages of 128 keys: one TMA copy a K or V tile instead of eight (v28: is the per-page copy
         # what holds the Mosaic kernel at the Triton one's time?)

@@ -58,18 +58,31 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, interpret):
+            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    (q_smem2, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
-    b, h = lax.axis_index("b"), lax.axis_index("h")
-    qb = lax.axis_index("q") * cluster + (lax.axis_index("c") if cluster > 1 else 0)
+    (q_smem4, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
+    n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
+    n_work = kv_lens_ref.shape[0] * n_heads * n_qb  # work items (request, head, query block), query block fastest
     wg = lax.axis_index("wg")
-    kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
-    # at least one tile, also for an empty row (its output is not read): the overlapped loop
-    # computes tile 0's scores before it
-    n_tiles = jnp.maximum(lax.div(kv_len + q_len + (block_kv - 1), block_kv), 1)
-    n_plain = lax.div(kv_len, block_kv)  # tiles wholly inside the cached prefix: no mask
+    if persistent:  # the CTA takes items sid, sid + n, ...: the ring, page loads and the next
+        # item's queries run on across items, where separate CTAs each start cold (a launch wave)
+        sid = lax.axis_index("s")
+        first, stride, n_items = sid, persistent, lax.div(n_work - sid + persistent - 1, persistent)
+    else:
+        first = (lax.axis_index("b") * n_heads + lax.axis_index("h")) * n_qb + lax.axis_index("q") * cluster
+        first, stride, n_items = first + (lax.axis_index("c") if cluster > 1 else 0), 1, 1
+
+    def item(n):  # -> request, KV head, query block, its lengths and tiles
+        w = first + n * stride
+        b, h, qb = lax.div(w, n_heads * n_qb), lax.rem(lax.div(w, n_qb), n_heads), lax.rem(w, n_qb)
+        kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
+        # at least one tile, also for an empty row (its output is not read): the overlapped loop
+        # computes tile 0's scores before it
+        n_tiles = jnp.maximum(lax.div(kv_len + q_len + (block_kv - 1), block_kv), 1)
+        return b, h, qb, kv_len, q_len, n_tiles
+
     pages_per_tile = block_kv // page_size
+    t_pad = q_ref.shape[1]
 
     def laid_out(x, layout):  # registers in wgmma's layout (the interpreter has no layouts)
         return x if interpret else plgpu.layout_cast(x, layout)
@@ -91,176 +104,192 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        row0 = qb * (2 * wg_rows) + wg * wg_rows
-        q_smem = q_smem2.at[wg]
-        # rows are head-major (r = j * t_pad + token, query head h * group + j): each head's t_pad
-        # rows come straight from q [B, T, Hq, D] in one strided copy, and go back to o the same way
-        t_pad = q_ref.shape[1]
-        heads = [row0 // t_pad + i for i in range(wg_rows // t_pad)]
-        for i, j in enumerate(heads):  # padding rows past the last head copy that head again
-            plgpu.copy_gmem_to_smem(q_ref.at[b, :, h * group + jnp.minimum(j, group - 1)],
-                                    q_smem.at[pl.ds(i * t_pad, t_pad)], q_ready.at[wg])
+        n_bufs = q_smem4.shape[0]  # two when persistent: the next item's queries load during this one
+
+        def heads_of(qb):  # the query heads (within the KV head's group) of this consumer's rows
+            row0 = qb * (2 * wg_rows) + wg * wg_rows
+            return row0, [row0 // t_pad + i for i in range(wg_rows // t_pad)]
+
+        def load_q(n, buf):
+            # rows are head-major (r = j * t_pad + token, query head h * group + j): each head's
+            # t_pad rows come straight from q [B, T, Hq, D] in one strided copy, and go back to o
+            # the same way; padding rows past the last head copy that head again
+            b, h, qb = item(n)[:3]
+            for i, j in enumerate(heads_of(qb)[1]):
+                plgpu.copy_gmem_to_smem(q_ref.at[b, :, h * group + jnp.minimum(j, group - 1)],
+                                        q_smem4.at[buf, wg, pl.ds(i * t_pad, t_pad)], q_ready.at[buf * 2 + wg])
+
+        load_q(0, 0)
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
-        # each row's words straight from device memory into registers (no shared memory to spare)
-        words = [words_ref.at[b, i, pl.ds(row0, wg_rows)] for i in range(2)]
-        if interpret:  # the interpreter has no layouts (nor plgpu.load)
-            w0, w1 = words[0][...], words[1][...]
-        else:
-            w0, w1 = (plgpu.load(w, (), layout=wgmma_rows, optimized=False) for w in words)
-        plgpu.barrier_wait(q_ready.at[wg])
-        m = laid_out(jnp.full((wg_rows,), NEG_INF, jnp.float32), wgmma_rows)
-        l = laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows)
-        acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def softmax(s, i, m, l, masked):
-            """Scores in raw units; m in scaled ones (softmax scale and log2 e): the row max is
-            scaled once, and each score's exponent is one FFMA (kernels-focus-v34, ncu_probe-mosaic:
-            8.6M fewer FMA-pipe instructions at 64 tokens, 2% less time)."""
-            if masked:
-                col = (lax.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1) if interpret else
-                       plgpu.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1, layout=plgpu.Layout.WGMMA))
-                rel = col + (i * block_kv - kv_len)
-                word = jnp.where(rel < 32, lax.broadcast_in_dim(w0, s.shape, [0]),
-                                 lax.broadcast_in_dim(w1, s.shape, [0]))
-                bit = lax.shift_right_logical(word, rel & 31) & 1
-                s = jnp.where((rel < 0) | ((rel < q_len) & (bit == 1)), s, NEG_INF)
-            m_new = jnp.maximum(m, s.max(axis=1) * scale)
-            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            alpha = jnp.exp2(m - m_new)
-            return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
-
-        def qk_dot(slot):  # the interpreter's products
-            return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-        def pv_dot(acc, p16, slot):
-            return acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-        def rescale(acc, alpha):
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-        def step(i, carry, masked):  # ping-pong: one consumer's softmax under the other's products
-            acc, m, l = carry
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
-            if interpret:
-                s = qk_dot(slot)
-                take_turn()
+        def consume(n, base):  # item n; base: tiles the ring has carried before it
+            b, h, qb, kv_len, q_len, n_tiles = item(n)
+            n_plain = lax.div(kv_len, block_kv)  # tiles wholly inside the cached prefix: no mask
+            buf = lax.rem(n, n_bufs)
+            if n_bufs > 1:  # the other buffer's output went out at the end of item n - 1
+                pl.when(n + 1 < n_items)(lambda: load_q(n + 1, 1 - buf))
+            q_smem = q_smem4.at[buf, wg]
+            row0, heads = heads_of(qb)
+            # each row's words straight from device memory into registers (no shared memory to spare)
+            words = [words_ref.at[b, i, pl.ds(row0, wg_rows)] for i in range(2)]
+            if interpret:  # the interpreter has no layouts (nor plgpu.load)
+                w0, w1 = words[0][...], words[1][...]
             else:
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                w0, w1 = (plgpu.load(w, (), layout=wgmma_rows, optimized=False) for w in words)
+            plgpu.barrier_wait(q_ready.at[buf * 2 + wg])
+            m = laid_out(jnp.full((wg_rows,), NEG_INF, jnp.float32), wgmma_rows)
+            l = laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows)
+            acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def softmax(s, i, m, l, masked):
+                """Scores in raw units; m in scaled ones (softmax scale and log2 e): the row max is
+                scaled once, and each score's exponent is one FFMA (kernels-focus-v34, ncu_probe-mosaic:
+                8.6M fewer FMA-pipe instructions at 64 tokens, 2% less time)."""
+                if masked:
+                    col = (lax.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1) if interpret else
+                           plgpu.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1, layout=plgpu.Layout.WGMMA))
+                    rel = col + (i * block_kv - kv_len)
+                    word = jnp.where(rel < 32, lax.broadcast_in_dim(w0, s.shape, [0]),
+                                     lax.broadcast_in_dim(w1, s.shape, [0]))
+                    bit = lax.shift_right_logical(word, rel & 31) & 1
+                    s = jnp.where((rel < 0) | ((rel < q_len) & (bit == 1)), s, NEG_INF)
+                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                alpha = jnp.exp2(m - m_new)
+                return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+
+            def qk_dot(slot):  # the interpreter's products
+                return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+            def pv_dot(acc, p16, slot):
+                return acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+            def rescale(acc, alpha):
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            def step(i, carry, masked):  # ping-pong: one consumer's softmax under the other's products
+                acc, m, l = carry
+                slot = lax.rem(base + i, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                if interpret:
+                    s = qk_dot(slot)
                     take_turn()
-                    return acc_ref[...]
-                s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            p16, m_new, l, alpha = softmax(s, i, m, l, masked)
-            acc = rescale(acc, alpha)
-            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(turn)
-
-            if interpret:
-                acc = pv_dot(acc, p16, slot)
-            else:
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                acc = pl.run_state(values)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
-
-        def step_overlapped(i, carry, masked):
-            """Tile i's scores and tile i - 1's values go to the tensor cores together; tile i's
-            softmax runs while the values product is in flight (FlashAttention-3's intra-warpgroup
-            overlap)."""
-            acc, m, l, p_prev = carry
-            slot, prev = lax.rem(i, stages), lax.rem(i - 1, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_wait(v_ready.at[prev])
-            if interpret:
-                await_issue()
-                s = qk_dot(slot)
-                acc = pv_dot(acc, p_prev, prev)
-                pass_issue()
-                plgpu.barrier_arrive(k_free.at[slot])
-                p16, m, l, alpha = softmax(s, i, m, l, masked)
-            else:
-                def body(refs):
-                    acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-
-                    def scores(s_ref):
-                        await_issue()
-                        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                        plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
-                        pass_issue()
-                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores, not the values
+                else:
+                    def scores(acc_ref):
+                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        take_turn()
+                        return acc_ref[...]
                     s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...], masked)
-                acc, p16, m, l, alpha = pl.run_state(body)((plgpu.ACC.init(acc), p_prev, m, l, m))
-                # p_prev's registers feed the in-flight product: keep them until run_state's wait
-                acc, p_prev = lax.optimization_barrier((acc, p_prev))
-            plgpu.barrier_arrive(v_free.at[prev])
-            return rescale(acc, alpha), m, l, p16
+                plgpu.barrier_arrive(k_free.at[slot])
+                p16, m_new, l, alpha = softmax(s, i, m, l, masked)
+                acc = rescale(acc, alpha)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
 
-        if overlap:
-            if pingpong:
-                pl.when(wg == 1)(lambda: plgpu.barrier_arrive(issue.at[0]))  # consumer 0 issues first
-            plgpu.barrier_wait(k_ready.at[0])
-            if interpret:
-                await_issue()
-                s = qk_dot(0)
-                pass_issue()
-            else:
-                def first_scores(acc_ref):
+                if interpret:
+                    acc = pv_dot(acc, p16, slot)
+                else:
+                    def values(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            def step_overlapped(i, carry, masked):
+                """Tile i's scores and tile i - 1's values go to the tensor cores together; tile i's
+                softmax runs while the values product is in flight (FlashAttention-3's intra-warpgroup
+                overlap)."""
+                acc, m, l, p_prev = carry
+                slot, prev = lax.rem(base + i, stages), lax.rem(base + i - 1, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[prev])
+                if interpret:
                     await_issue()
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[0], (1, 0)))
+                    s = qk_dot(slot)
+                    acc = pv_dot(acc, p_prev, prev)
                     pass_issue()
-                    return acc_ref[...]
-                s = pl.run_scoped(first_scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[0])
-            p16, m, l, _ = softmax(s, 0, m, l, masked=True)  # tile 0 may hold new tokens
-            first_masked = jnp.maximum(n_plain, 1)
-            carry = lax.fori_loop(1, first_masked, functools.partial(step_overlapped, masked=False), (acc, m, l, p16))
-            acc, m, l, p16 = lax.fori_loop(first_masked, n_tiles, functools.partial(step_overlapped, masked=True), carry)
-            last = lax.rem(n_tiles - 1, stages)
-            plgpu.barrier_wait(v_ready.at[last])
-            if interpret:
-                await_issue()
-                acc = pv_dot(acc, p16, last)
-                pass_issue()
-            else:
-                def last_values(acc_ref):
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p16, m, l, alpha = softmax(s, i, m, l, masked)
+                else:
+                    def body(refs):
+                        acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
+
+                        def scores(s_ref):
+                            await_issue()
+                            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                            plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
+                            pass_issue()
+                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores, not the values
+                        s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...], masked)
+                    acc, p16, m, l, alpha = pl.run_state(body)((plgpu.ACC.init(acc), p_prev, m, l, m))
+                    # p_prev's registers feed the in-flight product: keep them until run_state's wait
+                    acc, p_prev = lax.optimization_barrier((acc, p_prev))
+                plgpu.barrier_arrive(v_free.at[prev])
+                return rescale(acc, alpha), m, l, p16
+
+            if overlap:
+                if pingpong:
+                    pl.when(wg == 1)(lambda: plgpu.barrier_arrive(issue.at[0]))  # consumer 0 issues first
+                slot = lax.rem(base, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                if interpret:
                     await_issue()
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[last])
+                    s = qk_dot(slot)
                     pass_issue()
-                acc = pl.run_state(last_values)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[last])
-            if pingpong:  # consumer 1's last pass, so that every phase has its waiter
-                pl.when(wg == 0)(lambda: plgpu.barrier_wait(issue.at[0]))
-        else:
-            pl.when(wg == 1)(take_turn)
-            carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
-            acc, m, l = lax.fori_loop(n_plain, n_tiles, functools.partial(step, masked=True), carry)
-            pl.when(wg == 0)(take_turn)
-        acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
-        q_smem[...] = acc.astype(q_smem.dtype)
-        plgpu.commit_smem()
-        for i, j in enumerate(heads):
-            @pl.when(j < group)
-            def _():
-                plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
-        plgpu.wait_smem_to_gmem(0)
+                else:
+                    def first_scores(acc_ref):
+                        await_issue()
+                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        pass_issue()
+                        return acc_ref[...]
+                    s = pl.run_scoped(first_scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                p16, m, l, _ = softmax(s, 0, m, l, masked=True)  # tile 0 may hold new tokens
+                first_masked = jnp.maximum(n_plain, 1)
+                carry = lax.fori_loop(1, first_masked, functools.partial(step_overlapped, masked=False), (acc, m, l, p16))
+                acc, m, l, p16 = lax.fori_loop(first_masked, n_tiles, functools.partial(step_overlapped, masked=True), carry)
+                last = lax.rem(base + n_tiles - 1, stages)
+                plgpu.barrier_wait(v_ready.at[last])
+                if interpret:
+                    await_issue()
+                    acc = pv_dot(acc, p16, last)
+                    pass_issue()
+                else:
+                    def last_values(acc_ref):
+                        await_issue()
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[last])
+                        pass_issue()
+                    acc = pl.run_state(last_values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[last])
+                if pingpong:  # consumer 1's last pass, so that every phase has its waiter
+                    pl.when(wg == 0)(lambda: plgpu.barrier_wait(issue.at[0]))
+            else:
+                pl.when(wg == 1)(take_turn)
+                carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
+                acc, m, l = lax.fori_loop(n_plain, n_tiles, functools.partial(step, masked=True), carry)
+                pl.when(wg == 0)(take_turn)
+            acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+            q_smem[...] = acc.astype(q_smem.dtype)
+            plgpu.commit_smem()
+            for i, j in enumerate(heads):
+                @pl.when(j < group)
+                def _():
+                    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
+            plgpu.wait_smem_to_gmem(0)
+            return base + n_tiles
+
+        lax.fori_loop(0, n_items, consume, 0)
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
         layer = layer_ref[0]
-        # the request's page-table row into shared memory first: a page number read from device
-        # memory per copy would put a global load's latency in front of every page's TMA
-        plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_ready.at[0])
-        plgpu.barrier_wait(pt_ready.at[0])
 
-        def fetch(cache_ref, smem, ready, tile, slot):
+        def fetch(cache_ref, smem, ready, h, tile, slot):
             # in a cluster both CTAs issue the same copies: each fetches its share of the page and
             # the TMA unit writes it into both CTAs' rings (one L2 read for the head's two CTAs)
             for j in range(pages_per_tile):
@@ -270,33 +299,37 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                                         smem.at[slot, pl.ds(j * page_size, page_size)], ready.at[slot],
                                         collective_axes="c" if cluster > 1 else None)
 
-        for i in range(stages):
-            @pl.when(i < n_tiles)
-            def _():
-                fetch(k_ref, k_smem, k_ready, i, i)
-                fetch(v_ref, v_smem, v_ready, i, i)
+        def produce(n, base):  # item n's tiles into ring slots base, base + 1, ... (mod stages)
+            b, h, _, _, _, n_tiles = item(n)
+            # the request's page-table row into shared memory first: a page number read from device
+            # memory per copy would put a global load's latency in front of every page's TMA
+            plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_ready.at[0])
+            plgpu.barrier_wait(pt_ready.at[0])
 
-        @pl.loop(stages, jnp.maximum(n_tiles, stages))
-        def _(tile):
-            slot = lax.rem(tile, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            fetch(k_ref, k_smem, k_ready, tile, slot)
-            plgpu.barrier_wait(v_free.at[slot])
-            fetch(v_ref, v_smem, v_ready, tile, slot)
+            @pl.loop(0, n_tiles)
+            def _(tile):
+                slot = lax.rem(base + tile, stages)
+                pl.when(base + tile >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                fetch(k_ref, k_smem, k_ready, h, tile, slot)
+                pl.when(base + tile >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                fetch(v_ref, v_smem, v_ready, h, tile, slot)
+            return base + n_tiles
+
+        total = lax.fori_loop(0, n_items, produce, 0)
 
         # observe the last tiles' releases too: every waiter of a barrier sees each of its phases
         # (the interpreter checks this; on the GPU these waits end as the consumers finish)
-        @pl.loop(jnp.maximum(n_tiles - stages, 0), n_tiles)
+        @pl.loop(jnp.maximum(total - stages, 0), total)
         def _(tile):
             plgpu.barrier_wait(k_free.at[lax.rem(tile, stages)])
             plgpu.barrier_wait(v_free.at[lax.rem(tile, stages)])
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
-                                             "multicast", "interpret"))
+                                             "multicast", "persistent", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
-                       pingpong=True, multicast=False, interpret=False):
+                       pingpong=True, multicast=False, persistent=0, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -321,6 +354,9 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     if multicast and (n_qb % 2 or interpret):  # (the interpreter has no clusters)
         raise ValueError(f"multicast pairs a head's CTAs: needs an even count (got {n_qb}) and a GPU")
     cluster = 2 if multicast else 1
+    if persistent and cluster > 1:
+        raise ValueError("persistent CTAs take items one at a time: no multicast clusters")
+    persistent = min(persistent, b * hkv * n_qb)  # no CTA without an item
     pages_per_tile = block_kv // ps
     lanes = max(PT_LANES, pages_per_tile)
     width = -(-page_table.shape[1] // lanes) * lanes
@@ -338,14 +374,14 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
-                                     interpret=interpret),
-            (plgpu.SMEM((2, wg_rows, d), q.dtype, transforms=tiled),
+                                     persistent=persistent, interpret=interpret),
+            (plgpu.SMEM((2 if persistent else 1, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((width // PT_LANES, PT_LANES), jnp.int32)),
             (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=2),
+             plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=4 if persistent else 2),
              plgpu.Barrier(num_arrivals=1, num_barriers=1)),
             # a ring slot is free once the consumers of every CTA it was written into are done with it
             (plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2, num_barriers=stages) if cluster > 1
@@ -363,8 +399,8 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         out_type=jax.ShapeDtypeStruct((b, t_pad, hq, d), q.dtype),
         # the last axis varies fastest (Mosaic GPU reverses the grid into CUDA's x, y, z): with q
         # last, a request and head's query blocks run side by side and share its pages through L2
-        grid=tuple(dict(b=b, h=hkv, q=n_qb // cluster)[a] for a in grid_order),
-        grid_names=tuple(grid_order),
+        grid=(persistent,) if persistent else tuple(dict(b=b, h=hkv, q=n_qb // cluster)[a] for a in grid_order),
+        grid_names=("s",) if persistent else tuple(grid_order),
         cluster=(cluster,) if cluster > 1 else (),
         cluster_names=("c",) if cluster > 1 else (),
         num_threads=3,
