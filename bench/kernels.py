@@ -162,9 +162,12 @@ def main():
         # v37: pers = persistent CTAs, one an SM, each taking (request, head, query block) items in
         # turn: the ring and the next item's query load run on across items
         n_sm = getattr(jax.devices()[0], "core_count", 132)
+        # v38: (ovl dropped: slower at 64 tokens in v36 and v37) pers st3 with one query buffer (two
+        # do not fit beside a three-tile ring), 64-key tiles, and 128-row consumers (one CTA a head)
         verify_variants = [("auto", {}), ("default", hop()), ("pers", hop(persistent=n_sm)),
-                           ("pers st3", hop(persistent=n_sm, stages=3)), ("ovl", hop(overlap=True)),
-                           ("ovl pers", hop(overlap=True, persistent=n_sm))]
+                           ("pers st3", hop(persistent=n_sm, stages=3)),
+                           ("pers kv64 st4", hop(persistent=n_sm, block_kv=64, stages=4)),
+                           ("pers r128", hop(persistent=n_sm, wg_rows=128))]
     dec = {}
     for b in (1, BIG_BATCH):
         if FOCUS and b == 1:

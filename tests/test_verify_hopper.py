@@ -16,8 +16,10 @@ CASES = [  # (B, T, Hq, Hkv, D, ps, tree, kernel options, kv_lens)
     # 8B-like GQA 4, head_dim 128, 28 tokens padded to 32; the overlapped loop (ping-pong)
     (2, 28, 4, 1, 128, 16, True, dict(overlap=True), [0, 150]),
     (2, 64, 3, 1, 64, 16, False, {}, [256, 129]),  # SmolLM2's GQA 3, D 64, a chain: 192 rows padded to 256
-    # persistent CTAs: two for three requests, so one takes two items (its ring, after an odd tile count, and its queries run on)
+    # persistent CTAs: two for three requests, so one takes two items (its ring, after an odd
+    # tile count, and its queries run on), with two query buffers or (three-tile ring) one
     (3, 20, 4, 1, 128, 16, True, dict(persistent=2), [100, 0, 150]),
+    (3, 20, 4, 1, 128, 16, True, dict(persistent=2, stages=3), [100, 0, 150]),
     (4, 40, 4, 1, 128, 32, True, dict(block_kv=64, stages=3, overlap=True), [0, 129, 150, 256]),  # pages of 32
     (3, 64, 8, 2, 128, 16, True, dict(block_kv=64, wg_rows=128), [0, 129, 150]),  # 128 rows a consumer: one CTA a head
     # two CTAs a head: a cluster whose K/V copies are multicast to both, or apart
@@ -29,10 +31,11 @@ CASES = [  # (B, T, Hq, Hkv, D, ps, tree, kernel options, kv_lens)
     (3, 64, 8, 2, 128, 16, True, dict(block_kv=192, overlap=True, pingpong=False), [0, 192, 200]),
     (3, 64, 8, 2, 128, 16, True, dict(persistent=4), [0, 129, 150]),  # 12 items on 4 CTAs
     (3, 64, 8, 2, 128, 16, True, dict(persistent=5, overlap=True), [0, 129, 150]),
-    (4, 16, 4, 1, 128, 16, True, dict(persistent=3, stages=3), [0, 129, 150, 256]),
+    (4, 16, 4, 1, 128, 16, True, dict(persistent=3, stages=3), [0, 129, 150, 256]),  # one query buffer
+    (3, 64, 8, 2, 128, 16, True, dict(persistent=5, block_kv=64, stages=4), [0, 129, 150]),
 ]
-if not ON_GPU:  # the interpreter runs every warpgroup as a thread (and has no clusters): three cases cover its paths
-    CASES = CASES[:3]
+if not ON_GPU:  # the interpreter runs every warpgroup as a thread (and has no clusters): four cases cover its paths
+    CASES = CASES[:4]
 
 
 @pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,opts,kv_lens", CASES)

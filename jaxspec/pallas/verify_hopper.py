@@ -36,6 +36,7 @@ from jaxspec.pallas.attention_ref import NEG_INF
 from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
 
 PT_LANES = 32  # page-table row staged as [width / 32, 32]: 128-byte TMA rows
+SMEM_BYTES = 220 * 1024  # of an H100 SM's 227 KiB: room left for the page table and barriers
 
 
 def supports(q, k_pages, tree_mask, softcap=None, block_kv=None) -> bool:
@@ -104,7 +105,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        n_bufs = q_smem4.shape[0]  # two when persistent: the next item's queries load during this one
+        # two query buffers where shared memory allows (persistent CTAs): the next item's queries
+        # load during this one; with one, they load once this item's output has gone out
+        n_bufs = q_smem4.shape[0]
 
         def heads_of(qb):  # the query heads (within the KV head's group) of this consumer's rows
             row0 = qb * (2 * wg_rows) + wg * wg_rows
@@ -128,6 +131,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             buf = lax.rem(n, n_bufs)
             if n_bufs > 1:  # the other buffer's output went out at the end of item n - 1
                 pl.when(n + 1 < n_items)(lambda: load_q(n + 1, 1 - buf))
+            else:
+                pl.when(n > 0)(lambda: load_q(n, 0))
             q_smem = q_smem4.at[buf, wg]
             row0, heads = heads_of(qb)
             # each row's words straight from device memory into registers (no shared memory to spare)
@@ -357,6 +362,8 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     if persistent and cluster > 1:
         raise ValueError("persistent CTAs take items one at a time: no multicast clusters")
     persistent = min(persistent, b * hkv * n_qb)  # no CTA without an item
+    ring_bytes = 2 * stages * block_kv * d * q.dtype.itemsize
+    q_bufs = 2 if persistent and ring_bytes + 2 * (2 * wg_rows * d * q.dtype.itemsize) <= SMEM_BYTES else 1
     pages_per_tile = block_kv // ps
     lanes = max(PT_LANES, pages_per_tile)
     width = -(-page_table.shape[1] // lanes) * lanes
@@ -375,13 +382,13 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
                                      persistent=persistent, interpret=interpret),
-            (plgpu.SMEM((2 if persistent else 1, 2, wg_rows, d), q.dtype, transforms=tiled),
+            (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((width // PT_LANES, PT_LANES), jnp.int32)),
             (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=4 if persistent else 2),
+             plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=2 * q_bufs),
              plgpu.Barrier(num_arrivals=1, num_barriers=1)),
             # a ring slot is free once the consumers of every CTA it was written into are done with it
             (plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2, num_barriers=stages) if cluster > 1
