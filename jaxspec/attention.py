@@ -40,8 +40,11 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     if mosaic and q.shape[1] > 1:
         from jaxspec.pallas import verify_hopper
         if verify_hopper.supports(q, k_pages, tree_mask):
+            # persistent CTAs, one an SM: faster than a CTA an item in each of 10 comparisons
+            # (kernels-focus-v37, v38: 16-64 tokens, contexts 1k-4k)
+            n_sm = getattr(jax.devices()[0], "core_count", 0) if on_gpu else 0
             return verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
-                                                    tree_mask, interpret=not on_gpu)
+                                                    tree_mask, persistent=n_sm, interpret=not on_gpu)
     use = impl in ("pallas", "mosaic") or (impl == "auto" and on_gpu and kernel_wins(q))
     if use and kernel_supports(q, k_pages, tree_mask):
         from jaxspec.pallas.paged_attention import paged_attention as kernel
