@@ -33,8 +33,9 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     impl: 'auto' (the kernels on GPU where they win), 'pallas' (the Triton kernel; interpreted
     off-GPU), 'ref', 'mosaic' (as 'pallas', but trees and chains of 2 to 64 tokens go to the Mosaic
     GPU verify kernel, verify_hopper.py). 'auto' on Hopper is 'mosaic': it beat the Triton kernel
-    at 16, 32 and 64 tokens in every run of kernels-focus-v31..v36 (64 tokens: 319-338 us against
-    494-537), and the engine's outputs with it equal the Triton run's (mosaic_engine_check-*)."""
+    at 16, 32 and 64 tokens in every run of kernels-focus-v31..v39 (64 tokens: 315-343 us against
+    498-537), and the engine's outputs with it equal the Triton run's (mosaic_engine_check-*, 8/8
+    requests at 6dda939 and, with persistent CTAs, at b3051e4)."""
     on_gpu = jax.default_backend() == "gpu"
     mosaic = impl == "mosaic" or (impl == "auto" and on_gpu and kernel_wins(q) and on_hopper())
     if mosaic and q.shape[1] > 1:

@@ -8,10 +8,13 @@ two consumer warpgroups (64 rows each by default) run wgmma and the online softm
 on the tensor cores (one's softmax under the other's products), while a producer warpgroup fills a
 ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a tile, all counted on
 the tile's barrier). The CTAs of one head launch side by side and share its pages through L2.
-Options, each measured in bench/results/kernels-focus-v30..v36: overlap (FlashAttention-3's
-intra-warpgroup overlap: tile i's scores and tile i - 1's values issued together), multicast (a
-head's two CTAs as a cluster, each page copy multicast to both), wg_rows=128, deeper rings and
-192-key tiles; none beat the default at 64 tokens.
+persistent=N (the engine's choice, N = the GPU's SMs) launches N CTAs that take the (request,
+head, query block) items in turn, the ring and the page-table loads running on from one item to
+the next and the next item's queries loading during this one: 2-15% faster than a CTA an item in
+every comparison of kernels-focus-v37..v39. Options that did not beat the default at 64 tokens
+(v30..v39): overlap (FlashAttention-3's intra-warpgroup overlap: tile i's scores and tile i - 1's
+values issued together), multicast (a head's two CTAs as a cluster, each page copy multicast to
+both), wg_rows=128, deeper rings, 64- and 192-key tiles.
 
 Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
 or two tiles hold the new tokens, whose visibility comes as two 32-bit words per query row (bit j:
@@ -344,7 +347,9 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     its pages in L2 (kernels-focus-v30: 393-401 us against 441-445 at 64 tokens). overlap: the
     intra-warpgroup overlapped loop, its issues passed between the consumers unless pingpong=False
     (v36: level with the default at 16 and 32 tokens, 11% slower at 64). multicast: a head's CTAs
-    paired in clusters, each page fetched once for both (v35: 4% slower at 64 tokens; GPU only)."""
+    paired in clusters, each page fetched once for both (v35: 4% slower at 64 tokens; GPU only).
+    persistent: that many CTAs (0: one an item; at most one an SM fits, by shared memory), two
+    query buffers where they fit beside the ring (v37-v39: 315-335 us against 326-343 at 64 tokens)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     b, t, hq, d = q.shape
     n_layers, _, ps, hkv, _ = k_pages.shape
