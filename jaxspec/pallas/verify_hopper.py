@@ -10,9 +10,9 @@ ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a til
 the tile's barrier). The CTAs of one head launch side by side and share its pages through L2.
 persistent=N (the engine's choice, N = the GPU's SMs) launches N CTAs that take the (request,
 head, query block) items in turn, the ring and the page-table loads running on from one item to
-the next and the next item's queries loading during this one: 2-15% faster than a CTA an item in
-every comparison of kernels-focus-v37..v39. Options that did not beat the default at 64 tokens
-(v30..v39): overlap (FlashAttention-3's intra-warpgroup overlap: tile i's scores and tile i - 1's
+the next and the next item's queries loading during this one: 0.5-17% less time than a CTA an item
+in each of 15 comparisons in kernels-focus-v37..v39. Options that did not beat the default at
+64 tokens (v30..v39): overlap (FlashAttention-3's intra-warpgroup overlap: tile i's scores and tile i - 1's
 values issued together), multicast (a head's two CTAs as a cluster, each page copy multicast to
 both), wg_rows=128, deeper rings, 64- and 192-key tiles.
 
@@ -167,10 +167,12 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
             def qk_dot(slot):  # the interpreter's products
-                return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
 
             def pv_dot(acc, p16, slot):
-                return acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                return acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())),
+                                             preferred_element_type=jnp.float32)
 
             def rescale(acc, alpha):
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -232,7 +234,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                             return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores, not the values
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
                         plgpu.barrier_arrive(k_free.at[slot])
-                        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...], masked)
+                        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...],
+                                                                                     masked)
                     acc, p16, m, l, alpha = pl.run_state(body)((plgpu.ACC.init(acc), p_prev, m, l, m))
                     # p_prev's registers feed the in-flight product: keep them until run_state's wait
                     acc, p_prev = lax.optimization_barrier((acc, p_prev))
@@ -258,8 +261,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 plgpu.barrier_arrive(k_free.at[slot])
                 p16, m, l, _ = softmax(s, 0, m, l, masked=True)  # tile 0 may hold new tokens
                 first_masked = jnp.maximum(n_plain, 1)
-                carry = lax.fori_loop(1, first_masked, functools.partial(step_overlapped, masked=False), (acc, m, l, p16))
-                acc, m, l, p16 = lax.fori_loop(first_masked, n_tiles, functools.partial(step_overlapped, masked=True), carry)
+                plain, masked = (functools.partial(step_overlapped, masked=f) for f in (False, True))
+                carry = lax.fori_loop(1, first_masked, plain, (acc, m, l, p16))
+                acc, m, l, p16 = lax.fori_loop(first_masked, n_tiles, masked, carry)
                 last = lax.rem(base + n_tiles - 1, stages)
                 plgpu.barrier_wait(v_ready.at[last])
                 if interpret:
