@@ -1,4 +1,4 @@
-"""Pallas kernels under interpret=True against their references."""
+"""Pallas kernels under interpret=True (compiled on a GPU) against their references."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,9 +66,13 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, **
         mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
     # interpret mode starts every output buffer as NaN, so an element the kernel never wrote fails
     # the isfinite check below (padding rows included)
-    out = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=True, softcap=softcap, **blocking)
-    ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
-                              kv_lens, q_lens, mask, softcap=softcap)
+    # (on a GPU, JAX_PLATFORMS=cuda, the kernel runs compiled, and the reference's float32 dots are
+    # asked for full precision: XLA's GPU default is TF32)
+    on_gpu = jax.default_backend() == "gpu"
+    out = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap, **blocking)
+    with jax.default_matmul_precision("highest"):
+        ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
+                                  kv_lens, q_lens, mask, softcap=softcap)
     valid = (np.arange(t)[None] < q_lens[:, None])[:, :, None, None]
     out, ref = np.asarray(out, np.float32), np.asarray(ref)
     assert np.isfinite(out).all()
