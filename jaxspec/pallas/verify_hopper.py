@@ -231,7 +231,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                             plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                             plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
                             pass_issue()
-                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores, not the values
+                            # the scores only, the values product left in flight under the softmax;
+                            # "paired": both (FA3's ping-pong order without its intra-warpgroup overlap)
+                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if overlap == "paired" else 1)
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
                         plgpu.barrier_arrive(k_free.at[slot])
                         p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...],
