@@ -13,7 +13,8 @@ head, query block) items in turn, the ring and the page-table loads running on f
 the next and the next item's queries loading during this one: 0.5-17% less time than a CTA an item
 in each of 15 comparisons in kernels-focus-v37..v39. Options that did not beat the default at
 64 tokens (v30..v39): overlap (FlashAttention-3's intra-warpgroup overlap: tile i's scores and tile i - 1's
-values issued together), multicast (a head's two CTAs as a cluster, each page copy multicast to
+values issued together; also with both awaited before the softmax, kernels-focus-v40 at 70acc13:
+359 us against 324), multicast (a head's two CTAs as a cluster, each page copy multicast to
 both), wg_rows=128, deeper rings, 64- and 192-key tiles.
 
 Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
@@ -231,9 +232,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                             plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                             plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
                             pass_issue()
-                            # the scores only, the values product left in flight under the softmax;
-                            # "paired": both (FA3's ping-pong order without its intra-warpgroup overlap)
-                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if overlap == "paired" else 1)
+                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores, not the values
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
                         plgpu.barrier_arrive(k_free.at[slot])
                         p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...],
