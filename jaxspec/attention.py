@@ -41,8 +41,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     if mosaic and q.shape[1] > 1:
         from jaxspec.pallas import verify_hopper
         if verify_hopper.supports(q, k_pages, tree_mask):
-            # persistent CTAs, one an SM: faster than a CTA an item in each of 10 comparisons
-            # (kernels-focus-v37, v38: 16-64 tokens, contexts 1k-4k)
+            # persistent CTAs, one an SM: faster than a CTA an item in each of 15 comparisons
+            # (kernels-focus-v37..v39: 16-64 tokens, contexts 1k-4k)
             n_sm = getattr(jax.devices()[0], "core_count", 0) if on_gpu else 0
             return verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
                                                     tree_mask, persistent=n_sm, interpret=not on_gpu)

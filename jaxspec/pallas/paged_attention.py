@@ -191,7 +191,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     # Triton takes power-of-two arrays only (a 40-token tree's [40] words failed to lower on the
     # H100); extra tokens repeat the last one's words, as the kernel's padding rows read them
-    bits = jnp.pad(bits, ((0, 0), (0, (1 << (bits.shape[1] - 1).bit_length()) - bits.shape[1]), (0, 0)), mode="edge")
+    n_words = 1 << (bits.shape[1] - 1).bit_length()
+    bits = jnp.pad(bits, ((0, 0), (0, n_words - bits.shape[1]), (0, 0)), mode="edge")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     # [L, N, ps, Hkv, D] -> [L, N * ps, Hkv, D]: adjacent axes merged, no copy
     k_rows = k_pages.reshape(k_pages.shape[0], -1, *k_pages.shape[3:])

@@ -65,7 +65,7 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
             page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    (q_smem4, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
+    (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
     n_work = kv_lens_ref.shape[0] * n_heads * n_qb  # work items (request, head, query block), query block fastest
     wg = lax.axis_index("wg")
@@ -73,9 +73,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         # item's queries run on across items, where separate CTAs each start cold (a launch wave)
         sid = lax.axis_index("s")
         first, stride, n_items = sid, persistent, lax.div(n_work - sid + persistent - 1, persistent)
-    else:
-        first = (lax.axis_index("b") * n_heads + lax.axis_index("h")) * n_qb + lax.axis_index("q") * cluster
-        first, stride, n_items = first + (lax.axis_index("c") if cluster > 1 else 0), 1, 1
+    else:  # one item: this CTA's place in the grid (and its cluster)
+        qb = lax.axis_index("q") * cluster + (lax.axis_index("c") if cluster > 1 else 0)
+        first, stride, n_items = (lax.axis_index("b") * n_heads + lax.axis_index("h")) * n_qb + qb, 1, 1
 
     def item(n):  # -> request, KV head, query block, its lengths and tiles
         w = first + n * stride
@@ -111,7 +111,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         plgpu.set_max_registers(232, action="increase")
         # two query buffers where shared memory allows (persistent CTAs): the next item's queries
         # load during this one; with one, they load once this item's output has gone out
-        n_bufs = q_smem4.shape[0]
+        n_bufs = q_smem_bufs.shape[0]
 
         def heads_of(qb):  # the query heads (within the KV head's group) of this consumer's rows
             row0 = qb * (2 * wg_rows) + wg * wg_rows
@@ -124,7 +124,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             b, h, qb = item(n)[:3]
             for i, j in enumerate(heads_of(qb)[1]):
                 plgpu.copy_gmem_to_smem(q_ref.at[b, :, h * group + jnp.minimum(j, group - 1)],
-                                        q_smem4.at[buf, wg, pl.ds(i * t_pad, t_pad)], q_ready.at[buf * 2 + wg])
+                                        q_smem_bufs.at[buf, wg, pl.ds(i * t_pad, t_pad)], q_ready.at[buf * 2 + wg])
 
         load_q(0, 0)
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
@@ -137,7 +137,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 pl.when(n + 1 < n_items)(lambda: load_q(n + 1, 1 - buf))
             else:
                 pl.when(n > 0)(lambda: load_q(n, 0))
-            q_smem = q_smem4.at[buf, wg]
+            q_smem = q_smem_bufs.at[buf, wg]
             row0, heads = heads_of(qb)
             # each row's words straight from device memory into registers (no shared memory to spare)
             words = [words_ref.at[b, i, pl.ds(row0, wg_rows)] for i in range(2)]
@@ -321,10 +321,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 
             @pl.loop(0, n_tiles)
             def _(tile):
-                slot = lax.rem(base + tile, stages)
-                pl.when(base + tile >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                slot, reused = lax.rem(base + tile, stages), base + tile >= stages
+                pl.when(reused)(lambda: plgpu.barrier_wait(k_free.at[slot]))
                 fetch(k_ref, k_smem, k_ready, h, tile, slot)
-                pl.when(base + tile >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                pl.when(reused)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                 fetch(v_ref, v_smem, v_ready, h, tile, slot)
             return base + n_tiles
 
