@@ -22,7 +22,7 @@ from jaxspec.pallas.verify_hopper import verify_tree_hopper
 from kernels import random_tree, setup
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
-VARIANTS = [("default", {}), ("ovl", dict(overlap=True)), ("kv192", dict(block_kv=192))]
+VARIANTS = [("pers", dict(persistent=132)), ("pers fma32", dict(persistent=132, fma_cols=32))]
 
 
 def opcode_mix(sass: str) -> collections.Counter:

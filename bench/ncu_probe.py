@@ -6,6 +6,7 @@ kernels bench's shapes (Llama-3-8B heads, batch 64, context 2048), in several va
     python bench/ncu_probe.py          (runs itself under ncu with --run-only, parses, writes JSON)
     python bench/ncu_probe.py --mosaic (the Mosaic GPU verify kernel: where its time goes, stall
                                         reasons, L2 hits, tensor-pipe and DRAM use)
+    python bench/ncu_probe.py --mosaic --stalls (the persistent kernel's stall reasons)
 """
 from __future__ import annotations
 
@@ -50,6 +51,15 @@ if MOSAIC:  # why 128 rows a CTA take ~1.3x decode's time, and 256 rows (two CTA
                "sm__inst_executed_pipe_xu.sum", "sm__inst_executed_pipe_fma.sum", "sm__inst_executed_pipe_alu.sum",
                "sm__inst_executed_pipe_uniform.sum"]
     CONFIGS = [("verify", 32, {}), ("verify", 64, {}), ("verify", 64, dict(overlap=True))]
+STALLS = "--stalls" in sys.argv
+if STALLS:  # (with --mosaic) why warps wait in the persistent kernel at 64 tokens, at unlocked clocks
+    METRICS = ["gpu__time_duration.sum", "sm__cycles_elapsed.avg", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+               "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"] + [
+        f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in
+        ("barrier", "long_scoreboard", "wait", "math_pipe_throttle", "mio_throttle", "short_scoreboard", "membar",
+         "sleeping", "misc", "dispatch_stall", "selected", "branch_resolving", "no_instruction", "lg_throttle",
+         "tex_throttle", "drain", "imc_miss")]
+    CONFIGS = [("verify", 64, dict(persistent=132)), ("verify", 64, dict(persistent=132, fma_cols=32))]
 
 
 def run_only():
@@ -89,8 +99,10 @@ def main():
     known = {line.split()[0] for line in listed.splitlines() if line.strip()}
     metrics = [m for m in METRICS if m.split(".")[0] in known] if known else METRICS
     print("metrics this ncu lacks:", [m for m in METRICS if m not in metrics])
-    cmd = ["ncu", "-k", name, "-c", str(len(CONFIGS)), "--metrics", ",".join(metrics),
-           sys.executable, os.path.abspath(__file__), "--run-only"] + (["--mosaic"] if MOSAIC else [])
+    cmd = ["ncu", "-k", name, "-c", str(len(CONFIGS)), "--metrics", ",".join(metrics)]
+    cmd += ["--clock-control", "none"] if STALLS else []
+    cmd += [sys.executable, os.path.abspath(__file__), "--run-only"] + (["--mosaic"] if MOSAIC else [])
+    cmd += ["--stalls"] if STALLS else []
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=250 if MOSAIC else 500)
     found = parse(r.stdout)
     if len(found) != len(CONFIGS):
@@ -105,7 +117,8 @@ def main():
     if MOSAIC:
         for r in rows:
             print(r)
-    print(write_results("ncu_probe" + ("-mosaic" if MOSAIC else ""), rows, {"ncu_command": " ".join(cmd[:-2])}))
+    tag = "-mosaic" * MOSAIC + "-stalls" * STALLS
+    print(write_results("ncu_probe" + tag, rows, {"ncu_command": " ".join(cmd)}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""Where the 64-token Mosaic verify's time goes (batch 64, context 2048, 8B heads): the persistent
+kernel beside copies of it with one part of the work taken out, and beside the fma_cols option
+(a share of each tile's exponentials by polynomial on the FMA pipe), timed in turns, with the SM
+clock read by nvidia-smi during the timing.
+
+The copies ("cut:" rows) compute wrong attention on purpose: each is verify_hopper.py's source with
+one line changed (below), so its time says what that part costs; a cut that changes nothing
+means the part is not on the critical path.
+
+    python bench/verify_probe.py        (GPU)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import types
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from common import print_table, time_interleaved, write_results
+from jaxspec.pallas import verify_hopper
+from jaxspec.pallas.attention_ref import paged_attention_ref
+from jaxspec.pallas.tree_mask import tree_attention_mask
+from kernels import rel_err, random_tree, setup
+
+# (name, [(old, new), ...]): the line changed in the kernel's source
+CUTS = [
+    ("no exp2 (scores used as P)", [("p = jnp.exp2(x)", "p = x")]),
+    ("no DRAM (every tile from its item's first pages, L2-resident)",
+     [("page = pt_smem[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]", "page = pt_smem[0, j]")]),
+    ("no rescale of the output", [("acc = rescale(acc, alpha)", "acc = acc")]),
+    ("no row max", [("m_new = jnp.maximum(m, s.max(axis=1) * scale)", "m_new = m")]),
+]
+
+
+def patched(name, edits):
+    src = open(verify_hopper.__file__).read()
+    for old, new in edits:
+        assert src.count(old) == 1, (name, old)
+        src = src.replace(old, new)
+    mod = types.ModuleType(f"verify_hopper_cut{abs(hash(name))}")
+    exec(compile(src, f"<{name}>", "exec"), mod.__dict__)
+    return mod.verify_tree_hopper
+
+
+def sm_clock_during(fn):
+    """fn() while nvidia-smi samples the SM clock (MHz) every 100 ms -> (fn's result, clocks)."""
+    log = "/tmp/verify_probe_clocks.csv"
+    p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                          "-lms", "100", "-f", log])
+    try:
+        out = fn()
+    finally:
+        p.terminate()
+        p.wait()
+    rows = [line.split(",") for line in open(log) if line.strip()]
+    return out, [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+
+
+def main():
+    n_sm = jax.devices()[0].core_count
+    t = 64
+    q, k, v, pt, kv_lens, q_lens = setup(64, t, 2048)
+    mask, _ = tree_attention_mask(random_tree(64, t), q_lens)
+    ref = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))(q, k, v)
+    variants = [("pers", verify_hopper.verify_tree_hopper, {})]
+    variants += [(f"pers fma{c}", verify_hopper.verify_tree_hopper, dict(fma_cols=c)) for c in (16, 32, 64)]
+    variants += [(f"cut: {name}", patched(name, edits), {}) for name, edits in CUTS]
+    fns, errs = {}, {}
+    for name, fn, kw in variants:
+        f = jax.jit(lambda q, k, v, fn=fn, kw=kw: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, persistent=n_sm, **kw))
+        try:
+            errs[name] = rel_err(f(q, k, v), ref)
+        except Exception as e:  # noqa: BLE001 - a variant that fails to lower is reported, not fatal
+            print(f"{name}: {type(e).__name__}: {str(e)[:400]}")
+            continue
+        fns[name] = f
+    t0 = time.time()
+    times, clocks, power = sm_clock_during(lambda: time_interleaved(fns, q, k, v, rounds=9))
+    rows = [dict(kernel="verify", impl=f"mosaic[{name}]", batch=64, q_tokens=t, context=2048, time_us=tt * 1e6,
+                 over_pers=tt / times["pers"], rel_err=errs[name]) for name, tt in times.items()]
+    print_table(rows, ["impl", "time_us", "over_pers", "rel_err"])
+    clock = dict(sm_clock_MHz_median=float(np.median(clocks)) if clocks else None,
+                 sm_clock_MHz_min=min(clocks, default=None), power_W_median=float(np.median(power)) if power else None,
+                 clock_samples=len(clocks), timing_s=time.time() - t0)
+    print(clock)
+    print(write_results("verify_probe", rows, {**clock, "timing": "time_interleaved: median of 9 rounds in turns",
+                                                "cuts": {n: e for n, e in CUTS}}))
+
+
+if __name__ == "__main__":
+    main()
