@@ -22,7 +22,7 @@ from jaxspec.pallas.verify_hopper import verify_tree_hopper
 from kernels import random_tree, setup
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
-VARIANTS = [("pers", dict(persistent=132)), ("pers fma32", dict(persistent=132, fma_cols=32))]
+VARIANTS = [("pers", dict(persistent=132))]
 
 
 def opcode_mix(sass: str) -> collections.Counter:

@@ -59,7 +59,7 @@ if STALLS:  # (with --mosaic) why warps wait in the persistent kernel at 64 toke
         ("barrier", "long_scoreboard", "wait", "math_pipe_throttle", "mio_throttle", "short_scoreboard", "membar",
          "sleeping", "misc", "dispatch_stall", "selected", "branch_resolving", "no_instruction", "lg_throttle",
          "tex_throttle", "drain", "imc_miss")]
-    CONFIGS = [("verify", 64, dict(persistent=132)), ("verify", 64, dict(persistent=132, fma_cols=32))]
+    CONFIGS = [("verify", 64, {}), ("verify", 64, dict(persistent=132))]
 
 
 def run_only():

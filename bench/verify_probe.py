@@ -1,7 +1,7 @@
 """Where the 64-token Mosaic verify's time goes (batch 64, context 2048, 8B heads): the persistent
-kernel beside copies of it with one part of the work taken out, and beside the fma_cols option
-(a share of each tile's exponentials by polynomial on the FMA pipe), timed in turns, with the SM
-clock read by nvidia-smi during the timing.
+kernel beside copies of it with one part of the work taken out, timed in turns, with the SM clock
+read by nvidia-smi during the timing. (verify_probe-b19c869 also ran a kernel option since removed,
+fma_cols: a share of each tile's exponentials by polynomial on the FMA pipe.)
 
 The copies ("cut:" rows) compute wrong attention on purpose: each is verify_hopper.py's source with
 one line changed (below), so its time says what that part costs; a cut that changes nothing
@@ -30,12 +30,27 @@ from jaxspec.pallas.tree_mask import tree_attention_mask
 from kernels import rel_err, random_tree, setup
 
 # (name, [(old, new), ...]): the line changed in the kernel's source
+SOFTMAX = """                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                alpha = jnp.exp2(m - m_new)
+                return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+"""
 CUTS = [
-    ("no exp2 (scores used as P)", [("p = jnp.exp2(x)", "p = x")]),
+    ("no exp2 (scaled scores as P)", [("p = jnp.exp2(s * scale - lax", "p = (s * scale - lax")]),
+    ("no softmax (scores as P, no max, sum or rescale)",
+     [(SOFTMAX, "                return s.astype(k_smem.dtype), m, l, l\n")]),
     ("no DRAM (every tile from its item's first pages, L2-resident)",
      [("page = pt_smem[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]", "page = pt_smem[0, j]")]),
     ("no rescale of the output", [("acc = rescale(acc, alpha)", "acc = acc")]),
     ("no row max", [("m_new = jnp.maximum(m, s.max(axis=1) * scale)", "m_new = m")]),
+    ("no scores product", [("def scores(acc_ref):\n                        plgpu.wgmma(acc_ref, q_smem, "
+                            "plgpu.transpose_ref(k_smem.at[slot], (1, 0)))", "def scores(acc_ref):")]),
+    ("no values product", [("plgpu.wgmma(acc_ref, p16, v_smem.at[slot])", "pass")]),
+    ("no turn-taking (consumers run free)",
+     [("        plgpu.barrier_arrive(turn)\n        plgpu.barrier_wait(turn)\n", "        pass\n"),
+      ("plgpu.barrier_arrive(turn)  # softmax done", "pass  # softmax done"),
+      ("plgpu.barrier_wait(v_ready.at[slot])\n                plgpu.barrier_wait(turn)",
+       "plgpu.barrier_wait(v_ready.at[slot])")]),
 ]
 
 
@@ -70,7 +85,6 @@ def main():
     mask, _ = tree_attention_mask(random_tree(64, t), q_lens)
     ref = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))(q, k, v)
     variants = [("pers", verify_hopper.verify_tree_hopper, {})]
-    variants += [(f"pers fma{c}", verify_hopper.verify_tree_hopper, dict(fma_cols=c)) for c in (16, 32, 64)]
     variants += [(f"cut: {name}", patched(name, edits), {}) for name, edits in CUTS]
     fns, errs = {}, {}
     for name, fn, kw in variants:

@@ -53,24 +53,6 @@ def supports(q, k_pages, tree_mask, softcap=None, block_kv=None) -> bool:
             and ps >= 8 and all(kv % ps == 0 for kv in ((64, 128) if block_kv is None else (block_kv,))))
 
 
-# 2^f on [-1/2, 1/2] as 1 + f (C1 + f (C2 + f C3)): relative error 1.0e-4, under bf16's 2^-9
-EXP2_C1, EXP2_C2, EXP2_C3 = 0.6932829, 0.24221037, 0.05500858
-ROUND = 12582912.0  # 1.5 * 2^23: x + ROUND holds round(x) in its low mantissa bits
-
-
-def exp2_fma(x):
-    """2^x for x <= 0 on the FMA pipe (FlashAttention-4's exponential): round x to an integer n by
-    adding ROUND, a cubic for 2^(x - n), n added to the exponent bits. MUFU.EX2 takes a quarter of
-    a warp's lanes a cycle; this is seven full-rate instructions, so a share of a tile's
-    exponentials moves off the special-function unit. Below -126 it gives 2^-126, not 0."""
-    x = jnp.maximum(x, -126.0)
-    t = lax.optimization_barrier(x + ROUND)  # XLA would fold (x + ROUND) - ROUND to x
-    f = x - (t - ROUND)
-    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + 1.0
-    n_bits = lax.shift_left(lax.bitcast_convert_type(t, jnp.int32), 23)  # n << 23 (ROUND's bits shift out)
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32) + n_bits, jnp.float32)
-
-
 def _row_words(tree_mask, b, t, t_pad, rows_padded):
     """[B, 2, R] int32: bit j of row r's words says r's token (r % t_pad) may read new token j."""
     if tree_mask is None:
@@ -81,8 +63,7 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, fma_cols,
-            interpret):
+            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
@@ -182,29 +163,17 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     bit = lax.shift_right_logical(word, rel & 31) & 1
                     s = jnp.where((rel < 0) | ((rel < q_len) & (bit == 1)), s, NEG_INF)
                 m_new = jnp.maximum(m, s.max(axis=1) * scale)
-                x = s * scale - lax.broadcast_in_dim(m_new, s.shape, [0])
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 alpha = jnp.exp2(m - m_new)
-                if not fma_cols:
-                    p = jnp.exp2(x)
-                    return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
-                # the last fma_cols keys' exponentials on the FMA pipe, the rest on MUFU: two parts
-                # of P, each its own values product
-                split = block_kv - fma_cols
-                parts = jnp.exp2(x[:, :split]), exp2_fma(x[:, split:])
-                l = l * alpha + parts[0].sum(axis=1) + parts[1].sum(axis=1)
-                return tuple(p.astype(k_smem.dtype) for p in parts), m_new, l, alpha
+                return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
             def qk_dot(slot):  # the interpreter's products
                 return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)
 
             def pv_dot(acc, p16, slot):
-                v = v_smem[slot]
-                if not isinstance(p16, tuple):
-                    p16 = (p16,)
-                for p, part in zip(p16, (v[:p16[0].shape[1]], v[p16[0].shape[1]:])):  # split exponentials: 2 parts
-                    acc = acc + lax.dot_general(p, part, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                return acc
+                return acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())),
+                                             preferred_element_type=jnp.float32)
 
             def rescale(acc, alpha):
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -234,12 +203,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     acc = pv_dot(acc, p16, slot)
                 else:
                     def values(acc_ref):
-                        if isinstance(p16, tuple):
-                            split = p16[0].shape[1]
-                            plgpu.wgmma(acc_ref, p16[0], v_smem.at[slot, pl.ds(0, split)])
-                            plgpu.wgmma(acc_ref, p16[1], v_smem.at[slot, pl.ds(split, block_kv - split)])
-                        else:
-                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                     acc = pl.run_state(values)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
@@ -375,10 +339,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
-                                             "multicast", "persistent", "fma_cols", "interpret"))
+                                             "multicast", "persistent", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
-                       pingpong=True, multicast=False, persistent=0, fma_cols=0, interpret=False):
+                       pingpong=True, multicast=False, persistent=0, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -407,8 +371,6 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     cluster = 2 if multicast else 1
     if persistent and cluster > 1:
         raise ValueError("persistent CTAs take items one at a time: no multicast clusters")
-    if fma_cols and (overlap or fma_cols % 16 or not 0 < fma_cols < block_kv):
-        raise ValueError(f"fma_cols: a multiple of 16 below block_kv={block_kv}, without overlap (got {fma_cols})")
     persistent = min(persistent, b * hkv * n_qb)  # no CTA without an item
     ring_bytes = 2 * stages * block_kv * d * q.dtype.itemsize
     q_bufs = 2 if persistent and ring_bytes + 2 * (2 * wg_rows * d * q.dtype.itemsize) <= SMEM_BYTES else 1
@@ -429,7 +391,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
-                                     persistent=persistent, fma_cols=fma_cols, interpret=interpret),
+                                     persistent=persistent, interpret=interpret),
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
