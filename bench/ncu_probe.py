@@ -56,10 +56,8 @@ if STALLS:  # (with --mosaic) why warps wait in the persistent kernel at 64 toke
     METRICS = ["gpu__time_duration.sum", "sm__cycles_elapsed.avg", "smsp__issue_active.avg.pct_of_peak_sustained_active",
                "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"] + [
         f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in
-        ("barrier", "long_scoreboard", "wait", "math_pipe_throttle", "mio_throttle", "short_scoreboard", "membar",
-         "sleeping", "misc", "dispatch_stall", "selected", "branch_resolving", "no_instruction", "lg_throttle",
-         "tex_throttle", "drain", "imc_miss")]
-    CONFIGS = [("verify", 64, {}), ("verify", 64, dict(persistent=132))]
+        ("barrier", "long_scoreboard", "wait", "math_pipe_throttle", "short_scoreboard", "sleeping", "selected")]
+    CONFIGS = [("verify", 64, dict(persistent=132))]  # (21 metrics on two kernels ran past 250 s)
 
 
 def run_only():

@@ -46,6 +46,18 @@ CUTS = [
     ("no scores product", [("def scores(acc_ref):\n                        plgpu.wgmma(acc_ref, q_smem, "
                             "plgpu.transpose_ref(k_smem.at[slot], (1, 0)))", "def scores(acc_ref):")]),
     ("no values product", [("plgpu.wgmma(acc_ref, p16, v_smem.at[slot])", "pass")]),
+    ("half the V pages (the other half of each V tile left stale)",
+     [("for j in range(pages_per_tile):", "for j in range(pages_per_tile if smem is k_smem else pages_per_tile // 2):"),
+      ("plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),\n             "
+       "plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),",
+       "plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),\n             "
+       "plgpu.Barrier(num_arrivals=pages_per_tile // 2, num_barriers=stages),")]),
+    ("half the K and V pages",
+     [("for j in range(pages_per_tile):", "for j in range(pages_per_tile // 2):"),
+      ("plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),\n             "
+       "plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),",
+       "plgpu.Barrier(num_arrivals=pages_per_tile // 2, num_barriers=stages),\n             "
+       "plgpu.Barrier(num_arrivals=pages_per_tile // 2, num_barriers=stages),")]),
     ("no turn-taking (consumers run free)",
      [("        plgpu.barrier_arrive(turn)\n        plgpu.barrier_wait(turn)\n", "        pass\n"),
       ("plgpu.barrier_arrive(turn)  # softmax done", "pass  # softmax done"),
@@ -85,10 +97,14 @@ def main():
     mask, _ = tree_attention_mask(random_tree(64, t), q_lens)
     ref = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))(q, k, v)
     variants = [("pers", verify_hopper.verify_tree_hopper, {})]
+    # the same kernel options side by side: one CTA an item, and a head's two CTAs as a multicast cluster
+    variants += [("one CTA an item", verify_hopper.verify_tree_hopper, dict(persistent=0)),
+                 ("multicast pairs", verify_hopper.verify_tree_hopper, dict(persistent=0, multicast=True))]
     variants += [(f"cut: {name}", patched(name, edits), {}) for name, edits in CUTS]
     fns, errs = {}, {}
     for name, fn, kw in variants:
-        f = jax.jit(lambda q, k, v, fn=fn, kw=kw: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, persistent=n_sm, **kw))
+        kw = dict(dict(persistent=n_sm), **kw)
+        f = jax.jit(lambda q, k, v, fn=fn, kw=kw: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
         try:
             errs[name] = rel_err(f(q, k, v), ref)
         except Exception as e:  # noqa: BLE001 - a variant that fails to lower is reported, not fatal
@@ -99,6 +115,16 @@ def main():
     times, clocks, power = sm_clock_during(lambda: time_interleaved(fns, q, k, v, rounds=9))
     rows = [dict(kernel="verify", impl=f"mosaic[{name}]", batch=64, q_tokens=t, context=2048, time_us=tt * 1e6,
                  over_pers=tt / times["pers"], rel_err=errs[name]) for name, tt in times.items()]
+    # pages of 128 keys: one TMA copy a K or V tile instead of eight, the same bytes
+    by_ps = {}
+    for ps in (16, 128):
+        q2, k2, v2, pt2, kv2, ql2 = setup(64, t, 2048, ps=ps)
+        f = jax.jit(lambda q, k, v, pt=pt2: verify_hopper.verify_tree_hopper(q, k, v, 0, pt, kv2, ql2, mask,
+                                                                              persistent=n_sm))
+        by_ps[f"pers, pages of {ps}"] = (lambda f=f, a=(q2, k2, v2): f(*a))
+        jax.block_until_ready(by_ps[f"pers, pages of {ps}"]())
+    for name, tt in time_interleaved(by_ps, rounds=9).items():
+        rows.append(dict(kernel="verify", impl=f"mosaic[{name}]", batch=64, q_tokens=t, context=2048, time_us=tt * 1e6))
     print_table(rows, ["impl", "time_us", "over_pers", "rel_err"])
     clock = dict(sm_clock_MHz_median=float(np.median(clocks)) if clocks else None,
                  sm_clock_MHz_min=min(clocks, default=None), power_W_median=float(np.median(power)) if power else None,
