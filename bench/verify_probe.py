@@ -126,11 +126,24 @@ def main():
     for name, tt in time_interleaved(by_ps, rounds=9).items():
         rows.append(dict(kernel="verify", impl=f"mosaic[{name}]", batch=64, q_tokens=t, context=2048, time_us=tt * 1e6))
     print_table(rows, ["impl", "time_us", "over_pers", "rel_err"])
+    # the GPU's own kernel times (profiler trace), 64-token verify against decode: what a timed
+    # call holds besides the attention kernel (the wrapper's small XLA ops, gaps between launches)
+    from common import device_kernels
+    from jaxspec.pallas.paged_attention import paged_attention
+    qd, kd, vd, ptd, kvd, qld = setup(64, 1, 2048)
+    decode = jax.jit(lambda q, k, v: paged_attention(q, k, v, 0, ptd, kvd, qld))
+    traces = {}
+    for name, f, args in (("verify pers", fns["pers"], (q, k, v)), ("decode (Triton, engine's choice)", decode, (qd, kd, vd))):
+        jax.block_until_ready(f(*args))
+        traces[name] = device_kernels(lambda f=f, args=args: jax.block_until_ready([f(*args) for _ in range(20)]), 20,
+                                      f"/tmp/verify_probe_trace{len(traces)}")
+        print(name, traces[name])
     clock = dict(sm_clock_MHz_median=float(np.median(clocks)) if clocks else None,
                  sm_clock_MHz_min=min(clocks, default=None), power_W_median=float(np.median(power)) if power else None,
                  clock_samples=len(clocks), timing_s=time.time() - t0)
     print(clock)
     print(write_results("verify_probe", rows, {**clock, "timing": "time_interleaved: median of 9 rounds in turns",
+                                                "profiler_per_call": traces,
                                                 "cuts": {n: e for n, e in CUTS}}))
 
 
