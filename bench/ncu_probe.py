@@ -57,7 +57,8 @@ if STALLS:  # (with --mosaic) why warps wait in the persistent kernel at 64 toke
                "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"] + [
         f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in
         ("barrier", "long_scoreboard", "wait", "math_pipe_throttle", "short_scoreboard", "sleeping", "selected")]
-    CONFIGS = [("verify", 64, dict(persistent=132))]  # (21 metrics on two kernels ran past 250 s)
+    # (21 metrics on two kernels ran past 250 s); --overlap: the intra-warpgroup overlapped loop
+    CONFIGS = [("verify", 64, dict(persistent=132, **(dict(overlap=True) if "--overlap" in sys.argv else {})))]
 
 
 def run_only():

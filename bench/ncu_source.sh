@@ -1,10 +1,10 @@
 #!/bin/bash
 # Per-instruction warp stall samples of the persistent Mosaic verify kernel at 64 tokens (Nsight
-# Compute's source page, SASS): where the warps of each role wait. Writes $BENCH_OUT/ncu_source.csv.
-#   bash bench/ncu_source.sh        (GPU; PYTHONPATH holding the repo and bench/)
+# Compute's source page, SASS): where the warps of each role wait. Writes $BENCH_OUT/ncu_source$1.csv.
+#   bash bench/ncu_source.sh [--overlap]     (GPU; PYTHONPATH holding the repo and bench/)
 set -e
 out=${BENCH_OUT:-/tmp}
 ncu -f -k regex:verify_tree_hopper -c 1 --section WarpStateStats --section SourceCounters --clock-control none \
-    -o /tmp/verify_source "$(which python)" bench/ncu_probe.py --run-only --mosaic --stalls
-ncu --import /tmp/verify_source.ncu-rep --page source --csv --print-source sass > "$out/ncu_source.csv"
-wc -l "$out/ncu_source.csv"
+    -o /tmp/verify_source "$(which python)" bench/ncu_probe.py --run-only --mosaic --stalls "$@"
+ncu --import /tmp/verify_source.ncu-rep --page source --csv --print-source sass > "$out/ncu_source$1.csv"
+wc -l "$out/ncu_source$1.csv"
