@@ -63,7 +63,8 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, interpret):
+            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, q_regs,
+            interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
@@ -146,6 +147,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             else:
                 w0, w1 = (plgpu.load(w, (), layout=wgmma_rows, optimized=False) for w in words)
             plgpu.barrier_wait(q_ready.at[buf * 2 + wg])
+            # q_regs: the queries in registers for the scores product, where shared memory otherwise
+            # feeds both of its operands (6 KB per 64-cycle wgmma, three quarters of its bandwidth)
+            q_op = q_smem[...] if q_regs and not interpret else q_smem
             m = laid_out(jnp.full((wg_rows,), NEG_INF, jnp.float32), wgmma_rows)
             l = laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows)
             acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -187,7 +191,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     take_turn()
                 else:
                     def scores(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(acc_ref, q_op, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                         take_turn()
                         return acc_ref[...]
                     s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
@@ -339,10 +343,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
-                                             "multicast", "persistent", "interpret"))
+                                             "multicast", "persistent", "q_regs", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
-                       pingpong=True, multicast=False, persistent=0, interpret=False):
+                       pingpong=True, multicast=False, persistent=0, q_regs=False, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -391,7 +395,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
-                                     persistent=persistent, interpret=interpret),
+                                     persistent=persistent, q_regs=q_regs, interpret=interpret),
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
