@@ -179,10 +179,11 @@ def main():
         n_sm = getattr(jax.devices()[0], "core_count", 132)
         # v38: (ovl dropped: slower at 64 tokens in v36 and v37) pers st3 with one query buffer (two
         # do not fit beside a three-tile ring), 64-key tiles, and 128-row consumers (one CTA a head)
-        # v41: pers qreg = the queries in registers for the scores product (v37-v40's "pers st3"
-        # dropped: 0-3% slower than pers); device_us, the GPU's own time, beside time_us
-        verify_variants = [("auto", {}), ("default", hop()), ("pers", hop(persistent=n_sm)),
-                           ("pers qreg", hop(persistent=n_sm, q_regs=True))]
+        # v41: device_us, the GPU's own time, beside time_us; "pers st3" dropped (0-3% slower than
+        # pers in v37-v40); "pers qreg" (a106160: the queries in registers for the scores product,
+        # an option since removed) was level with pers: 197.9 / 205.7 / 265.2 us device time at
+        # 16 / 32 / 64 tokens against 197.3 / 206.4 / 264.5
+        verify_variants = [("auto", {}), ("default", hop()), ("pers", hop(persistent=n_sm))]
         # (v40, 70acc13, also ran "pers paired": the overlapped loop with both products awaited
         # before the softmax, an option since removed: 359 us against 324 at 64 tokens)
         # (v38, v39 also ran "pers kv64 st4" and "pers r128": 386-389 and 422-429 us at 64 tokens)

@@ -34,8 +34,6 @@ CASES = [  # (B, T, Hq, Hkv, D, ps, tree, kernel options, kv_lens)
     (4, 16, 4, 1, 128, 16, True, dict(persistent=3, stages=3), [0, 129, 150, 256]),  # one query buffer
     (3, 64, 8, 2, 128, 16, True, dict(persistent=5, block_kv=64, stages=4), [0, 129, 150]),
     (2, 64, 3, 1, 64, 16, False, dict(persistent=3), [256, 129]),  # SmolLM2's heads, as the engine runs them
-    (3, 64, 8, 2, 128, 16, True, dict(persistent=4, q_regs=True), [0, 129, 150]),  # queries in registers
-    (2, 64, 3, 1, 64, 16, False, dict(persistent=3, q_regs=True), [256, 129]),
 ]
 if not ON_GPU:  # the interpreter runs every warpgroup as a thread (and has no clusters): four cases cover its paths
     CASES = CASES[:4]

@@ -15,7 +15,15 @@ in each of 15 comparisons in kernels-focus-v37..v39. Options that did not beat t
 64 tokens (v30..v39): overlap (FlashAttention-3's intra-warpgroup overlap: tile i's scores and tile i - 1's
 values issued together; also with both awaited before the softmax, kernels-focus-v40 at 70acc13:
 359 us against 324), multicast (a head's two CTAs as a cluster, each page copy multicast to
-both), wg_rows=128, deeper rings, 64- and 192-key tiles.
+both), wg_rows=128, deeper rings, 64- and 192-key tiles; since removed, a share of the exponentials
+by polynomial on the FMA pipe (verify_probe-b19c869: 9% slower) and the queries in registers for
+the scores product (kernels-focus-v41: level).
+
+Where a 64-token verify's time goes (verify_probe-*, ncu_source-pers): copies of this kernel with
+one part cut out (the exponentials, the row max, the rescale, DRAM reads, half the pages, either
+product) are 0-11% faster, and by Nsight Compute's per-instruction samples a consumer warp spends
+about as long in its softmax as in waiting for its own two products. The two consumers' turns are
+balanced, so shortening one phase leaves the period to the other.
 
 Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
 or two tiles hold the new tokens, whose visibility comes as two 32-bit words per query row (bit j:
@@ -63,8 +71,7 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, q_regs,
-            interpret):
+            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
@@ -147,9 +154,6 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             else:
                 w0, w1 = (plgpu.load(w, (), layout=wgmma_rows, optimized=False) for w in words)
             plgpu.barrier_wait(q_ready.at[buf * 2 + wg])
-            # q_regs: the queries in registers for the scores product, where shared memory otherwise
-            # feeds both of its operands (6 KB per 64-cycle wgmma, three quarters of its bandwidth)
-            q_op = q_smem[...] if q_regs and not interpret else q_smem
             m = laid_out(jnp.full((wg_rows,), NEG_INF, jnp.float32), wgmma_rows)
             l = laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows)
             acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -191,7 +195,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     take_turn()
                 else:
                     def scores(acc_ref):
-                        plgpu.wgmma(acc_ref, q_op, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                         take_turn()
                         return acc_ref[...]
                     s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
@@ -343,10 +347,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
-                                             "multicast", "persistent", "q_regs", "interpret"))
+                                             "multicast", "persistent", "interpret"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
-                       pingpong=True, multicast=False, persistent=0, q_regs=False, interpret=False):
+                       pingpong=True, multicast=False, persistent=0, interpret=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -395,7 +399,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
-                                     persistent=persistent, q_regs=q_regs, interpret=interpret),
+                                     persistent=persistent, interpret=interpret),
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
