@@ -1,4 +1,4 @@
-"""The Mosaic GPU verify kernel inside the engine: NGRAM tree verify at batch 8 with 32-token trees
+"""The Mosaic GPU verify kernel inside the engine: NGRAM tree verify at batch 8 (or --batch) with 32-token trees
 (128 query rows a KV head) on a random bf16 model with Llama-3-8B's attention (32 q / 8 kv heads,
 head_dim 128, hidden 4096; 4 layers, MLP 4096 wide), contexts 1.5k-2k, run with attn_impl
 'pallas' (Triton kernel) and 'mosaic', greedy. Reports how many requests' outputs are
@@ -7,7 +7,7 @@ trace: all kernels, and the attention kernels alone), since its tokens/s move wi
 kernels may round differently, so a divergence late in a sequence is possible, an early one is a
 bug sign. (Files before 0e66d34's successor ran 8 q / 2 kv heads, hidden 1024, contexts 0.6k-1k.)
 
-    python bench/mosaic_engine_check.py        (GPU)
+    python bench/mosaic_engine_check.py [--batch=8]       (GPU)
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def main():
     model = Llama(CFG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = []
-    for _ in range(8):  # repetitive prompts, so that NGRAM drafts full trees
+    batch = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--batch=")), 8))
+    for _ in range(batch):  # repetitive prompts, so that NGRAM drafts full trees
         motif = list(map(int, rng.integers(0, 500, rng.integers(3, 8))))
         prompts.append((motif * 400)[: int(rng.integers(1500, 2000))])
     params = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -52,9 +53,9 @@ def main():
     if smoke:
         prompts, params = [p[:80] for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True)
     for impl in ("ref", "ref", "ref") if smoke else ("pallas", "mosaic", "pallas"):
-        gen = Generator(model, None, drafter=SpecConfig(num_draft_tokens=32).build(model), max_batch=8,
-                        max_seq_len=2176, num_pages=1200, page_size=16, attn_impl=impl,
-                        spec_max_host_verify_tokens=256, spec_min_gain=0.0)  # verify every step
+        gen = Generator(model, None, drafter=SpecConfig(num_draft_tokens=32).build(model), max_batch=batch,
+                        max_seq_len=2176, num_pages=136 * batch + 64, page_size=16, attn_impl=impl,
+                        spec_max_host_verify_tokens=32 * batch, spec_min_gain=0.0)  # verify every step
         gen.generate(prompts, params)  # compiles every bucket the timed run meets (5635ae2 warmed up on
         # two prompts only: its tokens_per_s, in bench/results, include compiles)
         t0 = time.perf_counter()
@@ -74,12 +75,12 @@ def main():
     same = [a == b for a, b in zip(outs[0], outs[1])]  # Triton run against the Mosaic run
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(outs[0], outs[1])]
     for r in rows:
-        r["identical_requests"] = f"{sum(same)}/8"
+        r["identical_requests"] = f"{sum(same)}/{len(same)}"
     print_table(rows, ["attn_impl", "tokens_per_s", "accept_length", "identical_requests", "gpu_kernel_ms",
                        "attention_kernel_ms", "attention_kernel_launches"])
     print("first differing position per request:", first_diff)
     if not smoke:
-        print(write_results("mosaic_engine_check", rows, {"first_diff": first_diff}))
+        print(write_results(f"mosaic_engine_check-8b-b{batch}", rows, {"first_diff": first_diff}))
 
 
 if __name__ == "__main__":
