@@ -4,7 +4,7 @@ read by nvidia-smi during the timing. (verify_probe-b19c869 also ran a kernel op
 fma_cols: a share of each tile's exponentials by polynomial on the FMA pipe.)
 
 The copies ("cut:" rows) compute wrong attention on purpose: each is verify_hopper.py's source with
-one line changed (below), so its time says what that part costs; a cut that changes nothing
+one part edited (CUTS, below), so its time says what that part costs; a cut that changes nothing
 means the part is not on the critical path.
 
     python bench/verify_probe.py        (GPU)
@@ -29,7 +29,7 @@ from jaxspec.pallas.attention_ref import paged_attention_ref
 from jaxspec.pallas.tree_mask import tree_attention_mask
 from kernels import rel_err, random_tree, setup
 
-# (name, [(old, new), ...]): the line changed in the kernel's source
+# (name, [(old, new), ...]): the edits to the kernel's source
 SOFTMAX = """                m_new = jnp.maximum(m, s.max(axis=1) * scale)
                 p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 alpha = jnp.exp2(m - m_new)
