@@ -80,15 +80,18 @@ def tree_rows(rows):
     """tree_mask and accept at batch 64 x 64 nodes (accept given the mask, as the verify step calls it)."""
     par = jnp.tile(random_tree(1, 64), (64, 1))
     nn = jnp.full((64,), 64, jnp.int32)
+    def row(kernel, f, *args):
+        dev = None if SMOKE else device_time(f, *args)[0]
+        rows.append(dict(kernel=kernel, impl="xla", batch=64, q_tokens=64, time_us=time_fn(f, *args) * 1e6,
+                         device_us=dev and dev * 1e6))
+
     f = jax.jit(tree_attention_mask)
-    rows.append(dict(kernel="tree_mask", impl="xla", batch=64, q_tokens=64, time_us=time_fn(f, par, nn) * 1e6))
+    row("tree_mask", f, par, nn)
     mask, depth = f(par, nn)
     toks = jax.random.randint(jax.random.key(0), (64, 64), 0, 4)
     tgt = jax.random.randint(jax.random.key(1), (64, 64), 0, 4)
-    f = jax.jit(accept_tree)
-    rows.append(dict(kernel="accept", impl="xla", batch=64, q_tokens=64,
-                     time_us=time_fn(f, toks, par, tgt, nn, mask, depth) * 1e6))
-    print_table(rows[-2:], ["kernel", "impl", "batch", "q_tokens", "time_us"])
+    row("accept", jax.jit(accept_tree), toks, par, tgt, nn, mask, depth)
+    print_table(rows[-2:], ["kernel", "impl", "batch", "q_tokens", "time_us", "device_us"])
 
 
 def main():
@@ -203,11 +206,13 @@ def main():
             ref = paged_attention_ref(q, k[0], v[0], pt, kv_lens, jnp.ones_like(kv_lens))
             out = f(q, kt, vt)
             tt = time_fn(f, q, kt, vt)
+            dev, longest = device_time(f, q, kt, vt)
             kv_bytes = b * 2048 * HKV * D * 4
             rows.append(dict(kernel="decode", impl="jax.experimental paged_attention", batch=b, q_tokens=1,
-                             context=2048, time_us=tt * 1e6, bandwidth_fraction=kv_bytes / tt / bw,
+                             context=2048, time_us=tt * 1e6, device_us=dev and dev * 1e6,
+                             longest_kernel_us=longest and longest * 1e6, bandwidth_fraction=kv_bytes / (dev or tt) / bw,
                              rel_err=rel_err(out, ref[:, 0])))
-            print_table(rows[-1:], ["kernel", "impl", "batch", "time_us", "bandwidth_fraction", "rel_err"])
+            print_table(rows[-1:], ["kernel", "impl", "batch", "time_us", "device_us", "bandwidth_fraction", "rel_err"])
         except Exception as e:
             print(f"upstream paged_attention: {type(e).__name__}: {str(e)[:300]}")
     for t in (16, 32, 64):
@@ -235,7 +240,8 @@ def main():
 
     tree_rows(rows)
     print()
-    print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "bandwidth_fraction", "rel_err", "over_decode"])
+    print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "device_us", "bandwidth_fraction",
+                       "rel_err", "over_decode"])
     if SMOKE:
         return
     print(write_results("kernels", rows, extra))
