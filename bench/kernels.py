@@ -154,7 +154,10 @@ def main():
                    ("ppb8 s8", dict(pages_per_block=8, splits=8)), ("ppb8 s16", dict(pages_per_block=8, splits=16)),
                    ("ppb4 s32", dict(pages_per_block=4, splits=32)), ("ppb8 s16 w8", dict(pages_per_block=8, splits=16,
                                                                                         num_warps=8))]
-    verify_variants = variants
+    hop = lambda **kw: dict(hopper=True, **kw)  # noqa: E731  (the Mosaic GPU verify kernel)
+    n_sm = getattr(jax.devices()[0], "core_count", 132)
+    # the Triton variants, and the Mosaic kernel as the engine runs it on Hopper (full runs from kernels-v42)
+    verify_variants = variants + ([("pers", hop(persistent=n_sm))] if not SMOKE else [])
     if FOCUS:  # warps, pipeline depth, splits and launch order around the engine's choice, timed
         # with queued calls (kernels-focus-v19 on: the earlier per-call syncs added their latency;
         # v21 compared page and row gathers, rows became the kernel's only way; v23 compared exp
@@ -170,7 +173,6 @@ def main():
         # v33: fma = the softmax scale applied inside exp2's argument (one FFMA) with the max taken
         # on raw scores; st3 / kv192: three 128-key or two 192-key tiles in the ring (fit once the
         # reduction scratch Mosaic reserves by default is dropped)
-        hop = lambda **kw: dict(hopper=True, **kw)  # noqa: E731
         # v34: variants timed in turns, so no "again" rows; --sweep adds contexts 1k and 4k (a fixed
         # cost a CTA shows as the intercept of time against context)
         # v35: a request and head's two CTAs (64 tokens at GQA 4) as a cluster with the K/V copies
@@ -179,7 +181,6 @@ def main():
         # (each issues its two products once the other has issued), "ovl solo" = without
         # v37: pers = persistent CTAs, one an SM, each taking (request, head, query block) items in
         # turn: the ring and the next item's query load run on across items
-        n_sm = getattr(jax.devices()[0], "core_count", 132)
         # v38: (ovl dropped: slower at 64 tokens in v36 and v37) pers st3 with one query buffer (two
         # do not fit beside a three-tile ring), 64-key tiles, and 128-row consumers (one CTA a head)
         # v41: device_us, the GPU's own time, beside time_us; "pers st3" dropped (0-3% slower than
@@ -244,7 +245,7 @@ def main():
                        "rel_err", "over_decode"])
     if SMOKE:
         return
-    print(write_results("kernels", rows, extra))
+    print(write_results("kernels" + TAG, rows, extra))
 
 
 if __name__ == "__main__":
