@@ -2,6 +2,8 @@
 # Per-instruction warp stall samples of the persistent Mosaic verify kernel at 64 tokens (Nsight
 # Compute's source page, SASS): where the warps of each role wait. Writes $BENCH_OUT/ncu_source$1.csv.
 #   bash bench/ncu_source.sh [--overlap]     (GPU; PYTHONPATH holding the repo and bench/)
+# The default run took about a minute on the H100 (0e66d34); with --overlap the run (and a default
+# one queued after it) had not finished after 540 s at 626a998, unexplained: give it its own call.
 set -e
 out=${BENCH_OUT:-/tmp}
 ncu -f -k regex:verify_tree_hopper -c 1 --section WarpStateStats --section SourceCounters --clock-control none \
