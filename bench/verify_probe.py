@@ -7,7 +7,7 @@ The copies ("cut:" rows) compute wrong attention on purpose: each is verify_hopp
 one part edited (CUTS, below), so its time says what that part costs; a cut that changes nothing
 means the part is not on the critical path.
 
-    python bench/verify_probe.py        (GPU)
+    python bench/verify_probe.py [--overlap]       (GPU)
 """
 from __future__ import annotations
 
@@ -101,6 +101,13 @@ def main():
     variants += [("one CTA an item", verify_hopper.verify_tree_hopper, dict(persistent=0)),
                  ("multicast pairs", verify_hopper.verify_tree_hopper, dict(persistent=0, multicast=True))]
     variants += [(f"cut: {name}", patched(name, edits), {}) for name, edits in CUTS]
+    # --overlap: the overlapped loop beside the default, whole and with the same cuts (does a part
+    # cost the overlapped loop more than the default, e.g. the exponentials?)
+    if "--overlap" in sys.argv:
+        keep = ("no exp2", "no softmax", "no row max", "half the K")  # (the product cuts edit the default loop only)
+        variants += [("ovl", verify_hopper.verify_tree_hopper, dict(overlap=True))]
+        variants += [(f"ovl, cut: {name}", patched(name, edits), dict(overlap=True)) for name, edits in CUTS
+                     if name.startswith(keep)]
     fns, errs = {}, {}
     for name, fn, kw in variants:
         kw = dict(dict(persistent=n_sm), **kw)
