@@ -101,3 +101,18 @@ def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypa
         q = jnp.zeros((b, t, 8, 128), jnp.bfloat16)
         attention.paged_attention(q, pages, pages, 0, pt8[:b], lens8[:b], lens8[:b])
     assert calls == ["mosaic", "triton"]
+
+
+def test_verify_probe_cuts_still_apply_to_the_kernel():
+    """bench/verify_probe.py times copies of this kernel with one part edited out; each edit must
+    still find its text in the kernel's source, or the probe stops running."""
+    import os
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        import verify_probe
+    finally:
+        sys.path.remove(bench)
+    for name, edits in verify_probe.CUTS:
+        assert callable(verify_probe.patched(name, edits))
