@@ -53,7 +53,11 @@ def main():
     if smoke:
         prompts, params = [p[:80] for p in prompts], SamplingParams(max_tokens=8, ignore_eos=True)
     for impl in ("ref", "ref", "ref") if smoke else ("pallas", "mosaic", "pallas"):
-        gen = Generator(model, None, drafter=SpecConfig(num_draft_tokens=32).build(model), max_batch=batch,
+        drafter = SpecConfig(num_draft_tokens=32).build(model)
+        # fold every new token into the trie each step, not what fits while the device runs: the
+        # drafts then do not depend on timing (3db13c5's runs drafted different trees without this)
+        drafter.min_fold_tokens = 1 << 30
+        gen = Generator(model, None, drafter=drafter, max_batch=batch,
                         max_seq_len=2176, num_pages=136 * batch + 64, page_size=16, attn_impl=impl,
                         spec_max_host_verify_tokens=32 * batch, spec_min_gain=0.0)  # verify every step
         gen.generate(prompts, params)  # compiles every bucket the timed run meets (5635ae2 warmed up on
