@@ -54,7 +54,7 @@ def setup(b, t, ctx, seed=0, ps=PS):
 
 def device_time(f, *args, calls=10):
     """(all kernels, the longest kernel) of one call in seconds, from a profiler trace: the GPU's
-    own time, without the ~40 us a call that the queued wall-clock timing adds (verify_probe-d3ad3f1:
+    own time, without the 30-100 us a call that the queued wall-clock timing adds (verify_probe-d3ad3f1:
     a 261 us kernel timed at 307 us). None off the GPU."""
     trace = device_kernels(lambda: jax.block_until_ready([f(*args) for _ in range(calls)]), calls,
                            f"/tmp/kernels_trace_{os.getpid()}")
