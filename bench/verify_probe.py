@@ -40,12 +40,12 @@ CUTS = [
     ("no softmax (scores as P, no max, sum or rescale)",
      [(SOFTMAX, "                return s.astype(k_smem.dtype), m, l, l\n")]),
     ("no DRAM (every tile from its item's first pages, L2-resident)",
-     [("page = pt_smem[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]", "page = pt_smem[0, j]")]),
+     [("page = pt[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]", "page = pt[0, j]")]),
     ("no rescale of the output", [("acc = rescale(acc, alpha)", "acc = acc")]),
     ("no row max", [("m_new = jnp.maximum(m, s.max(axis=1) * scale)", "m_new = m")]),
-    ("no scores product", [("def scores(acc_ref):\n                        plgpu.wgmma(acc_ref, q_smem, "
-                            "plgpu.transpose_ref(k_smem.at[slot], (1, 0)))", "def scores(acc_ref):")]),
-    ("no values product", [("plgpu.wgmma(acc_ref, p16, v_smem.at[slot])", "pass")]),
+    ("no scores product", [("plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(keys, (1, 0)))", "pass")]),
+    ("no values product", [("plgpu.wgmma(acc_ref, p16, v_smem.at[slot] if width == block_kv\n"
+                            "                                        else v_smem.at[slot, pl.ds(0, width)])", "pass")]),
     ("half the V pages (the other half of each V tile left stale)",
      [("for j in range(pages_per_tile):", "for j in range(pages_per_tile if smem is k_smem else pages_per_tile // 2):"),
       ("plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),\n             "
@@ -61,7 +61,7 @@ CUTS = [
     ("no turn-taking (consumers run free)",
      [("        plgpu.barrier_arrive(turn)\n        plgpu.barrier_wait(turn)\n", "        pass\n"),
       ("plgpu.barrier_arrive(turn)  # softmax done", "pass  # softmax done"),
-      ("plgpu.barrier_wait(v_ready.at[slot])\n                plgpu.barrier_wait(turn)",
+      ("plgpu.barrier_wait(v_ready.at[slot])\n                    plgpu.barrier_wait(turn)",
        "plgpu.barrier_wait(v_ready.at[slot])")]),
 ]
 

@@ -104,18 +104,19 @@ def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypa
 
 
 def test_verify_probe_cuts_still_apply_to_the_kernel():
-    """bench/verify_probe.py times copies of this kernel with one part edited out; each edit must
-    still find its text in the kernel's source, or the probe stops running."""
+    """bench/verify_probe.py and verify_timeline.py time copies of this kernel with one part edited
+    out or undone; each edit must still find its text in the kernel's source, or the probe stops."""
     import os
     import sys
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
     sys.path.insert(0, bench)
     try:
         import verify_probe
+        import verify_timeline
     finally:
         sys.path.remove(bench)
     from jaxspec.pallas import verify_hopper
     src = open(verify_hopper.__file__).read()
-    for name, edits in verify_probe.CUTS:
+    for name, edits in verify_probe.CUTS + verify_timeline.UNDO:
         for old, _ in edits:
             assert src.count(old) == 1, (name, old)

@@ -71,7 +71,8 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
-            page_size, block_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent, interpret):
+            page_size, block_kv, half_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent,
+            interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
@@ -92,7 +93,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         # at least one tile, also for an empty row (its output is not read): the overlapped loop
         # computes tile 0's scores before it
         n_tiles = jnp.maximum(lax.div(kv_len + q_len + (block_kv - 1), block_kv), 1)
-        return b, h, qb, kv_len, q_len, n_tiles
+        # a last tile of at most half_kv keys is computed (and fetched) at half width: a 64-token
+        # verify on 2048 cached keys has 16.5 tiles of work, not 17
+        half = ((kv_len + q_len - (n_tiles - 1) * block_kv <= half_kv) & (n_tiles - 1 >= lax.div(kv_len, block_kv))
+                if half_kv else jnp.bool_(False))
+        return b, h, qb, kv_len, q_len, n_tiles, half
 
     pages_per_tile = block_kv // page_size
     t_pad = q_ref.shape[1]
@@ -138,7 +143,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
         def consume(n, base):  # item n; base: tiles the ring has carried before it
-            b, h, qb, kv_len, q_len, n_tiles = item(n)
+            b, h, qb, kv_len, q_len, n_tiles, half = item(n)
             n_plain = lax.div(kv_len, block_kv)  # tiles wholly inside the cached prefix: no mask
             buf = lax.rem(n, n_bufs)
             if n_bufs > 1:  # the other buffer's output went out at the end of item n - 1
@@ -158,13 +163,13 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             l = laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows)
             acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def softmax(s, i, m, l, masked):
+            def softmax(s, i, m, l, masked):  # s: [wg_rows, keys of the tile]
                 """Scores in raw units; m in scaled ones (softmax scale and log2 e): the row max is
                 scaled once, and each score's exponent is one FFMA (kernels-focus-v34, ncu_probe-mosaic:
                 8.6M fewer FMA-pipe instructions at 64 tokens, 2% less time)."""
                 if masked:
-                    col = (lax.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1) if interpret else
-                           plgpu.broadcasted_iota(jnp.int32, (wg_rows, block_kv), 1, layout=plgpu.Layout.WGMMA))
+                    col = (lax.broadcasted_iota(jnp.int32, s.shape, 1) if interpret else
+                           plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA))
                     rel = col + (i * block_kv - kv_len)
                     word = jnp.where(rel < 32, lax.broadcast_in_dim(w0, s.shape, [0]),
                                      lax.broadcast_in_dim(w1, s.shape, [0]))
@@ -175,45 +180,49 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 alpha = jnp.exp2(m - m_new)
                 return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
-            def qk_dot(slot):  # the interpreter's products
-                return lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+            def qk_dot(slot, width=block_kv):  # the interpreter's products
+                return lax.dot_general(q_smem[...], k_smem[slot, :width], (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)
 
             def pv_dot(acc, p16, slot):
-                return acc + lax.dot_general(p16, v_smem[slot], (((1,), (0,)), ((), ())),
+                return acc + lax.dot_general(p16, v_smem[slot, :p16.shape[1]], (((1,), (0,)), ((), ())),
                                              preferred_element_type=jnp.float32)
 
             def rescale(acc, alpha):
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-            def step(i, carry, masked):  # ping-pong: one consumer's softmax under the other's products
+            def step(i, carry, masked, width=block_kv):  # ping-pong: one consumer's softmax under the other's products
                 acc, m, l = carry
                 slot = lax.rem(base + i, stages)
-                plgpu.barrier_wait(k_ready.at[slot])
-                if interpret:
-                    s = qk_dot(slot)
-                    take_turn()
-                else:
-                    def scores(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                with jax.named_scope("scores"):
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    if interpret:
+                        s = qk_dot(slot, width)
                         take_turn()
-                        return acc_ref[...]
-                    s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                p16, m_new, l, alpha = softmax(s, i, m, l, masked)
-                acc = rescale(acc, alpha)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)
-
-                if interpret:
-                    acc = pv_dot(acc, p16, slot)
-                else:
-                    def values(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
+                    else:
+                        def scores(acc_ref):
+                            keys = k_smem.at[slot] if width == block_kv else k_smem.at[slot, pl.ds(0, width)]
+                            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(keys, (1, 0)))
+                            take_turn()
+                            return acc_ref[...]
+                        s = pl.run_scoped(scores, plgpu.ACC((wg_rows, width), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                with jax.named_scope("softmax"):
+                    p16, m_new, l, alpha = softmax(s, i, m, l, masked)
+                    acc = rescale(acc, alpha)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
+                with jax.named_scope("values"):
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(turn)
+                    if interpret:
+                        acc = pv_dot(acc, p16, slot)
+                    else:
+                        def values(acc_ref):
+                            plgpu.wgmma(acc_ref, p16, v_smem.at[slot] if width == block_kv
+                                        else v_smem.at[slot, pl.ds(0, width)])
+                        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
             def step_overlapped(i, carry, masked):
@@ -290,50 +299,76 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     pl.when(wg == 0)(lambda: plgpu.barrier_wait(issue.at[0]))
             else:
                 pl.when(wg == 1)(take_turn)
+                n_full = n_tiles - half.astype(jnp.int32)  # the half tile, if any, is the last
                 carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
-                acc, m, l = lax.fori_loop(n_plain, n_tiles, functools.partial(step, masked=True), carry)
+                carry = lax.fori_loop(n_plain, n_full, functools.partial(step, masked=True), carry)
+                if half_kv:
+                    carry = lax.fori_loop(n_full, n_tiles, functools.partial(step, masked=True, width=half_kv), carry)
+                acc, m, l = carry
                 pl.when(wg == 0)(take_turn)
-            acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
-            q_smem[...] = acc.astype(q_smem.dtype)
-            plgpu.commit_smem()
-            for i, j in enumerate(heads):
-                @pl.when(j < group)
-                def _():
-                    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("epilogue"):
+                acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+                q_smem[...] = acc.astype(q_smem.dtype)
+                plgpu.commit_smem()
+                for i, j in enumerate(heads):
+                    @pl.when(j < group)
+                    def _():
+                        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
+                # only the buffer's reads: its next use is the queries of item n + 2 (or n + 1
+                # with one buffer); the writes to device memory are awaited once, at the end
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return base + n_tiles
 
         lax.fori_loop(0, n_items, consume, 0)
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
         layer = layer_ref[0]
 
-        def fetch(cache_ref, smem, ready, h, tile, slot):
+        # a half tile's second half is not read: its pages are counted on the barrier, not copied
+        half_pages = pages_per_tile // 2 if half_kv and pages_per_tile > 1 else pages_per_tile
+
+        def fetch(cache_ref, smem, ready, h, pt, tile, slot, half_tile):
             # in a cluster both CTAs issue the same copies: each fetches its share of the page and
             # the TMA unit writes it into both CTAs' rings (one L2 read for the head's two CTAs)
             for j in range(pages_per_tile):
                 p = tile * pages_per_tile + j
-                page = pt_smem[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]
-                plgpu.copy_gmem_to_smem(cache_ref.at[layer, pl.ds(page * page_size, page_size), h],
-                                        smem.at[slot, pl.ds(j * page_size, page_size)], ready.at[slot],
-                                        collective_axes="c" if cluster > 1 else None)
+                page = pt[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]
+                copy = functools.partial(plgpu.copy_gmem_to_smem, cache_ref.at[layer, pl.ds(page * page_size, page_size), h],
+                                         smem.at[slot, pl.ds(j * page_size, page_size)], ready.at[slot],
+                                         collective_axes="c" if cluster > 1 else None)
+                if j < half_pages:
+                    copy()
+                else:
+                    pl.when(~half_tile)(copy)
+                    pl.when(half_tile)(lambda: plgpu.barrier_arrive(ready.at[slot]))
+
+        # each request's page-table row goes into shared memory (a page number read from device
+        # memory per copy would put a global load's latency in front of every page's TMA), the
+        # next item's while this item's tiles go out
+        def load_page_table(n):
+            plgpu.copy_gmem_to_smem(pt_ref.at[item(n)[0]], pt_smem.at[lax.rem(n, 2)], pt_ready.at[lax.rem(n, 2)])
+
+        load_page_table(0)
 
         def produce(n, base):  # item n's tiles into ring slots base, base + 1, ... (mod stages)
-            b, h, _, _, _, n_tiles = item(n)
-            # the request's page-table row into shared memory first: a page number read from device
-            # memory per copy would put a global load's latency in front of every page's TMA
-            plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_ready.at[0])
-            plgpu.barrier_wait(pt_ready.at[0])
+            b, h, _, _, _, n_tiles, half = item(n)
+            pl.when(n + 1 < n_items)(lambda: load_page_table(n + 1))
+            with jax.named_scope("page table"):
+                plgpu.barrier_wait(pt_ready.at[lax.rem(n, 2)])
+            pt = pt_smem.at[lax.rem(n, 2)]
 
             @pl.loop(0, n_tiles)
             def _(tile):
                 slot, reused = lax.rem(base + tile, stages), base + tile >= stages
-                pl.when(reused)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                fetch(k_ref, k_smem, k_ready, h, tile, slot)
+                half_tile = half & (tile == n_tiles - 1)
+                with jax.named_scope("slot wait"):
+                    pl.when(reused)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                fetch(k_ref, k_smem, k_ready, h, pt, tile, slot, half_tile)
                 pl.when(reused)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                fetch(v_ref, v_smem, v_ready, h, tile, slot)
+                fetch(v_ref, v_smem, v_ready, h, pt, tile, slot, half_tile)
             return base + n_tiles
 
         total = lax.fori_loop(0, n_items, produce, 0)
@@ -347,10 +382,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
-                                             "multicast", "persistent", "interpret"))
+                                             "multicast", "persistent", "interpret", "profile_dir", "profile_space"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
-                       pingpong=True, multicast=False, persistent=0, interpret=False):
+                       pingpong=True, multicast=False, persistent=0, interpret=False, profile_dir=None,
+                       profile_space=0):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -362,7 +398,10 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     (v36: level with the default at 16 and 32 tokens, 11% slower at 64). multicast: a head's CTAs
     paired in clusters, each page fetched once for both (v35: 4% slower at 64 tokens; GPU only).
     persistent: that many CTAs (0: one an item; at most one an SM fits, by shared memory), two
-    query buffers where they fit beside the ring (v37-v39: 315-335 us against 326-343 at 64 tokens)."""
+    query buffers where they fit beside the ring (v37-v39: 315-335 us against 326-343 at 64 tokens).
+    profile_dir, profile_space: Mosaic GPU's in-kernel profiler (GPU only), a trace of the named
+    regions (scores, softmax, values, epilogue; the producer's waits), up to profile_space regions a
+    warpgroup, written as a Perfetto JSON file into profile_dir each call (bench/verify_timeline.py)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     b, t, hq, d = q.shape
     n_layers, _, ps, hkv, _ = k_pages.shape
@@ -383,6 +422,9 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     ring_bytes = 2 * stages * block_kv * d * q.dtype.itemsize
     q_bufs = 2 if persistent and ring_bytes + 2 * (2 * wg_rows * d * q.dtype.itemsize) <= SMEM_BYTES else 1
     pages_per_tile = block_kv // ps
+    # the last tile at half width where it holds at most 64 keys (the default loop, 128-key tiles:
+    # 64 is wgmma's least key count for P from registers with 128-byte swizzled V)
+    half_kv = 64 if block_kv == 128 and not overlap and cluster == 1 else 0
     lanes = max(PT_LANES, pages_per_tile)
     width = -(-page_table.shape[1] // lanes) * lanes
     page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
@@ -397,17 +439,17 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
 
     def verify_tree_hopper_kernel(*refs):  # the name profilers show
         pl.run_scoped(
-            lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, stages=stages,
+            lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, half_kv=half_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
                                      persistent=persistent, interpret=interpret),
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
-             plgpu.SMEM((width // PT_LANES, PT_LANES), jnp.int32)),
+             plgpu.SMEM((2, width // PT_LANES, PT_LANES), jnp.int32)),
             (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=2 * q_bufs),
-             plgpu.Barrier(num_arrivals=1, num_barriers=1)),
+             plgpu.Barrier(num_arrivals=1, num_barriers=2)),
             # a ring slot is free once the consumers of every CTA it was written into are done with it
             (plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2, num_barriers=stages) if cluster > 1
              else plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
@@ -430,7 +472,9 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         cluster_names=("c",) if cluster > 1 else (),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                             **(dict(profile_space=profile_space, profile_dir=profile_dir)
+                                                if profile_dir else {})),
         interpret=interpret_params,
     )(layer, page_table, kv_lens, q_lens, words, qp, k_rows, v_rows)
     return out[:, :t] if t_pad > t else out

@@ -1,0 +1,129 @@
+"""The 64-token Mosaic verify (8B heads, context 2048) inside one kernel run: Mosaic GPU's in-kernel
+profiler records each warpgroup's named regions (verify_hopper.py: scores, softmax, values,
+epilogue; the producer's page-table and slot waits) in clock cycles, and this sums them per role.
+Beside it, the kernel and copies of it with one of its per-item changes undone (UNDO, source edits
+as in verify_probe.py), timed in turns by device time (profiler trace, median of rounds), with the
+Triton decode at the same batch and context for the verify/decode ratio.
+
+    python bench/verify_timeline.py        (GPU)
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from common import print_table, write_results
+from jaxspec.pallas import verify_hopper
+from jaxspec.pallas.attention_ref import paged_attention_ref
+from jaxspec.pallas.paged_attention import paged_attention
+from jaxspec.pallas.tree_mask import tree_attention_mask
+from kernels import device_time, rel_err, random_tree, setup
+from verify_probe import patched
+
+UNDO = [  # (name, edits): the kernel as it was before each change
+    ("last tile at full width", [("half_kv = 64 if block_kv == 128", "half_kv = 0 if block_kv == 128")]),
+    ("output writes awaited each item", [("plgpu.wait_smem_to_gmem(0, wait_read_only=True)",
+                                          "plgpu.wait_smem_to_gmem(0)")]),
+    ("page table loaded in line", [("        load_page_table(0)\n", ""),
+                                   ("pl.when(n + 1 < n_items)(lambda: load_page_table(n + 1))", "load_page_table(n)")]),
+]
+UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
+ROLES = ("consumer 0", "consumer 1", "producer")
+
+
+def summarize(path: str) -> dict:
+    """{role: {region: [share of the warpgroup's span, mean kilocycles], 'span_kcycles': ..}} from
+    a Mosaic GPU trace (its 'ts' differences are clock cycles / 1000 within one warpgroup)."""
+    events = json.load(open(path))["traceEvents"]
+    by_tid = {}
+    for e in events:
+        by_tid.setdefault(e["tid"], []).append(e)
+    sums = {r: {} for r in ROLES}
+    spans = {r: [] for r in ROLES}
+    for tid, evs in by_tid.items():
+        role = ROLES[(tid - 1) % 3]
+        stack, outer = [], 0.0
+        for e in evs:
+            if e["ph"] == "B":
+                stack.append(e)
+                continue
+            b = stack.pop()
+            if any(s["name"] == b["name"] for s in stack):  # a region's own inner eqns: counted once
+                continue
+            d = e["ts"] - b["ts"]
+            tot, n = sums[role].get(b["name"], (0.0, 0))
+            sums[role][b["name"]] = (tot + d, n + 1)
+            if not stack:
+                outer += d
+        span = evs[-1]["ts"] - evs[0]["ts"]
+        spans[role].append(span)
+        tot, n = sums[role].get("(outside regions)", (0.0, 0))
+        sums[role]["(outside regions)"] = (tot + span - outer, n + 1)
+    out = {}
+    for role in ROLES:
+        total = sum(spans[role]) or 1.0
+        out[role] = {name: [tot / total, tot / n] for name, (tot, n) in sorted(sums[role].items())}
+        out[role]["span_kcycles_mean"] = float(np.mean(spans[role])) if spans[role] else None
+    return out
+
+
+def main():
+    n_sm = jax.devices()[0].core_count
+    b, t, ctx = 64, 64, 2048
+    q, k, v, pt, kv_lens, q_lens = setup(b, t, ctx)
+    mask, _ = tree_attention_mask(random_tree(b, t), q_lens)
+    ref = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))(q, k, v)
+    variants = [("now", verify_hopper.verify_tree_hopper)] + [(f"undo: {n}", patched(n, e)) for n, e in UNDO]
+    fns, rows = {}, []
+    for name, fn in variants:
+        f = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, persistent=n_sm))
+        rows.append(dict(kernel="verify", impl=f"mosaic[{name}]", batch=b, q_tokens=t, context=ctx,
+                         rel_err=rel_err(f(q, k, v), ref)))
+        fns[name] = f
+    qd, kd, vd, ptd, kvd, qld = setup(b, 1, ctx)
+    decode = jax.jit(lambda q, k, v: paged_attention(q, k, v, 0, ptd, kvd, qld))
+    jax.block_until_ready(decode(qd, kd, vd))
+    dev = {name: [] for name in fns}
+    dev["decode"] = []
+    for _ in range(5):  # rounds in turns: each a trace of 10 calls
+        for name, f in fns.items():
+            dev[name].append(device_time(f, q, k, v)[0])
+        dev["decode"].append(device_time(decode, qd, kd, vd)[0])
+    med = {name: float(np.median(ts)) * 1e6 for name, ts in dev.items()}
+    for r, name in zip(rows, fns):
+        r.update(device_us=med[name], over_now=med[name] / med["now"], over_decode=med[name] / med["decode"],
+                 device_us_rounds=[x * 1e6 for x in dev[name]])
+    rows.append(dict(kernel="decode", impl="pallas[auto]", batch=b, q_tokens=1, context=ctx, device_us=med["decode"],
+                     device_us_rounds=[x * 1e6 for x in dev["decode"]]))
+    print_table(rows, ["kernel", "impl", "device_us", "over_now", "over_decode", "rel_err"])
+
+    # the timeline: batch 32 (four items a CTA) so that the trace fits beside the ring in shared memory
+    timeline = {}
+    qs, ks, vs, pts, kvs, qls = setup(32, t, ctx)
+    masks, _ = tree_attention_mask(random_tree(32, t), qls)
+    for name, fn in (("now", verify_hopper.verify_tree_hopper), ("all three undone", patched(*UNDO[-1]))):
+        d = f"/tmp/verify_timeline/{name.replace(' ', '_')}"
+        os.makedirs(d, exist_ok=True)
+        try:
+            jax.block_until_ready(fn(qs, ks, vs, 0, pts, kvs, qls, masks, persistent=n_sm, profile_dir=d,
+                                     profile_space=600))
+            path = max(glob.glob(os.path.join(d, "*.json")), key=os.path.getmtime)
+            timeline[name] = summarize(path)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            timeline[name] = f"{type(e).__name__}: {str(e)[:400]}"
+        print(name, json.dumps(timeline[name], indent=1))
+    print(write_results("verify_timeline", rows, {"timing": "device time: median of 5 rounds in turns, each a "
+                                                  "profiler trace of 10 calls", "undo": {n: e for n, e in UNDO},
+                                                  "timeline_batch32": timeline}))
+
+
+if __name__ == "__main__":
+    main()
