@@ -5,7 +5,7 @@ Beside it, the kernel and copies of it with one of its per-item changes undone (
 as in verify_probe.py), timed in turns by device time (profiler trace, median of rounds), with the
 Triton decode at the same batch and context for the verify/decode ratio.
 
-    python bench/verify_timeline.py        (GPU)
+    python bench/verify_timeline.py [--undo]       (GPU)
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from jaxspec.pallas.attention_ref import paged_attention_ref
 from jaxspec.pallas.paged_attention import paged_attention
 from jaxspec.pallas.tree_mask import tree_attention_mask
 from kernels import device_time, rel_err, random_tree, setup
-from verify_probe import patched
+from verify_probe import CUTS, patched
 
 UNDO = [  # (name, edits): the kernel as it was before each change
     ("last tile at full width", [("half_kv = 64 if block_kv == 128", "half_kv = 0 if block_kv == 128")]),
@@ -81,10 +81,18 @@ def main():
     q, k, v, pt, kv_lens, q_lens = setup(b, t, ctx)
     mask, _ = tree_attention_mask(random_tree(b, t), q_lens)
     ref = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))(q, k, v)
-    variants = [("now", verify_hopper.verify_tree_hopper)] + [(f"undo: {n}", patched(n, e)) for n, e in UNDO]
+    no_softmax = patched(*next(c for c in CUTS if c[0].startswith("no softmax")))
+    vh = verify_hopper.verify_tree_hopper
+    # (name, kernel, options, profiled): the overlapped loop and the softmax-less copies say how much
+    # of a tile's time the softmax holds, in the default loop and in the overlapped one
+    variants = [("now", vh, {}, True), ("overlap", vh, dict(overlap=True), True),
+                ("cut: no softmax", no_softmax, {}, True), ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True),
+                ("three stages", vh, dict(stages=3), False)]
+    if "--undo" in sys.argv:
+        variants += [(f"undo: {n}", patched(n, e), {}, False) for n, e in UNDO]
     fns, rows = {}, []
-    for name, fn in variants:
-        f = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, persistent=n_sm))
+    for name, fn, kw, _ in variants:
+        f = jax.jit(lambda q, k, v, fn=fn, kw=kw: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, persistent=n_sm, **kw))
         rows.append(dict(kernel="verify", impl=f"mosaic[{name}]", batch=b, q_tokens=t, context=ctx,
                          rel_err=rel_err(f(q, k, v), ref)))
         fns[name] = f
@@ -109,12 +117,14 @@ def main():
     timeline = {}
     qs, ks, vs, pts, kvs, qls = setup(32, t, ctx)
     masks, _ = tree_attention_mask(random_tree(32, t), qls)
-    for name, fn in (("now", verify_hopper.verify_tree_hopper), ("all three undone", patched(*UNDO[-1]))):
-        d = f"/tmp/verify_timeline/{name.replace(' ', '_')}"
+    for name, fn, kw, profiled in variants:
+        if not profiled:
+            continue
+        d = f"/tmp/verify_timeline/{name.replace(' ', '_').replace(',', '').replace(':', '')}"
         os.makedirs(d, exist_ok=True)
         try:
             jax.block_until_ready(fn(qs, ks, vs, 0, pts, kvs, qls, masks, persistent=n_sm, profile_dir=d,
-                                     profile_space=600))
+                                     profile_space=600, **kw))
             path = max(glob.glob(os.path.join(d, "*.json")), key=os.path.getmtime)
             timeline[name] = summarize(path)
         except Exception as e:  # noqa: BLE001 - report and go on

@@ -245,20 +245,25 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                         acc_ref, p_ref, m_ref, l_ref, alpha_ref = refs
 
                         def scores(s_ref):
-                            await_issue()
-                            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                            plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
-                            pass_issue()
-                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores, not the values
+                            with jax.named_scope("issue"):
+                                await_issue()
+                                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                                plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
+                                pass_issue()
+                            with jax.named_scope("scores"):
+                                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the scores, not the values
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
                         plgpu.barrier_arrive(k_free.at[slot])
-                        p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...],
-                                                                                     masked)
+                        with jax.named_scope("softmax"):
+                            p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(s, i, m_ref[...], l_ref[...],
+                                                                                         masked)
                     acc, p16, m, l, alpha = pl.run_state(body)((plgpu.ACC.init(acc), p_prev, m, l, m))
                     # p_prev's registers feed the in-flight product: keep them until run_state's wait
                     acc, p_prev = lax.optimization_barrier((acc, p_prev))
                 plgpu.barrier_arrive(v_free.at[prev])
-                return rescale(acc, alpha), m, l, p16
+                with jax.named_scope("rescale"):
+                    acc = rescale(acc, alpha)
+                return acc, m, l, p16
 
             if overlap:
                 if pingpong:
