@@ -262,8 +262,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     acc, p_prev = lax.optimization_barrier((acc, p_prev))
                 plgpu.barrier_arrive(v_free.at[prev])
                 with jax.named_scope("rescale"):
-                    acc = rescale(acc, alpha)
-                return acc, m, l, p16
+                    return rescale(acc, alpha), m, l, p16
 
             if overlap:
                 if pingpong:
