@@ -5,7 +5,7 @@ Beside it, the kernel and copies of it with one of its per-item changes undone (
 as in verify_probe.py), timed in turns by device time (profiler trace, median of rounds), with the
 Triton decode at the same batch and context for the verify/decode ratio.
 
-    python bench/verify_timeline.py [--undo]       (GPU)
+    python bench/verify_timeline.py [--undo] [--softmax]       (GPU)
 """
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ UNDO = [  # (name, edits): the kernel as it was before each change
                                    ("pl.when(n + 1 < n_items)(lambda: load_page_table(n + 1))", "load_page_table(n)")]),
 ]
 UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
+# the output through the query buffer (two of them where they fit), not the last tile's K slot
+OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
+                                                         "stage_in_ring = False")])
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 
@@ -85,9 +88,14 @@ def main():
     vh = verify_hopper.verify_tree_hopper
     # (name, kernel, options, profiled): the overlapped loop and the softmax-less copies say how much
     # of a tile's time the softmax holds, in the default loop and in the overlapped one
-    variants = [("now", vh, {}, True), ("overlap", vh, dict(overlap=True), True),
-                ("cut: no softmax", no_softmax, {}, True), ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True),
-                ("three stages", vh, dict(stages=3), False)]
+    via_queries = patched(*OUT_VIA_QUERIES)
+    # (the trace's shared memory leaves no room for a ring of three: the profiled rows have two)
+    variants = [("now", vh, {}, False), ("two stages", vh, dict(stages=2), True),
+                ("two stages, output via two query buffers (before)", via_queries, dict(stages=2), True),
+                ("three stages, output via one query buffer", via_queries, dict(stages=3), False)]
+    if "--softmax" in sys.argv:
+        variants += [("overlap", vh, dict(overlap=True), True), ("cut: no softmax", no_softmax, {}, True),
+                     ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
     if "--undo" in sys.argv:
         variants += [(f"undo: {n}", patched(n, e), {}, False) for n, e in UNDO]
     fns, rows = {}, []

@@ -48,7 +48,8 @@ from jaxspec.pallas.attention_ref import NEG_INF
 from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
 
 PT_LANES = 32  # page-table row staged as [width / 32, 32]: 128-byte TMA rows
-SMEM_BYTES = 220 * 1024  # of an H100 SM's 227 KiB: room left for the page table and barriers
+SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
+SMEM_SLACK = 1024  # barriers and alignment
 
 
 def supports(q, k_pages, tree_mask, softcap=None, block_kv=None) -> bool:
@@ -72,7 +73,7 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
             page_size, block_kv, half_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent,
-            interpret):
+            stage_in_ring, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
@@ -122,8 +123,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        # two query buffers where shared memory allows (persistent CTAs): the next item's queries
-        # load during this one; with one, they load once this item's output has gone out
+        # stage_in_ring: the output goes out through the last tile's K slot (this consumer's half of
+        # it), which the consumer releases only then, so that its one query buffer is free as soon as
+        # the last scores product is done: the next item's queries load during the last tile.
+        # Otherwise the output goes out through the query buffer, and the next item's queries load
+        # during this item into a second buffer where shared memory allows, else after the output
         n_bufs = q_smem_bufs.shape[0]
 
         def heads_of(qb):  # the query heads (within the KV head's group) of this consumer's rows
@@ -146,7 +150,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             b, h, qb, kv_len, q_len, n_tiles, half = item(n)
             n_plain = lax.div(kv_len, block_kv)  # tiles wholly inside the cached prefix: no mask
             buf = lax.rem(n, n_bufs)
-            if n_bufs > 1:  # the other buffer's output went out at the end of item n - 1
+            last_slot = lax.rem(base + n_tiles - 1, stages)
+            if stage_in_ring:
+                pass  # the next queries load once the last tile's scores are in
+            elif n_bufs > 1:  # the other buffer's output went out at the end of item n - 1
                 pl.when(n + 1 < n_items)(lambda: load_q(n + 1, 1 - buf))
             else:
                 pl.when(n > 0)(lambda: load_q(n, 0))
@@ -206,7 +213,12 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                             take_turn()
                             return acc_ref[...]
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, width), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
+                    if stage_in_ring:
+                        last = i == n_tiles - 1
+                        pl.when(~last)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+                        pl.when(last & (n + 1 < n_items))(lambda: load_q(n + 1, 0))
+                    else:
+                        plgpu.barrier_arrive(k_free.at[slot])
                 with jax.named_scope("softmax"):
                     p16, m_new, l, alpha = softmax(s, i, m, l, masked)
                     acc = rescale(acc, alpha)
@@ -312,15 +324,21 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 pl.when(wg == 0)(take_turn)
             with jax.named_scope("epilogue"):
                 acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
-                q_smem[...] = acc.astype(q_smem.dtype)
+                # (the other consumer's last scores product, the slot's other reader, finished before
+                # this consumer's last turn: its softmax-done arrival completed that turn's phase)
+                out_smem = (k_smem.at[last_slot, pl.ds(pl.multiple_of(wg * wg_rows, wg_rows), wg_rows)]
+                            if stage_in_ring else q_smem)
+                out_smem[...] = acc.astype(out_smem.dtype)
                 plgpu.commit_smem()
                 for i, j in enumerate(heads):
                     @pl.when(j < group)
                     def _():
-                        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
-                # only the buffer's reads: its next use is the queries of item n + 2 (or n + 1
-                # with one buffer); the writes to device memory are awaited once, at the end
+                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
+                # only the buffer's reads before it is reused; the writes to device memory are
+                # awaited once, at the end
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if stage_in_ring:
+                    plgpu.barrier_arrive(k_free.at[last_slot])
             return base + n_tiles
 
         lax.fori_loop(0, n_items, consume, 0)
@@ -388,7 +406,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
                                              "multicast", "persistent", "interpret", "profile_dir", "profile_space"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
-                       block_kv=None, stages=2, wg_rows=None, grid_order="bhq", overlap=False,
+                       block_kv=None, stages=None, wg_rows=None, grid_order="bhq", overlap=False,
                        pingpong=True, multicast=False, persistent=0, interpret=False, profile_dir=None,
                        profile_space=0):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
@@ -423,14 +441,20 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     if persistent and cluster > 1:
         raise ValueError("persistent CTAs take items one at a time: no multicast clusters")
     persistent = min(persistent, b * hkv * n_qb)  # no CTA without an item
-    ring_bytes = 2 * stages * block_kv * d * q.dtype.itemsize
-    q_bufs = 2 if persistent and ring_bytes + 2 * (2 * wg_rows * d * q.dtype.itemsize) <= SMEM_BYTES else 1
     pages_per_tile = block_kv // ps
+    lanes = max(PT_LANES, pages_per_tile)
+    width = -(-page_table.shape[1] // lanes) * lanes
+    # shared memory: the K/V ring, the query buffers, two page-table rows (and the profiler's trace)
+    tile_bytes, q_buf_bytes = block_kv * d * q.dtype.itemsize, 2 * wg_rows * d * q.dtype.itemsize
+    fixed_bytes = 2 * width * 4 + 3 * 16 * profile_space + SMEM_SLACK
+    stage_in_ring = not overlap and 2 * wg_rows <= block_kv
+    if stages is None:  # three tiles in flight where they fit beside one query buffer
+        stages = 3 if 6 * tile_bytes + q_buf_bytes + fixed_bytes <= SMEM_BYTES else 2
+    q_bufs = 2 if (persistent and not stage_in_ring
+                   and 2 * stages * tile_bytes + 2 * q_buf_bytes + fixed_bytes <= SMEM_BYTES) else 1
     # the last tile at half width where it holds at most 64 keys (the default loop, 128-key tiles:
     # 64 is wgmma's least key count for P from registers with 128-byte swizzled V)
     half_kv = 64 if block_kv == 128 and not overlap and cluster == 1 else 0
-    lanes = max(PT_LANES, pages_per_tile)
-    width = -(-page_table.shape[1] // lanes) * lanes
     page_table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
     page_table = page_table.reshape(b, width // PT_LANES, PT_LANES)  # 2-D: TMA boxes hold <= 256 a side
     qp = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0))) if t_pad > t else q
@@ -445,7 +469,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, half_kv=half_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
-                                     persistent=persistent, interpret=interpret),
+                                     persistent=persistent, stage_in_ring=stage_in_ring, interpret=interpret),
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
