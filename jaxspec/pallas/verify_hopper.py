@@ -10,12 +10,17 @@ ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a til
 the tile's barrier). The CTAs of one head launch side by side and share its pages through L2.
 persistent=N (the engine's choice, N = the GPU's SMs) launches N CTAs that take the (request,
 head, query block) items in turn, the ring and the page-table loads running on from one item to
-the next and the next item's queries loading during this one: 0.5-17% less time than a CTA an item
-in each of 15 comparisons in kernels-focus-v37..v39. Options that did not beat the default at
+the next: 0.5-17% less time than a CTA an item in each of 15 comparisons in kernels-focus-v37..v39.
+Each consumer sends its output out through its half of the last tile's K slot, holding the slot
+until then, so one query buffer serves and the next item's queries load during the last tile;
+that leaves room for a ring of three tiles (verify_timeline-0515872, 64 tokens: 249.1 us against
+259.5 with two tiles and the output through two query buffers, as before). A last tile of at most
+64 keys (a 64-token verify on 2048 cached keys: 16.5 tiles) is fetched and computed at half width.
+Options that did not beat the default at
 64 tokens (v30..v39): overlap (FlashAttention-3's intra-warpgroup overlap: tile i's scores and tile i - 1's
 values issued together; also with both awaited before the softmax, kernels-focus-v40 at 70acc13:
 359 us against 324), multicast (a head's two CTAs as a cluster, each page copy multicast to
-both), wg_rows=128, deeper rings, 64- and 192-key tiles; since removed, a share of the exponentials
+both), wg_rows=128, 64- and 192-key tiles; since removed, a share of the exponentials
 by polynomial on the FMA pipe (verify_probe-b19c869: 9% slower) and the queries in registers for
 the scores product (kernels-focus-v41: level).
 
@@ -23,7 +28,10 @@ Where a 64-token verify's time goes (verify_probe-*, ncu_source-pers): copies of
 one part cut out (the exponentials, the row max, the rescale, DRAM reads, half the pages, either
 product) are 0-11% faster, and by Nsight Compute's per-instruction samples a consumer warp spends
 about as long in its softmax as in waiting for its own two products. The two consumers' turns are
-balanced, so shortening one phase leaves the period to the other.
+balanced, so shortening one phase leaves the period to the other. Mosaic GPU's in-kernel profiler
+(profile_dir; verify_timeline-*) puts a consumer's 128-key tile at about 3.3k cycles: 0.7-0.9k
+issuing and awaiting its scores (the turn included), 1.3k in the softmax, 0.75-0.95k in the
+values product; without the softmax the tile still takes 3.05k.
 
 Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
 or two tiles hold the new tokens, whose visibility comes as two 32-bit words per query row (bit j:
@@ -413,14 +421,15 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
     [B, T, T] bool, or None for a chain (causal). By default two consumers of 64 query rows take
-    128-key tiles in a ring of `stages`; wg_rows=128 (64-key tiles: registers) reads a 64-token
+    128-key tiles in a ring of `stages` (None: three where they fit in shared memory, else two); wg_rows=128 (64-key tiles: registers) reads a 64-token
     tree's K/V once a head instead of twice, but the CTAs of one head run side by side and share
     its pages in L2 (kernels-focus-v30: 393-401 us against 441-445 at 64 tokens). overlap: the
     intra-warpgroup overlapped loop, its issues passed between the consumers unless pingpong=False
     (v36: level with the default at 16 and 32 tokens, 11% slower at 64). multicast: a head's CTAs
     paired in clusters, each page fetched once for both (v35: 4% slower at 64 tokens; GPU only).
-    persistent: that many CTAs (0: one an item; at most one an SM fits, by shared memory), two
-    query buffers where they fit beside the ring (v37-v39: 315-335 us against 326-343 at 64 tokens).
+    persistent: that many CTAs (0: one an item; at most one an SM fits, by shared memory). Where the
+    output cannot go through the ring (overlap, wg_rows=128), it goes through the query buffer, two
+    of them where they fit beside the ring (v37-v39: 315-335 us against 326-343 at 64 tokens).
     profile_dir, profile_space: Mosaic GPU's in-kernel profiler (GPU only), a trace of the named
     regions (scores, softmax, values, epilogue; the producer's waits), up to profile_space regions a
     warpgroup, written as a Perfetto JSON file into profile_dir each call (bench/verify_timeline.py)."""
