@@ -5,7 +5,7 @@ Beside it, the kernel and copies of it with one of its per-item changes undone (
 as in verify_probe.py), timed in turns by device time (profiler trace, median of rounds), with the
 Triton decode at the same batch and context for the verify/decode ratio.
 
-    python bench/verify_timeline.py [--undo] [--softmax]       (GPU)
+    python bench/verify_timeline.py [--undo] [--softmax] [--out]       (GPU)
 """
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
 # the output through the query buffer (two of them where they fit), not the last tile's K slot
 OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
                                                          "stage_in_ring = False")])
+# a row's max and sum in one dependent chain (Mosaic's reduction), not halves combined first
+FLAT_REDUCTIONS = ("row reductions in one chain",
+                   [("m_new = jnp.maximum(m, row_reduce(s, jnp.maximum) * scale)",
+                     "m_new = jnp.maximum(m, s.max(axis=1) * scale)"),
+                    ("l * alpha + row_reduce(p, jnp.add), alpha", "l * alpha + p.sum(axis=1), alpha")])
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 
@@ -88,11 +93,17 @@ def main():
     vh = verify_hopper.verify_tree_hopper
     # (name, kernel, options, profiled): the overlapped loop and the softmax-less copies say how much
     # of a tile's time the softmax holds, in the default loop and in the overlapped one
-    via_queries = patched(*OUT_VIA_QUERIES)
+    flat = patched(*FLAT_REDUCTIONS)
     # (the trace's shared memory leaves no room for a ring of three: the profiled rows have two)
-    variants = [("now", vh, {}, False), ("two stages", vh, dict(stages=2), True),
-                ("two stages, output via two query buffers (before)", via_queries, dict(stages=2), True),
-                ("three stages, output via one query buffer", via_queries, dict(stages=3), False)]
+    variants = [("now", vh, {}, False), ("scores one tile at a time", vh, dict(scores_ahead=False), False),
+                ("row reductions in one chain", flat, {}, False),
+                ("both (as at 0515872)", flat, dict(scores_ahead=False), False),
+                ("two stages", vh, dict(stages=2), True),
+                ("two stages, scores one tile at a time", vh, dict(stages=2, scores_ahead=False), True)]
+    if "--out" in sys.argv:  # (0515872's comparison)
+        via_queries = patched(*OUT_VIA_QUERIES)
+        variants += [("two stages, output via two query buffers", via_queries, dict(stages=2), False),
+                     ("three stages, output via one query buffer", via_queries, dict(stages=3), False)]
     if "--softmax" in sys.argv:
         variants += [("overlap", vh, dict(overlap=True), True), ("cut: no softmax", no_softmax, {}, True),
                      ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
