@@ -5,7 +5,7 @@ Beside it, the kernel and copies of it with one of its per-item changes undone (
 as in verify_probe.py), timed in turns by device time (profiler trace, median of rounds), with the
 Triton decode at the same batch and context for the verify/decode ratio.
 
-    python bench/verify_timeline.py [--undo] [--softmax] [--out]       (GPU)
+    python bench/verify_timeline.py [--undo] [--softmax] [--out] [--tiles] [--baseline=FILE]       (GPU)
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import sys
+import types
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,12 +90,13 @@ def main():
     # (name, kernel, options, profiled): the overlapped loop and the softmax-less copies say how much
     # of a tile's time the softmax holds, in the default loop and in the overlapped one
     # (the trace's shared memory leaves no room for a ring of three: the profiled row has two)
-    variants = [("now", vh, {}, False), ("two stages", vh, dict(stages=2), True),
-                # 192-key tiles: 2112 keys in 11 tiles (no half tile), fewer turns between the consumers
-                ("192-key tiles", vh, dict(block_kv=192), False),
-                # one CTA a head: each K/V tile read once for the head's 256 rows
-                ("128 rows a consumer, 64-key tiles", vh, dict(wg_rows=128), False),
-                ("128 rows a consumer, 64-key tiles, four stages", vh, dict(wg_rows=128, stages=4), False)]
+    variants = [("now", vh, {}, False), ("two stages", vh, dict(stages=2), True)]
+    if "--tiles" in sys.argv:  # (463c3e4's comparison)
+        # 192-key tiles: 2112 keys in 11 tiles (no half tile), fewer turns between the consumers;
+        # one CTA a head: each K/V tile read once for its 256 rows
+        variants += [("192-key tiles", vh, dict(block_kv=192), False),
+                     ("128 rows a consumer, 64-key tiles", vh, dict(wg_rows=128), False),
+                     ("128 rows a consumer, 64-key tiles, four stages", vh, dict(wg_rows=128, stages=4), False)]
     if "--out" in sys.argv:  # (0515872's comparison)
         via_queries = patched(*OUT_VIA_QUERIES)
         variants += [("two stages, output via two query buffers", via_queries, dict(stages=2), False),
@@ -102,6 +104,12 @@ def main():
     if "--softmax" in sys.argv:
         variants += [("overlap", vh, dict(overlap=True), True), ("cut: no softmax", no_softmax, {}, True),
                      ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
+    for arg in sys.argv:  # --baseline=FILE: another version of the kernel's source, side by side
+        if arg.startswith("--baseline="):
+            path = arg.split("=", 1)[1]
+            mod = types.ModuleType("verify_hopper_baseline")
+            exec(compile(open(path).read(), path, "exec"), mod.__dict__)
+            variants.insert(1, (f"baseline {os.path.basename(path)}", mod.verify_tree_hopper, {}, False))
     if "--undo" in sys.argv:
         variants += [(f"undo: {n}", patched(n, e), {}, False) for n, e in UNDO]
     fns, rows = {}, []
