@@ -61,8 +61,7 @@ CUTS = [
     ("no turn-taking (consumers run free)",
      [("        plgpu.barrier_arrive(turn)\n        plgpu.barrier_wait(turn)\n", "        pass\n"),
       ("plgpu.barrier_arrive(turn)  # softmax done", "pass  # softmax done"),
-      ("plgpu.barrier_wait(v_ready.at[slot])\n                    plgpu.barrier_wait(turn)",
-       "plgpu.barrier_wait(v_ready.at[slot])")]),
+      ("                    with jax.named_scope(\"turn wait\"):\n                        plgpu.barrier_wait(turn)\n", "")]),
 ]
 
 

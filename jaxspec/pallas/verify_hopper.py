@@ -83,7 +83,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             page_size, block_kv, half_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent,
             stage_in_ring, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue, keys_read) = scratch
+    (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
     n_work = kv_lens_ref.shape[0] * n_heads * n_qb  # work items (request, head, query block), query block fastest
     wg = lax.axis_index("wg")
@@ -209,8 +209,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             def step(i, carry, masked, width=block_kv):  # ping-pong: one consumer's softmax under the other's products
                 acc, m, l = carry
                 slot = lax.rem(base + i, stages)
-                with jax.named_scope("scores"):
-                    plgpu.barrier_wait(k_ready.at[slot])
+                with jax.named_scope("scores"):  # (the inner regions: where a consumer waits)
+                    with jax.named_scope("keys wait"):
+                        plgpu.barrier_wait(k_ready.at[slot])
                     if interpret:
                         s = qk_dot(slot, width)
                         take_turn()
@@ -218,14 +219,15 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                         def scores(acc_ref):
                             keys = k_smem.at[slot] if width == block_kv else k_smem.at[slot, pl.ds(0, width)]
                             plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(keys, (1, 0)))
-                            take_turn()
-                            return acc_ref[...]
+                            with jax.named_scope("turn wait"):
+                                take_turn()
+                            with jax.named_scope("scores wait"):
+                                return acc_ref[...]
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, width), jnp.float32))
                     if stage_in_ring:
                         last = i == n_tiles - 1
                         pl.when(~last)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
                         pl.when(last & (n + 1 < n_items))(lambda: load_q(n + 1, 0))
-                        pl.when(last & (wg == 1))(lambda: plgpu.barrier_arrive(keys_read))
                     else:
                         plgpu.barrier_arrive(k_free.at[slot])
                 with jax.named_scope("softmax"):
@@ -234,8 +236,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                     plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
                 with jax.named_scope("values"):
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(turn)
+                    with jax.named_scope("values wait"):
+                        plgpu.barrier_wait(v_ready.at[slot])
+                    with jax.named_scope("turn wait"):
+                        plgpu.barrier_wait(turn)
                     if interpret:
                         acc = pv_dot(acc, p16, slot)
                     else:
@@ -323,19 +327,18 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 if pingpong:  # consumer 1's last pass, so that every phase has its waiter
                     pl.when(wg == 0)(lambda: plgpu.barrier_wait(issue.at[0]))
             else:
+                pl.when(wg == 1)(take_turn)
                 n_full = n_tiles - half.astype(jnp.int32)  # the half tile, if any, is the last
                 carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
                 carry = lax.fori_loop(n_plain, n_full, functools.partial(step, masked=True), carry)
                 if half_kv:
                     carry = lax.fori_loop(n_full, n_tiles, functools.partial(step, masked=True, width=half_kv), carry)
                 acc, m, l = carry
+                pl.when(wg == 0)(take_turn)
             with jax.named_scope("epilogue"):
                 acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
-                # the slot's other reader is the other consumer's last scores product: consumer 1's
-                # turn before its last values product waited for consumer 0's softmax, after those
-                # scores; consumer 0 waits for consumer 1's word that its scores are in
-                if stage_in_ring:
-                    pl.when(wg == 0)(lambda: plgpu.barrier_wait(keys_read))
+                # (the other consumer's last scores product, the slot's other reader, finished before
+                # this consumer's last turn: its softmax-done arrival completed that turn's phase)
                 out_smem = (k_smem.at[last_slot, pl.ds(pl.multiple_of(wg * wg_rows, wg_rows), wg_rows)]
                             if stage_in_ring else q_smem)
                 out_smem[...] = acc.astype(out_smem.dtype)
@@ -351,13 +354,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     plgpu.barrier_arrive(k_free.at[last_slot])
             return base + n_tiles
 
-        # consumer 1 runs one turn behind consumer 0 over all the CTA's items (the turns run on from
-        # one item to the next, so that one consumer's epilogue falls in the other's softmax)
-        if not overlap:
-            pl.when(wg == 1)(take_turn)
         lax.fori_loop(0, n_items, consume, 0)
-        if not overlap:
-            pl.when(wg == 0)(take_turn)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -498,7 +495,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
             # a ring slot is free once the consumers of every CTA it was written into are done with it
             (plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2, num_barriers=stages) if cluster > 1
              else plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-            (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1, num_barriers=2), plgpu.Barrier(num_arrivals=1)),
+            (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1, num_barriers=2)),
             collective_axes="wg",
         )
 
