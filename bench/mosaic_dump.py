@@ -22,7 +22,8 @@ from jaxspec.pallas.verify_hopper import verify_tree_hopper
 from kernels import random_tree, setup
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
-VARIANTS = [("pers", dict(persistent=132)), ("pers ovl", dict(persistent=132, overlap=True))]
+VARIANTS = [("pers", dict(persistent=132)), ("pers ovl", dict(persistent=132, overlap=True)),
+            ("pers ahead", dict(persistent=132, scores_ahead=True))]
 
 
 def opcode_mix(sass: str) -> collections.Counter:
@@ -38,7 +39,10 @@ def main():
     out_root = os.path.join(os.environ.get("BENCH_OUT", "/tmp"), "mosaic_dump")
     q, k, v, pt, kv_lens, q_lens = setup(64, 64, 2048)
     mask, _ = tree_attention_mask(random_tree(64, 64), q_lens)
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--variants=")), None)
     for name, kw in VARIANTS:
+        if only and name not in only:
+            continue
         d = os.path.join(out_root, name.replace(" ", "_"))
         os.makedirs(d, exist_ok=True)
         os.environ.update(MOSAIC_GPU_DUMP_TO=d, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1")
@@ -52,7 +56,7 @@ def main():
         for f in sorted(glob.glob(os.path.join(d, "*"))):
             text = open(f, errors="replace").read()
             if "ptxas" in f:
-                print("\n".join(l for l in text.splitlines() if re.search(r"registers|spill|smem", l)))
+                print("\n".join(l for l in text.splitlines() if re.search(r"registers|spill|smem|C7\d\d\d|wgmma", l)))
             if f.endswith(".sass") or "sass" in os.path.basename(f):
                 mix = opcode_mix(text)
                 print(f"{sum(mix.values())} instructions:", ", ".join(f"{o} {n}" for o, n in mix.most_common(28)))

@@ -90,7 +90,9 @@ def main():
     # (name, kernel, options, profiled): the overlapped loop and the softmax-less copies say how much
     # of a tile's time the softmax holds, in the default loop and in the overlapped one
     # (the trace's shared memory leaves no room for a ring of three: the profiled row has two)
-    variants = [("now", vh, {}, False), ("two stages", vh, dict(stages=2), True)]
+    variants = [("now", vh, {}, False), ("scores ahead", vh, dict(scores_ahead=True), False),
+                ("two stages", vh, dict(stages=2), True),
+                ("two stages, scores ahead", vh, dict(stages=2, scores_ahead=True), True)]
     if "--tiles" in sys.argv:  # (463c3e4's comparison)
         # 192-key tiles: 2112 keys in 11 tiles (no half tile), fewer turns between the consumers;
         # one CTA a head: each K/V tile read once for its 256 rows
