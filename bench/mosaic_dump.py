@@ -35,6 +35,21 @@ def opcode_mix(sass: str) -> collections.Counter:
     return ops
 
 
+def wgmma_order(sass: str) -> list[str]:
+    """The SASS's wgmma issues, fences and waits in program order, runs of one opcode counted:
+    does a wait or fence fall between two products meant to run back to back?"""
+    seq = []
+    for line in sass.splitlines():
+        m = re.search(r"\b(HGMMA\S*|WARPGROUP\.\S+|WARPSYNC\S*)", line)
+        if m:
+            op = m.group(1).split(".")[0] if m.group(1).startswith("HGMMA") else m.group(1)
+            if seq and seq[-1][0] == op:
+                seq[-1][1] += 1
+            else:
+                seq.append([op, 1])
+    return [f"{op}x{n}" if n > 1 else op for op, n in seq]
+
+
 def main():
     out_root = os.path.join(os.environ.get("BENCH_OUT", "/tmp"), "mosaic_dump")
     q, k, v, pt, kv_lens, q_lens = setup(64, 64, 2048)
@@ -60,6 +75,7 @@ def main():
             if f.endswith(".sass") or "sass" in os.path.basename(f):
                 mix = opcode_mix(text)
                 print(f"{sum(mix.values())} instructions:", ", ".join(f"{o} {n}" for o, n in mix.most_common(28)))
+                print("wgmma order:", " ".join(wgmma_order(text)))
 
 
 if __name__ == "__main__":
