@@ -22,8 +22,7 @@ from jaxspec.pallas.verify_hopper import verify_tree_hopper
 from kernels import random_tree, setup
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
-VARIANTS = [("pers", dict(persistent=132)), ("pers ovl", dict(persistent=132, overlap=True)),
-            ("pers ahead", dict(persistent=132, scores_ahead=True))]
+VARIANTS = [("pers", dict(persistent=132)), ("pers ovl", dict(persistent=132, overlap=True))]
 
 
 def opcode_mix(sass: str) -> collections.Counter:

@@ -1,11 +1,17 @@
 """The 64-token Mosaic verify (8B heads, context 2048) inside one kernel run: Mosaic GPU's in-kernel
 profiler records each warpgroup's named regions (verify_hopper.py: scores, softmax, values,
-epilogue; the producer's page-table and slot waits) in clock cycles, and this sums them per role.
-Beside it, the kernel and copies of it with one of its per-item changes undone (UNDO, source edits
-as in verify_probe.py), timed in turns by device time (profiler trace, median of rounds), with the
-Triton decode at the same batch and context for the verify/decode ratio.
+epilogue and a consumer's waits; the producer's page-table and slot waits) in clock cycles, and
+this sums them per role (profiled rows: batch 32, rings of two tiles, for shared memory). Beside
+it, variants timed in turns by device time (profiler trace, median of 5 rounds), with the Triton
+decode at the same batch and context for the verify/decode ratio:
+  (default)         the kernel, and with a ring of two tiles
+  --undo            each of 612317c's per-item changes undone (UNDO: source edits as in verify_probe.py)
+  --out             the output through the query buffers, not the last K slot (0515872's comparison)
+  --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
+  --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
+  --baseline=FILE   another version of verify_hopper.py's source, side by side
 
-    python bench/verify_timeline.py [--undo] [--softmax] [--out] [--tiles] [--baseline=FILE]       (GPU)
+    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--baseline=FILE]       (GPU)
 """
 from __future__ import annotations
 
@@ -90,9 +96,7 @@ def main():
     # (name, kernel, options, profiled): the overlapped loop and the softmax-less copies say how much
     # of a tile's time the softmax holds, in the default loop and in the overlapped one
     # (the trace's shared memory leaves no room for a ring of three: the profiled row has two)
-    variants = [("now", vh, {}, False), ("scores ahead", vh, dict(scores_ahead=True), False),
-                ("two stages", vh, dict(stages=2), True),
-                ("two stages, scores ahead", vh, dict(stages=2, scores_ahead=True), True)]
+    variants = [("now", vh, {}, False), ("two stages", vh, dict(stages=2), True)]
     if "--tiles" in sys.argv:  # (463c3e4's comparison)
         # 192-key tiles: 2112 keys in 11 tiles (no half tile), fewer turns between the consumers;
         # one CTA a head: each K/V tile read once for its 256 rows

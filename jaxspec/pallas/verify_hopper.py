@@ -16,11 +16,16 @@ until then, so one query buffer serves and the next item's queries load during t
 that leaves room for a ring of three tiles (verify_timeline-0515872, 64 tokens: 249.1 us against
 259.5 with two tiles and the output through two query buffers, as before). A last tile of at most
 64 keys (a 64-token verify on 2048 cached keys: 16.5 tiles) is fetched and computed at half width.
-Options that did not beat the default at
-64 tokens (v30..v39): overlap (FlashAttention-3's intra-warpgroup overlap: tile i's scores and tile i - 1's
-values issued together; also with both awaited before the softmax, kernels-focus-v40 at 70acc13:
-359 us against 324), multicast (a head's two CTAs as a cluster, each page copy multicast to
-both), wg_rows=128, 64- and 192-key tiles; since removed, a share of the exponentials
+
+Options that did not beat the default at 64 tokens (v30..v39, verify_timeline-*): overlap
+(FlashAttention-3's intra-warpgroup overlap: tile i's scores and tile i - 1's values issued
+together; also with both awaited before the softmax, kernels-focus-v40 at 70acc13: 359 us against
+324), multicast (a head's two CTAs as a cluster, each page copy multicast to
+both), wg_rows=128 (463c3e4: 353 us against 249), 64- and 192-key tiles (463c3e4: 315 us); since
+removed, a tile's values and the next tile's scores issued together after the tile's softmax
+(dbf860e, f3efd70: 4% slower), the row max and sum by column halves combined first (dbf860e:
+0.4-1% slower),
+the consumers' turns running on across items (5d597e1: level), a share of the exponentials
 by polynomial on the FMA pipe (verify_probe-b19c869: 9% slower) and the queries in registers for
 the scores product (kernels-focus-v41: level).
 
@@ -30,8 +35,11 @@ product) are 0-11% faster, and by Nsight Compute's per-instruction samples a con
 about as long in its softmax as in waiting for its own two products. The two consumers' turns are
 balanced, so shortening one phase leaves the period to the other. Mosaic GPU's in-kernel profiler
 (profile_dir; verify_timeline-*) puts a consumer's 128-key tile at about 3.3k cycles: 0.7-0.9k
-issuing and awaiting its scores (the turn included), 1.3k in the softmax, 0.75-0.95k in the
-values product; without the softmax the tile still takes 3.05k.
+issuing and awaiting its scores, 1.3k in the softmax, 0.75-0.95k in the values product; without
+the softmax the tile still takes 3.05k. Its waits are short (verify_timeline-f55db9e, per tile:
+0.1k a turn, twice; 0.08-0.22k for the keys, 0.07-0.08k for the values, 0.27-0.29k for the
+scores product after issuing it): each consumer's own chain of product, softmax and product is
+what sets the pace.
 
 Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
 or two tiles hold the new tokens, whose visibility comes as two 32-bit words per query row (bit j:
@@ -81,7 +89,7 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
             page_size, block_kv, half_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent,
-            stage_in_ring, scores_ahead, interpret):
+            stage_in_ring, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
@@ -206,22 +214,6 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             def rescale(acc, alpha):
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-            def softmax_then_pass(s, i, acc, m, l, masked):
-                with jax.named_scope("softmax"):
-                    p16, m_new, l, alpha = softmax(s, i, m, l, masked)
-                    acc = rescale(acc, alpha)
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
-                return acc, m_new, l, p16
-
-            def release_keys(i, slot):  # tile i's scores are in: its K slot may be refilled
-                if stage_in_ring:  # (the last tile's slot carries the output first)
-                    last = i == n_tiles - 1
-                    pl.when(~last)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
-                    pl.when(last & (n + 1 < n_items))(lambda: load_q(n + 1, 0))
-                else:
-                    plgpu.barrier_arrive(k_free.at[slot])
-
             def step(i, carry, masked, width=block_kv):  # ping-pong: one consumer's softmax under the other's products
                 acc, m, l = carry
                 slot = lax.rem(base + i, stages)
@@ -240,8 +232,17 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                             with jax.named_scope("scores wait"):
                                 return acc_ref[...]
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, width), jnp.float32))
-                    release_keys(i, slot)
-                acc, m_new, l, p16 = softmax_then_pass(s, i, acc, m, l, masked)
+                    if stage_in_ring:
+                        last = i == n_tiles - 1
+                        pl.when(~last)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+                        pl.when(last & (n + 1 < n_items))(lambda: load_q(n + 1, 0))
+                    else:
+                        plgpu.barrier_arrive(k_free.at[slot])
+                with jax.named_scope("softmax"):
+                    p16, m_new, l, alpha = softmax(s, i, m, l, masked)
+                    acc = rescale(acc, alpha)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
                 with jax.named_scope("values"):
                     with jax.named_scope("values wait"):
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -256,60 +257,6 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                         acc = pl.run_state(values)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
-
-            def first_scores(i, carry):  # tile 0's scores, for step_ahead (a loop of one trip)
-                acc, m, l, _ = carry
-                slot = lax.rem(base, stages)
-                plgpu.barrier_wait(k_ready.at[slot])
-                if interpret:
-                    s = qk_dot(slot)
-                    take_turn()
-                else:
-                    def scores(s_ref):
-                        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                        take_turn()
-                        return s_ref[...]
-                    s = pl.run_scoped(scores, plgpu.ACC((wg_rows, block_kv), jnp.float32))
-                release_keys(0, slot)
-                return acc, m, l, s
-
-            def step_ahead(i, carry, masked, last=False):
-                """Tile i's softmax (its scores came with the step before), then tile i's values and
-                tile i + 1's scores issued back to back and awaited together. The scores' accumulator
-                is set up before either product is issued, so no register write comes between them."""
-                acc, m, l, s = carry
-                slot = lax.rem(base + i, stages)
-                acc, m_new, l, p16 = softmax_then_pass(s, i, acc, m, l, masked)
-                with jax.named_scope("values"):
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(turn)
-                    if last:  # no full tile after it
-                        if interpret:
-                            acc = pv_dot(acc, p16, slot)
-                        else:
-                            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_smem.at[slot]))(
-                                plgpu.ACC.init(acc))
-                    else:
-                        nxt = lax.rem(base + i + 1, stages)
-                        plgpu.barrier_wait(k_ready.at[nxt])
-                        if interpret:
-                            acc, s = pv_dot(acc, p16, slot), qk_dot(nxt)
-                            take_turn()
-                        else:
-                            def products(refs):
-                                acc_ref, s_out = refs
-
-                                def issue(s_ref):
-                                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[nxt], (1, 0)))
-                                    take_turn()
-                                    return s_ref[...]  # (awaits both products)
-                                s_out[...] = pl.run_scoped(issue, plgpu.ACC((wg_rows, block_kv), jnp.float32))
-                            # (s, tile i's scores, only gives the output's shape: it is dead by now)
-                            acc, s = pl.run_state(products)((plgpu.ACC.init(acc), s))
-                        release_keys(i + 1, nxt)
-                    plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l, s
 
             def step_overlapped(i, carry, masked):
                 """Tile i's scores and tile i - 1's values go to the tensor cores together; tile i's
@@ -390,20 +337,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             else:
                 pl.when(wg == 1)(take_turn)
                 n_full = n_tiles - half.astype(jnp.int32)  # the half tile, if any, is the last
-                if scores_ahead:
-                    # loops of trip count 0 or 1 stand for conditionals: the first tile's scores, then
-                    # tiles whose successor is a full tile, then the last full tile
-                    n_ahead = jnp.maximum(n_full - 1, 0)
-                    split = jnp.minimum(n_plain, n_ahead)
-                    s0 = laid_out(jnp.zeros((wg_rows, block_kv), jnp.float32), plgpu.Layout.WGMMA)
-                    carry = lax.fori_loop(0, jnp.minimum(n_full, 1), first_scores, (acc, m, l, s0))
-                    carry = lax.fori_loop(0, split, functools.partial(step_ahead, masked=False), carry)
-                    carry = lax.fori_loop(split, n_ahead, functools.partial(step_ahead, masked=True), carry)
-                    carry = lax.fori_loop(n_ahead, n_full, functools.partial(step_ahead, masked=True, last=True),
-                                          carry)[:3]
-                else:
-                    carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
-                    carry = lax.fori_loop(n_plain, n_full, functools.partial(step, masked=True), carry)
+                carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
+                carry = lax.fori_loop(n_plain, n_full, functools.partial(step, masked=True), carry)
                 if half_kv:
                     carry = lax.fori_loop(n_full, n_tiles, functools.partial(step, masked=True, width=half_kv), carry)
                 acc, m, l = carry
@@ -490,12 +425,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
-                                             "multicast", "persistent", "scores_ahead", "interpret", "profile_dir",
-                                             "profile_space"))
+                                             "multicast", "persistent", "interpret", "profile_dir", "profile_space"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=None, wg_rows=None, grid_order="bhq", overlap=False,
-                       pingpong=True, multicast=False, persistent=0, scores_ahead=False, interpret=False,
-                       profile_dir=None,
+                       pingpong=True, multicast=False, persistent=0, interpret=False, profile_dir=None,
                        profile_space=0):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
@@ -558,8 +491,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, half_kv=half_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
-                                     persistent=persistent, stage_in_ring=stage_in_ring,
-                                     scores_ahead=scores_ahead, interpret=interpret),
+                                     persistent=persistent, stage_in_ring=stage_in_ring, interpret=interpret),
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
