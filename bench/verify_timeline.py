@@ -10,8 +10,9 @@ decode at the same batch and context for the verify/decode ratio:
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
+  --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
-    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--baseline=FILE]       (GPU)
+    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--baseline=FILE] [--cuts=A,B]   (GPU)
 """
 from __future__ import annotations
 
@@ -116,6 +117,11 @@ def main():
             mod = types.ModuleType("verify_hopper_baseline")
             exec(compile(open(path).read(), path, "exec"), mod.__dict__)
             variants.insert(1, (f"baseline {os.path.basename(path)}", mod.verify_tree_hopper, {}, False))
+    for arg in sys.argv:  # --cuts=A,B: verify_probe's CUTS whose names start so, timed beside the kernel
+        if arg.startswith("--cuts="):
+            keep = tuple(arg.split("=", 1)[1].split(","))
+            variants += [(f"cut: {name}", patched(name, edits), {}, False) for name, edits in CUTS
+                         if name.startswith(keep)]
     if "--undo" in sys.argv:
         variants += [(f"undo: {n}", patched(n, e), {}, False) for n, e in UNDO]
     fns, rows = {}, []
