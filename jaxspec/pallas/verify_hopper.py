@@ -37,7 +37,7 @@ balanced, so shortening one phase leaves the period to the other. Mosaic GPU's i
 (profile_dir; verify_timeline-*) puts a consumer's 128-key tile at about 3.3k cycles: 0.7-0.9k
 issuing and awaiting its scores, 1.3k in the softmax, 0.75-0.95k in the values product; without
 the softmax the tile still takes 3.05k. Its waits are short (verify_timeline-f55db9e, per tile:
-0.1k a turn, twice; 0.08-0.22k for the keys, 0.07-0.08k for the values, 0.27-0.29k for the
+0.10-0.14k a turn, twice; 0.08-0.22k for the keys, 0.07-0.08k for the values, 0.27-0.29k for the
 scores product after issuing it): each consumer's own chain of product, softmax and product is
 what sets the pace.
 
