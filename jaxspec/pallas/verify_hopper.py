@@ -379,7 +379,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             for j in range(pages_per_tile):
                 p = tile * pages_per_tile + j
                 page = pt[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]
-                copy = functools.partial(plgpu.copy_gmem_to_smem, cache_ref.at[layer, pl.ds(page * page_size, page_size), h],
+                copy = functools.partial(plgpu.copy_gmem_to_smem,
+                                         cache_ref.at[layer, pl.ds(page * page_size, page_size), h],
                                          smem.at[slot, pl.ds(j * page_size, page_size)], ready.at[slot],
                                          collective_axes="c" if cluster > 1 else None)
                 if j < half_pages:
@@ -434,9 +435,10 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
     [B, T, T] bool, or None for a chain (causal). By default two consumers of 64 query rows take
-    128-key tiles in a ring of `stages` (None: three where they fit in shared memory, else two); wg_rows=128 (64-key tiles: registers) reads a 64-token
-    tree's K/V once a head instead of twice, but the CTAs of one head run side by side and share
-    its pages in L2 (kernels-focus-v30: 393-401 us against 441-445 at 64 tokens). overlap: the
+    128-key tiles in a ring of `stages` (None: three where they fit in shared memory, else two);
+    wg_rows=128 (64-key tiles: registers) reads a 64-token tree's K/V once a head instead of twice,
+    but the CTAs of one head run side by side and share its pages in L2 (kernels-focus-v30: 393-401
+    us against 441-445 at 64 tokens; verify_timeline-463c3e4: 353 us against 249). overlap: the
     intra-warpgroup overlapped loop, its issues passed between the consumers unless pingpong=False
     (v36: level with the default at 16 and 32 tokens, 11% slower at 64). multicast: a head's CTAs
     paired in clusters, each page fetched once for both (v35: 4% slower at 64 tokens; GPU only).
