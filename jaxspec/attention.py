@@ -40,7 +40,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     mosaic = impl == "mosaic" or (impl == "auto" and on_gpu and kernel_wins(q) and on_hopper())
     if mosaic and q.shape[1] > 1:
         from jaxspec.pallas import verify_hopper
-        if verify_hopper.supports(q, k_pages, tree_mask):
+        if verify_hopper.supports(q, k_pages, tree_mask, pages_per_seq=page_table.shape[1]):
             # persistent CTAs, one an SM: faster than a CTA an item in each of 15 comparisons
             # (kernels-focus-v37..v39: 16-64 tokens, contexts 1k-4k)
             n_sm = getattr(jax.devices()[0], "core_count", 0) if on_gpu else 0

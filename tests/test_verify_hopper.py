@@ -72,7 +72,12 @@ def test_verify_tree_hopper_declines_what_it_cannot_run():
     assert not supports(q.astype(jnp.float32), pages.astype(jnp.float32), None)  # float32: Triton's IEEE dots
     assert not supports(jnp.zeros((2, 65, 8, 128), jnp.bfloat16), pages, None)  # > 64 tokens: two bit words
     assert not supports(q, jnp.zeros((1, 4, 4, 2, 128), jnp.bfloat16), None)  # pages under TMA's 8-row tile
+    # page-table rows too long for shared memory beside the ring (a 2M-token context in pages of 16)
+    assert supports(q, pages, None, pages_per_seq=1024)
+    assert not supports(q, pages, None, pages_per_seq=1 << 17)
     lens = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        verify_tree_hopper(q, pages, pages, 0, jnp.zeros((2, 1 << 17), jnp.int32), lens, lens, interpret=True)
     with pytest.raises(ValueError, match="multicast pairs a head's CTAs"):  # 16 tokens x GQA 4: one CTA a head
         verify_tree_hopper(q, pages, pages, 0, jnp.zeros((2, 4), jnp.int32), lens, lens, multicast=True)
 
@@ -92,7 +97,10 @@ def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypa
     for t, dtype in ((16, jnp.bfloat16), (1, jnp.bfloat16), (16, jnp.float32)):
         q = jnp.zeros((2, t, 8, 128), dtype)
         attention.paged_attention(q, pages.astype(dtype), pages.astype(dtype), 0, pt, lens, lens, impl="mosaic")
-    assert calls == ["mosaic", "triton", "triton"]
+    # page-table rows too long for the Mosaic kernel's shared memory: Triton's
+    attention.paged_attention(q.astype(jnp.bfloat16), pages, pages, 0, jnp.zeros((2, 1 << 17), jnp.int32), lens, lens,
+                              impl="mosaic")
+    assert calls == ["mosaic", "triton", "triton", "triton"]
     # 'auto' takes it on a Hopper GPU at batch >= 8, and the reference below that batch
     calls.clear()
     monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")

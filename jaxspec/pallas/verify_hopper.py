@@ -68,14 +68,28 @@ SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
 SMEM_SLACK = 1024  # barriers and alignment
 
 
-def supports(q, k_pages, tree_mask, softcap=None, block_kv=None) -> bool:
+def supports(q, k_pages, tree_mask, softcap=None, block_kv=None, pages_per_seq=0) -> bool:
     """Shapes this kernel takes: trees (or chains) of at most 64 tokens, bf16/f16, head_dim 64 or
-    128, pages that tile a K/V block (8 rows and up: TMA's tile; by default blocks of 64 and 128)."""
+    128, pages that tile a K/V block (8 rows and up: TMA's tile; by default blocks of 64 and 128),
+    and page-table rows of pages_per_seq that fit in shared memory beside a ring of two tiles."""
     b, t, hq, d = q.shape
     ps = k_pages.shape[2]
+    kv = 128 if block_kv is None else block_kv
     return (softcap is None and t <= 64 and d in (64, 128)
             and q.dtype in (jnp.bfloat16, jnp.float16) and k_pages.dtype == q.dtype
-            and ps >= 8 and all(kv % ps == 0 for kv in ((64, 128) if block_kv is None else (block_kv,))))
+            and ps >= 8 and all(kv % ps == 0 for kv in ((64, 128) if block_kv is None else (block_kv,)))
+            and _smem_bytes(kv, d, q.dtype.itemsize, 64, _table_width(pages_per_seq, kv // ps), 2, 1) <= SMEM_BYTES)
+
+
+def _table_width(pages_per_seq, pages_per_tile):  # a page-table row, padded to whole 128-byte rows
+    lanes = max(PT_LANES, pages_per_tile)
+    return -(-pages_per_seq // lanes) * lanes
+
+
+def _smem_bytes(block_kv, d, itemsize, wg_rows, width, stages, q_bufs, profile_space=0):
+    """Shared memory: the K/V ring, the query buffers, two page-table rows, the profiler's trace."""
+    return (2 * stages * block_kv * d * itemsize + q_bufs * 2 * wg_rows * d * itemsize + 2 * width * 4
+            + 3 * 16 * profile_space + SMEM_SLACK)
 
 
 def _row_words(tree_mask, b, t, t_pad, rows_padded):
@@ -466,16 +480,15 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         raise ValueError("persistent CTAs take items one at a time: no multicast clusters")
     persistent = min(persistent, b * hkv * n_qb)  # no CTA without an item
     pages_per_tile = block_kv // ps
-    lanes = max(PT_LANES, pages_per_tile)
-    width = -(-page_table.shape[1] // lanes) * lanes
-    # shared memory: the K/V ring, the query buffers, two page-table rows (and the profiler's trace)
-    tile_bytes, q_buf_bytes = block_kv * d * q.dtype.itemsize, 2 * wg_rows * d * q.dtype.itemsize
-    fixed_bytes = 2 * width * 4 + 3 * 16 * profile_space + SMEM_SLACK
+    width = _table_width(page_table.shape[1], pages_per_tile)
+    smem = functools.partial(_smem_bytes, block_kv, d, q.dtype.itemsize, wg_rows, width, profile_space=profile_space)
     stage_in_ring = not overlap and 2 * wg_rows <= block_kv
     if stages is None:  # three tiles in flight where they fit beside one query buffer
-        stages = 3 if 6 * tile_bytes + q_buf_bytes + fixed_bytes <= SMEM_BYTES else 2
-    q_bufs = 2 if (persistent and not stage_in_ring
-                   and 2 * stages * tile_bytes + 2 * q_buf_bytes + fixed_bytes <= SMEM_BYTES) else 1
+        stages = 3 if smem(3, 1) <= SMEM_BYTES else 2
+    q_bufs = 2 if persistent and not stage_in_ring and smem(stages, 2) <= SMEM_BYTES else 1
+    if smem(stages, q_bufs) > SMEM_BYTES:
+        raise ValueError(f"verify_tree_hopper: {smem(stages, q_bufs)} bytes of shared memory needed (a ring of {stages} "
+                         f"{block_kv}-key tiles, page-table rows of {page_table.shape[1]} pages), over {SMEM_BYTES}")
     # the last tile at half width where it holds at most 64 keys (the default loop, 128-key tiles:
     # 64 is wgmma's least key count for P from registers with 128-byte swizzled V)
     half_kv = 64 if block_kv == 128 and not overlap and cluster == 1 else 0
