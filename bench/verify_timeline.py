@@ -20,7 +20,6 @@ import glob
 import json
 import os
 import sys
-import types
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,11 +91,9 @@ def main():
     q, k, v, pt, kv_lens, q_lens = setup(b, t, ctx)
     mask, _ = tree_attention_mask(random_tree(b, t), q_lens)
     ref = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))(q, k, v)
-    no_softmax = patched(*next(c for c in CUTS if c[0].startswith("no softmax")))
     vh = verify_hopper.verify_tree_hopper
-    # (name, kernel, options, profiled): the overlapped loop and the softmax-less copies say how much
-    # of a tile's time the softmax holds, in the default loop and in the overlapped one
-    # (the trace's shared memory leaves no room for a ring of three: the profiled row has two)
+    # (name, kernel, options, profiled); the trace's shared memory leaves no room for a ring of
+    # three tiles: the profiled rows have two
     variants = [("now", vh, {}, False), ("two stages", vh, dict(stages=2), True)]
     if "--tiles" in sys.argv:  # (463c3e4's comparison)
         # 192-key tiles: 2112 keys in 11 tiles (no half tile), fewer turns between the consumers;
@@ -108,15 +105,14 @@ def main():
         via_queries = patched(*OUT_VIA_QUERIES)
         variants += [("two stages, output via two query buffers", via_queries, dict(stages=2), False),
                      ("three stages, output via one query buffer", via_queries, dict(stages=3), False)]
-    if "--softmax" in sys.argv:
+    if "--softmax" in sys.argv:  # how much of a tile's time the softmax holds, in either loop
+        no_softmax = patched(*next(c for c in CUTS if c[0].startswith("no softmax")))
         variants += [("overlap", vh, dict(overlap=True), True), ("cut: no softmax", no_softmax, {}, True),
                      ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
     for arg in sys.argv:  # --baseline=FILE: another version of the kernel's source, side by side
         if arg.startswith("--baseline="):
             path = arg.split("=", 1)[1]
-            mod = types.ModuleType("verify_hopper_baseline")
-            exec(compile(open(path).read(), path, "exec"), mod.__dict__)
-            variants.insert(1, (f"baseline {os.path.basename(path)}", mod.verify_tree_hopper, {}, False))
+            variants.insert(1, (f"baseline {os.path.basename(path)}", patched(path, [], path), {}, False))
     for arg in sys.argv:  # --cuts=A,B: verify_probe's CUTS whose names start so, timed beside the kernel
         if arg.startswith("--cuts="):
             keep = tuple(arg.split("=", 1)[1].split(","))
@@ -164,9 +160,11 @@ def main():
         except Exception as e:  # noqa: BLE001 - report and go on
             timeline[name] = f"{type(e).__name__}: {str(e)[:400]}"
         print(name, json.dumps(timeline[name], indent=1))
-    print(write_results("verify_timeline", rows, {"timing": "device time: median of 5 rounds in turns, each a "
-                                                  "profiler trace of 10 calls", "undo": {n: e for n, e in UNDO},
-                                                  "timeline_batch32": timeline}))
+    extra = {"timing": "device time: median of 5 rounds in turns, each a profiler trace of 10 calls",
+             "timeline_batch32": timeline}
+    if "--undo" in sys.argv:
+        extra["undo"] = {n: e for n, e in UNDO}
+    print(write_results("verify_timeline", rows, extra))
 
 
 if __name__ == "__main__":

@@ -181,11 +181,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             n_plain = lax.div(kv_len, block_kv)  # tiles wholly inside the cached prefix: no mask
             buf = lax.rem(n, n_bufs)
             last_slot = lax.rem(base + n_tiles - 1, stages)
-            if stage_in_ring:
-                pass  # the next queries load once the last tile's scores are in
-            elif n_bufs > 1:  # the other buffer's output went out at the end of item n - 1
+            # (with the output through the ring, the next queries load once the last scores are in)
+            if not stage_in_ring and n_bufs > 1:  # the other buffer's output went out at the end of item n - 1
                 pl.when(n + 1 < n_items)(lambda: load_q(n + 1, 1 - buf))
-            else:
+            elif not stage_in_ring:
                 pl.when(n > 0)(lambda: load_q(n, 0))
             q_smem = q_smem_bufs.at[buf, wg]
             row0, heads = heads_of(qb)
