@@ -6,14 +6,13 @@ it, variants timed in turns by device time (profiler trace, median of 5 rounds),
 decode at the same batch and context for the verify/decode ratio:
   (default)         the kernel, and with a ring of two tiles
   --undo            each of 612317c's per-item changes undone (UNDO: source edits as in verify_probe.py)
-  --defer           the output's deferral into the next item, and its reciprocal, undone (DEFER)
   --out             the output through the query buffers, not the last K slot (0515872's comparison)
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
-    python bench/verify_timeline.py [--undo] [--defer] [--out] [--softmax] [--tiles] [--baseline=FILE] [--cuts=A,B]   (GPU)
+    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--baseline=FILE] [--cuts=A,B]   (GPU)
 """
 from __future__ import annotations
 
@@ -47,11 +46,6 @@ UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
 # the output through the query buffer (two of them where they fit), not the last tile's K slot
 OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
                                                          "stage_in_ring = False")])
-# this stop's changes undone: the output written at the end of its own item, not inside the next
-# item's first tile; the normalisation by division
-DEFER = [("epilogue in place", [("defer_out = stage_in_ring", "defer_out = False")]),
-         ("division", [("acc = acc * lax.broadcast_in_dim(1.0 / jnp.maximum(l, 1e-30), acc.shape, [0])",
-                        "acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])")])]
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 
@@ -126,9 +120,6 @@ def main():
                          if name.startswith(keep)]
     if "--undo" in sys.argv:
         variants += [(f"undo: {n}", patched(n, e), {}, False) for n, e in UNDO]
-    if "--defer" in sys.argv:  # each undone; the first also profiled
-        variants += [(f"undo: {n}", patched(n, e), {}, False) for n, e in DEFER]
-        variants.append((f"undo: {DEFER[0][0]}, two stages", patched(*DEFER[0]), dict(stages=2), True))
     fns, rows = {}, []
     for name, fn, kw, _ in variants:
         f = jax.jit(lambda q, k, v, fn=fn, kw=kw: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, persistent=n_sm, **kw))
@@ -173,8 +164,6 @@ def main():
              "timeline_batch32": timeline}
     if "--undo" in sys.argv:
         extra["undo"] = {n: e for n, e in UNDO}
-    if "--defer" in sys.argv:
-        extra["undo"] = {**extra.get("undo", {}), **{n: e for n, e in DEFER}}
     print(write_results("verify_timeline", rows, extra))
 
 

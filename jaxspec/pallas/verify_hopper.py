@@ -126,9 +126,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         n_tiles = jnp.maximum(lax.div(kv_len + q_len + (block_kv - 1), block_kv), 1)
         # a last tile of at most half_kv keys is computed (and fetched) at half width: a 64-token
         # verify on 2048 cached keys has 16.5 tiles of work, not 17
-        # (never tile 0, which the default loop computes apart, at full width)
         half = ((kv_len + q_len - (n_tiles - 1) * block_kv <= half_kv) & (n_tiles - 1 >= lax.div(kv_len, block_kv))
-                & (n_tiles > 1) if half_kv else jnp.bool_(False))
+                if half_kv else jnp.bool_(False))
         return b, h, qb, kv_len, q_len, n_tiles, half
 
     pages_per_tile = block_kv // page_size
@@ -177,35 +176,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
         load_q(0, 0)
         wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
-        def epilogue(n, acc, l, slot):
-            """Item n's output, normalised, out through this consumer's half of K slot `slot` (the
-            item's last tile; released once the copy has read it) or through the query buffer."""
-            b, h, qb = item(n)[:3]
-            with jax.named_scope("epilogue"):
-                with jax.named_scope("normalize"):  # (a reciprocal a row, not a division an element)
-                    acc = acc * lax.broadcast_in_dim(1.0 / jnp.maximum(l, 1e-30), acc.shape, [0])
-                out_smem = (k_smem.at[slot, pl.ds(pl.multiple_of(wg * wg_rows, wg_rows), wg_rows)]
-                            if stage_in_ring else q_smem_bufs.at[lax.rem(n, n_bufs), wg])
-                out_smem[...] = acc.astype(out_smem.dtype)
-                plgpu.commit_smem()
-                for i, j in enumerate(heads_of(qb)[1]):
-                    @pl.when(j < group)
-                    def _():
-                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
-                # only the buffer's reads before it is reused; the writes to device memory are
-                # awaited once, at the end
-                with jax.named_scope("out wait"):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                if stage_in_ring:
-                    plgpu.barrier_arrive(k_free.at[slot])
-
-        # defer_out: item n's epilogue runs inside item n + 1's first tile, between the consumer's
-        # scores issue and its turn, so that it overlaps that product and the other consumer's work
-        # instead of holding the tensor cores idle between items (the slot it writes stays held)
-        defer_out = stage_in_ring
-
-        def consume(n, carry):  # item n; base: tiles the ring has carried before it
-            base, acc_prev, l_prev = carry
+        def consume(n, base):  # item n; base: tiles the ring has carried before it
             b, h, qb, kv_len, q_len, n_tiles, half = item(n)
             n_plain = lax.div(kv_len, block_kv)  # tiles wholly inside the cached prefix: no mask
             buf = lax.rem(n, n_bufs)
@@ -216,7 +187,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             elif not stage_in_ring:
                 pl.when(n > 0)(lambda: load_q(n, 0))
             q_smem = q_smem_bufs.at[buf, wg]
-            row0 = heads_of(qb)[0]
+            row0, heads = heads_of(qb)
             # each row's words straight from device memory into registers (no shared memory to spare)
             words = [words_ref.at[b, i, pl.ds(row0, wg_rows)] for i in range(2)]
             if interpret:  # the interpreter has no layouts (nor plgpu.load)
@@ -256,29 +227,21 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             def rescale(acc, alpha):
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-            def step(i, carry, masked, width=block_kv, between=None):
-                """Ping-pong: one consumer's softmax under the other's products. between: run after
-                issuing the scores product, before awaiting the turn."""
+            def step(i, carry, masked, width=block_kv):  # ping-pong: one consumer's softmax under the other's products
                 acc, m, l = carry
                 slot = lax.rem(base + i, stages)
                 with jax.named_scope("scores"):  # (the inner regions: where a consumer waits)
                     with jax.named_scope("keys wait"):
                         plgpu.barrier_wait(k_ready.at[slot])
-                    def turn_after_issue():
-                        plgpu.barrier_arrive(turn)
-                        if between is not None:
-                            between()
-                        with jax.named_scope("turn wait"):
-                            plgpu.barrier_wait(turn)
-
                     if interpret:
                         s = qk_dot(slot, width)
-                        turn_after_issue()
+                        take_turn()
                     else:
                         def scores(acc_ref):
                             keys = k_smem.at[slot] if width == block_kv else k_smem.at[slot, pl.ds(0, width)]
                             plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(keys, (1, 0)))
-                            turn_after_issue()
+                            with jax.named_scope("turn wait"):
+                                take_turn()
                             with jax.named_scope("scores wait"):
                                 return acc_ref[...]
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, width), jnp.float32))
@@ -386,33 +349,33 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     pl.when(wg == 0)(lambda: plgpu.barrier_wait(issue.at[0]))
             else:
                 pl.when(wg == 1)(take_turn)
-                n_full = n_tiles - half.astype(jnp.int32)  # the half tile, if any, is the last (not tile 0)
-                between = None
-                if defer_out:
-                    prev_slot = lax.rem(base + stages - 1, stages)
-                    between = lambda: pl.when(n > 0)(lambda: epilogue(n - 1, acc_prev, l_prev, prev_slot))  # noqa: E731
-                # tile 0 apart (masked: it may hold new tokens), for the previous item's output
-                carry = step(0, (acc, m, l), masked=True, between=between)
-                first_masked = jnp.maximum(n_plain, 1)
-                carry = lax.fori_loop(1, first_masked, functools.partial(step, masked=False), carry)
-                carry = lax.fori_loop(first_masked, n_full, functools.partial(step, masked=True), carry)
+                n_full = n_tiles - half.astype(jnp.int32)  # the half tile, if any, is the last
+                carry = lax.fori_loop(0, n_plain, functools.partial(step, masked=False), (acc, m, l))
+                carry = lax.fori_loop(n_plain, n_full, functools.partial(step, masked=True), carry)
                 if half_kv:
                     carry = lax.fori_loop(n_full, n_tiles, functools.partial(step, masked=True, width=half_kv), carry)
                 acc, m, l = carry
                 pl.when(wg == 0)(take_turn)
-            # (into the last K slot: the other consumer's last scores product, the slot's other
-            # reader, finished before this consumer's last turn: its softmax-done arrival completed
-            # that turn's phase)
-            if defer_out:
-                return base + n_tiles, acc, l
-            epilogue(n, acc, l, last_slot)
-            return base + n_tiles, acc_prev, l_prev
+            with jax.named_scope("epilogue"):
+                acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+                # (the other consumer's last scores product, the slot's other reader, finished before
+                # this consumer's last turn: its softmax-done arrival completed that turn's phase)
+                out_smem = (k_smem.at[last_slot, pl.ds(pl.multiple_of(wg * wg_rows, wg_rows), wg_rows)]
+                            if stage_in_ring else q_smem)
+                out_smem[...] = acc.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                for i, j in enumerate(heads):
+                    @pl.when(j < group)
+                    def _():
+                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(i * t_pad, t_pad)], o_ref.at[b, :, h * group + j])
+                # only the buffer's reads before it is reused; the writes to device memory are
+                # awaited once, at the end
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                if stage_in_ring:
+                    plgpu.barrier_arrive(k_free.at[last_slot])
+            return base + n_tiles
 
-        zeros = (laid_out(jnp.full((wg_rows, q_smem_bufs.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA),
-                 laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows))
-        total, acc, l = lax.fori_loop(0, n_items, consume, (0, *zeros))
-        if defer_out:  # the last item's output
-            pl.when(n_items > 0)(lambda: epilogue(n_items - 1, acc, l, lax.rem(total + stages - 1, stages)))
+        lax.fori_loop(0, n_items, consume, 0)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
