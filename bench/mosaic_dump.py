@@ -1,7 +1,8 @@
 """What ptxas made of the Mosaic GPU verify kernel: registers, spills and the SASS of each variant
 at the kernel bench's 64-token shape (batch 64, 2k context, 8B heads), through Mosaic GPU's dump
 switches. Prints each variant's ptxas report and the instruction mix of its SASS (by opcode); the
-files go to $BENCH_OUT/mosaic_dump/<variant>/ for reading.
+files go to $BENCH_OUT/mosaic_dump/<variant>/ for reading, and all of them (the PTX too) into
+$BENCH_OUT/mosaic_dump.tar.gz.
 
     python bench/mosaic_dump.py        (GPU; ptxas and nvdisasm from the CUDA install JAX uses)
 """
@@ -11,6 +12,7 @@ import collections
 import glob
 import os
 import re
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -59,12 +61,12 @@ def main():
             continue
         d = os.path.join(out_root, name.replace(" ", "_"))
         os.makedirs(d, exist_ok=True)
-        os.environ.update(MOSAIC_GPU_DUMP_TO=d, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1")
+        os.environ.update(MOSAIC_GPU_DUMP_TO=d, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTX="1")
         try:
             jax.block_until_ready(verify_tree_hopper(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
         except Exception as e:  # noqa: BLE001 - report and go on to the next variant
             print(f"{name}: {type(e).__name__}: {str(e)[:400]}")
-        for key in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS"):
+        for key in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTX"):
             os.environ.pop(key)
         print(f"== {name} {kw}: {sorted(os.listdir(d))}")
         for f in sorted(glob.glob(os.path.join(d, "*"))):
@@ -75,6 +77,10 @@ def main():
                 mix = opcode_mix(text)
                 print(f"{sum(mix.values())} instructions:", ", ".join(f"{o} {n}" for o, n in mix.most_common(28)))
                 print("wgmma order:", " ".join(wgmma_order(text)))
+    # the PTX (and SASS where nvdisasm exists) in one archive: a device's $OUT returns few files;
+    # without nvdisasm there, `ptxas -arch=sm_90a` and `nvdisasm` from NVIDIA's pip wheels
+    # (nvidia-cuda-nvcc-cu12, nvidia-cuda-nvdisasm) disassemble the PTX elsewhere
+    shutil.make_archive(out_root, "gztar", out_root)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
 
 PT_LANES = 32  # page-table row staged as [width / 32, 32]: 128-byte TMA rows
 SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
-SMEM_SLACK = 1024  # barriers and alignment
+SMEM_SLACK = 512  # barriers (8 bytes each; 19 in the default ring), with room to spare
 
 
 def supports(q, k_pages, tree_mask, softcap=None, block_kv=None, pages_per_seq=0) -> bool:
@@ -87,9 +87,12 @@ def _table_width(pages_per_seq, pages_per_tile):  # a page-table row, padded to 
 
 
 def _smem_bytes(block_kv, d, itemsize, wg_rows, width, stages, q_bufs, profile_space=0):
-    """Shared memory: the K/V ring, the query buffers, two page-table rows, the profiler's trace."""
-    return (2 * stages * block_kv * d * itemsize + q_bufs * 2 * wg_rows * d * itemsize + 2 * width * 4
-            + 3 * 16 * profile_space + SMEM_SLACK)
+    """Shared memory as Mosaic GPU lays it out, each buffer in whole KiB: the K/V ring, the query
+    buffers, the page-table row, the consumers' row sums (bf16); the profiler's trace; barriers."""
+    def kib(n):
+        return -(-n // 1024) * 1024
+    return (2 * kib(stages * block_kv * d * itemsize) + kib(q_bufs * 2 * wg_rows * d * itemsize) + kib(width * 4)
+            + kib(2 * wg_rows * 2) + 3 * 16 * profile_space + SMEM_SLACK)
 
 
 def _row_words(tree_mask, b, t, t_pad, rows_padded):
@@ -105,7 +108,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             page_size, block_kv, half_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent,
             stage_in_ring, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
+    (q_smem_bufs, k_smem, v_smem, pt_smem, l_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
     n_work = kv_lens_ref.shape[0] * n_heads * n_qb  # work items (request, head, query block), query block fastest
     wg = lax.axis_index("wg")
@@ -255,6 +258,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     p16, m_new, l, alpha = softmax(s, i, m, l, masked)
                     acc = rescale(acc, alpha)
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    # ptxas moves register work across a barrier arrival (the optimisation barrier
+                    # fences LLVM only): it put this arrival above the exponentials, and the two
+                    # consumers' softmaxes ran together. The arrival's release must follow this
+                    # store of the row sums, and the store their exponentials: the softmax stays first
+                    l_smem[wg] = l.astype(l_smem.dtype)
                     plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
                 with jax.named_scope("values"):
                     with jax.named_scope("values wait"):
@@ -402,20 +410,18 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     pl.when(~half_tile)(copy)
                     pl.when(half_tile)(lambda: plgpu.barrier_arrive(ready.at[slot]))
 
-        # each request's page-table row goes into shared memory (a page number read from device
-        # memory per copy would put a global load's latency in front of every page's TMA), the
-        # next item's while this item's tiles go out
-        def load_page_table(n):
-            plgpu.copy_gmem_to_smem(pt_ref.at[item(n)[0]], pt_smem.at[lax.rem(n, 2)], pt_ready.at[lax.rem(n, 2)])
-
-        load_page_table(0)
-
         def produce(n, base):  # item n's tiles into ring slots base, base + 1, ... (mod stages)
             b, h, _, _, _, n_tiles, half = item(n)
-            pl.when(n + 1 < n_items)(lambda: load_page_table(n + 1))
+            # the request's page-table row goes into shared memory (a page number read from device
+            # memory per copy would put a global load's latency in front of every page's TMA). One
+            # buffer: a second, loading the next item's row during this item's tiles, measured level
+            # (verify_timeline-612317c), and its KiB holds the consumers' row sums. The fence orders
+            # the last item's reads of the row before the copy over it
+            plgpu.commit_smem()
+            plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_ready)
             with jax.named_scope("page table"):
-                plgpu.barrier_wait(pt_ready.at[lax.rem(n, 2)])
-            pt = pt_smem.at[lax.rem(n, 2)]
+                plgpu.barrier_wait(pt_ready)
+            pt = pt_smem
 
             @pl.loop(0, n_tiles)
             def _(tile):
@@ -509,11 +515,12 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
-             plgpu.SMEM((2, width // PT_LANES, PT_LANES), jnp.int32)),
+             plgpu.SMEM((width // PT_LANES, PT_LANES), jnp.int32),
+             plgpu.SMEM((2, wg_rows), jnp.bfloat16)),
             (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=2 * q_bufs),
-             plgpu.Barrier(num_arrivals=1, num_barriers=2)),
+             plgpu.Barrier(num_arrivals=1)),
             # a ring slot is free once the consumers of every CTA it was written into are done with it
             (plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2, num_barriers=stages) if cluster > 1
              else plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
