@@ -6,15 +6,18 @@ it, variants timed in turns by device time (profiler trace, median of 5 rounds),
 decode at the same batch and context for the verify/decode ratio:
   (default)         the kernel, and with a ring of two tiles
   --undo            each of 612317c's per-item changes undone (UNDO: source edits as in verify_probe.py)
-  --fence           without the row sums' store that keeps the softmax before its turn's arrival;
-                    turns at the scores issue only (TURNS), with and without it
   --out             the output through the query buffers, not the last K slot (0515872's comparison)
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
-    python bench/verify_timeline.py [--undo] [--fence] [--out] [--softmax] [--tiles] [--baseline=FILE] [--cuts=A,B]   (GPU)
+(verify_timeline-bf75a55 ran a --fence flag at bf75a55, a kernel since reverted whose consumers
+stored their row sums to shared memory before the softmax-done arrival: with that store taken out,
+and with the turns at the scores issue alone; verify_timeline-4841fba ran --defer at 4841fba, also
+reverted.)
+
+    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--baseline=FILE] [--cuts=A,B]   (GPU)
 """
 from __future__ import annotations
 
@@ -41,14 +44,10 @@ UNDO = [  # (name, edits): the kernel as it was before each change
     ("last tile at full width", [("half_kv = 64 if block_kv == 128", "half_kv = 0 if block_kv == 128")]),
     ("output writes awaited each item", [("plgpu.wait_smem_to_gmem(0, wait_read_only=True)",
                                           "plgpu.wait_smem_to_gmem(0)")]),
-]  # (612317c's third, the next item's page-table row loaded ahead, went with its second buffer)
-UNDO.append(("both undone", [e for _, edits in UNDO for e in edits]))
-# the row sums' store that keeps each consumer's softmax before its turn's arrival, taken out
-FENCE = ("no row-sum store before the softmax's arrival", [("                    l_smem[wg] = l.astype(l_smem.dtype)\n", "")])
-# the consumers' turns at the scores issue alone: no softmax-done arrival, no wait before the values
-TURNS = ("turns at the scores issue only", [
-    ("                    plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores\n", ""),
-    ('                    with jax.named_scope("turn wait"):\n                        plgpu.barrier_wait(turn)\n', "")])
+    ("page table loaded in line", [("        load_page_table(0)\n", ""),
+                                   ("pl.when(n + 1 < n_items)(lambda: load_page_table(n + 1))", "load_page_table(n)")]),
+]
+UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
 # the output through the query buffer (two of them where they fit), not the last tile's K slot
 OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
                                                          "stage_in_ring = False")])
@@ -126,10 +125,6 @@ def main():
                          if name.startswith(keep)]
     if "--undo" in sys.argv:
         variants += [(f"undo: {n}", patched(n, e), {}, False) for n, e in UNDO]
-    if "--fence" in sys.argv:  # (this stop's comparison), also profiled
-        variants += [(FENCE[0], patched(*FENCE), {}, False), (f"{FENCE[0]}, two stages", patched(*FENCE), dict(stages=2), True),
-                     (TURNS[0], patched(*TURNS), {}, False),
-                     (f"{TURNS[0]}, {FENCE[0]}", patched(TURNS[0], TURNS[1] + FENCE[1]), {}, False)]
     fns, rows = {}, []
     for name, fn, kw, _ in variants:
         f = jax.jit(lambda q, k, v, fn=fn, kw=kw: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, persistent=n_sm, **kw))

@@ -5,7 +5,8 @@ heads), where paged_attention.py's Triton kernel tops out near 260 TFLOP/s. This
 FlashAttention-3's shape over pages: a CTA takes 2 * wg_rows query rows of one request and KV head
 (tokens padded to a power of two from 8, rows head-major, q and o in the model's [B, T, Hq, D]);
 two consumer warpgroups (64 rows each by default) run wgmma and the online softmax, taking turns
-on the tensor cores (one's softmax under the other's products), while a producer warpgroup fills a
+on the tensor cores (as written, one's softmax under the other's products; as compiled, looser:
+see below), while a producer warpgroup fills a
 ring of K/V tiles by TMA, one copy per page (`block_kv // page_size` pages a tile, all counted on
 the tile's barrier). The CTAs of one head launch side by side and share its pages through L2.
 persistent=N (the engine's choice, N = the GPU's SMs) launches N CTAs that take the (request,
@@ -41,6 +42,18 @@ the softmax the tile still takes 3.05k. Its waits are short (verify_timeline-f55
 scores product after issuing it): each consumer's own chain of product, softmax and product is
 what sets the pace.
 
+The turns are looser than the code reads: in the SASS (bench/results/mosaic_sass-f8f4d9e.txt; the
+PTX from mosaic_dump.py, ptxas and nvdisasm from NVIDIA's pip wheels) ptxas has moved each
+consumer's softmax-done arrival up to just after its row max, above the exponentials (the
+optimisation barrier fences LLVM, not ptxas), and the bf16 packing and output rescale down below
+the wait for the next turn. So the other consumer starts its softmax while this one is still in
+its own, and the two softmaxes overlap instead of alternating. Forcing the written order (a store
+of the row sums to shared memory, which the arrival's release must follow) gives the strict
+ping-pong, and it is slower: verify_timeline-bf75a55, 262.9 us against 249.5 without the store;
+its profile shows why: a softmax alone still takes 1.35k cycles, more than the other consumer's
+two products, so strict turns leave the period at two softmaxes plus the turn waits. Turns at the
+scores issue alone (no softmax-done arrival): 272.3 us.
+
 Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
 or two tiles hold the new tokens, whose visibility comes as two 32-bit words per query row (bit j:
 may read new token j; a chain's words are its causal triangle).
@@ -65,7 +78,7 @@ from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
 
 PT_LANES = 32  # page-table row staged as [width / 32, 32]: 128-byte TMA rows
 SMEM_BYTES = 227 * 1024  # an H100 CTA's most shared memory
-SMEM_SLACK = 512  # barriers (8 bytes each; 19 in the default ring), with room to spare
+SMEM_SLACK = 1024  # barriers and alignment
 
 
 def supports(q, k_pages, tree_mask, softcap=None, block_kv=None, pages_per_seq=0) -> bool:
@@ -87,12 +100,9 @@ def _table_width(pages_per_seq, pages_per_tile):  # a page-table row, padded to 
 
 
 def _smem_bytes(block_kv, d, itemsize, wg_rows, width, stages, q_bufs, profile_space=0):
-    """Shared memory as Mosaic GPU lays it out, each buffer in whole KiB: the K/V ring, the query
-    buffers, the page-table row, the consumers' row sums (bf16); the profiler's trace; barriers."""
-    def kib(n):
-        return -(-n // 1024) * 1024
-    return (2 * kib(stages * block_kv * d * itemsize) + kib(q_bufs * 2 * wg_rows * d * itemsize) + kib(width * 4)
-            + kib(2 * wg_rows * 2) + 3 * 16 * profile_space + SMEM_SLACK)
+    """Shared memory: the K/V ring, the query buffers, two page-table rows, the profiler's trace."""
+    return (2 * stages * block_kv * d * itemsize + q_bufs * 2 * wg_rows * d * itemsize + 2 * width * 4
+            + 3 * 16 * profile_space + SMEM_SLACK)
 
 
 def _row_words(tree_mask, b, t, t_pad, rows_padded):
@@ -108,7 +118,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             page_size, block_kv, half_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent,
             stage_in_ring, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    (q_smem_bufs, k_smem, v_smem, pt_smem, l_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
+    (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
     n_work = kv_lens_ref.shape[0] * n_heads * n_qb  # work items (request, head, query block), query block fastest
     wg = lax.axis_index("wg")
@@ -230,7 +240,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             def rescale(acc, alpha):
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-            def step(i, carry, masked, width=block_kv):  # ping-pong: one consumer's softmax under the other's products
+            def step(i, carry, masked, width=block_kv):  # the consumers' turns (module docstring: looser in SASS)
                 acc, m, l = carry
                 slot = lax.rem(base + i, stages)
                 with jax.named_scope("scores"):  # (the inner regions: where a consumer waits)
@@ -258,12 +268,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     p16, m_new, l, alpha = softmax(s, i, m, l, masked)
                     acc = rescale(acc, alpha)
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    # ptxas moves register work across a barrier arrival (the optimisation barrier
-                    # fences LLVM only): it put this arrival above the exponentials, and the two
-                    # consumers' softmaxes ran together. The arrival's release must follow this
-                    # store of the row sums, and the store their exponentials: the softmax stays first
-                    l_smem[wg] = l.astype(l_smem.dtype)
-                    plgpu.barrier_arrive(turn)  # softmax done: the other consumer may take the tensor cores
+                    plgpu.barrier_arrive(turn)  # softmax done, as written (in SASS: after the row max, docstring)
                 with jax.named_scope("values"):
                     with jax.named_scope("values wait"):
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -410,18 +415,20 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                     pl.when(~half_tile)(copy)
                     pl.when(half_tile)(lambda: plgpu.barrier_arrive(ready.at[slot]))
 
+        # each request's page-table row goes into shared memory (a page number read from device
+        # memory per copy would put a global load's latency in front of every page's TMA), the
+        # next item's while this item's tiles go out
+        def load_page_table(n):
+            plgpu.copy_gmem_to_smem(pt_ref.at[item(n)[0]], pt_smem.at[lax.rem(n, 2)], pt_ready.at[lax.rem(n, 2)])
+
+        load_page_table(0)
+
         def produce(n, base):  # item n's tiles into ring slots base, base + 1, ... (mod stages)
             b, h, _, _, _, n_tiles, half = item(n)
-            # the request's page-table row goes into shared memory (a page number read from device
-            # memory per copy would put a global load's latency in front of every page's TMA). One
-            # buffer: a second, loading the next item's row during this item's tiles, measured level
-            # (verify_timeline-612317c), and its KiB holds the consumers' row sums. The fence orders
-            # the last item's reads of the row before the copy over it
-            plgpu.commit_smem()
-            plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_ready)
+            pl.when(n + 1 < n_items)(lambda: load_page_table(n + 1))
             with jax.named_scope("page table"):
-                plgpu.barrier_wait(pt_ready)
-            pt = pt_smem
+                plgpu.barrier_wait(pt_ready.at[lax.rem(n, 2)])
+            pt = pt_smem.at[lax.rem(n, 2)]
 
             @pl.loop(0, n_tiles)
             def _(tile):
@@ -515,12 +522,11 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
-             plgpu.SMEM((width // PT_LANES, PT_LANES), jnp.int32),
-             plgpu.SMEM((2, wg_rows), jnp.bfloat16)),
+             plgpu.SMEM((2, width // PT_LANES, PT_LANES), jnp.int32)),
             (plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
              plgpu.Barrier(num_arrivals=wg_rows // t_pad, num_barriers=2 * q_bufs),
-             plgpu.Barrier(num_arrivals=1)),
+             plgpu.Barrier(num_arrivals=1, num_barriers=2)),
             # a ring slot is free once the consumers of every CTA it was written into are done with it
             (plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=2, num_barriers=stages) if cluster > 1
              else plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
