@@ -4,7 +4,7 @@ switches. Prints each variant's ptxas report and the instruction mix of its SASS
 files go to $BENCH_OUT/mosaic_dump/<variant>/ for reading, and all of them (the PTX too) into
 $BENCH_OUT/mosaic_dump.tar.gz.
 
-    python bench/mosaic_dump.py        (GPU; ptxas and nvdisasm from the CUDA install JAX uses)
+    python bench/mosaic_dump.py [--variants=pers,...]   (GPU; ptxas and nvdisasm from the CUDA install JAX uses)
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from jaxspec.pallas.verify_hopper import verify_tree_hopper
 from kernels import random_tree, setup
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
+DUMP = dict(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTX="1")  # Mosaic GPU's switches
 VARIANTS = [("pers", dict(persistent=132)), ("pers ovl", dict(persistent=132, overlap=True))]
 
 
@@ -61,12 +62,12 @@ def main():
             continue
         d = os.path.join(out_root, name.replace(" ", "_"))
         os.makedirs(d, exist_ok=True)
-        os.environ.update(MOSAIC_GPU_DUMP_TO=d, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTX="1")
+        os.environ.update(MOSAIC_GPU_DUMP_TO=d, **DUMP)
         try:
             jax.block_until_ready(verify_tree_hopper(q, k, v, 0, pt, kv_lens, q_lens, mask, **kw))
         except Exception as e:  # noqa: BLE001 - report and go on to the next variant
             print(f"{name}: {type(e).__name__}: {str(e)[:400]}")
-        for key in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_SASS", "MOSAIC_GPU_DUMP_PTX"):
+        for key in ("MOSAIC_GPU_DUMP_TO", *DUMP):
             os.environ.pop(key)
         print(f"== {name} {kw}: {sorted(os.listdir(d))}")
         for f in sorted(glob.glob(os.path.join(d, "*"))):
@@ -79,7 +80,8 @@ def main():
                 print("wgmma order:", " ".join(wgmma_order(text)))
     # the PTX (and SASS where nvdisasm exists) in one archive: a device's $OUT returns few files;
     # without nvdisasm there, `ptxas -arch=sm_90a` and `nvdisasm` from NVIDIA's pip wheels
-    # (nvidia-cuda-nvcc-cu12, nvidia-cuda-nvdisasm) disassemble the PTX elsewhere
+    # nvidia-cuda-nvcc and nvidia-cuda-nvdisasm (13.x: JAX 0.11.2 writes PTX 9.0, which the cu12
+    # ptxas refuses) disassemble the PTX elsewhere (bench/results/mosaic_sass-f8f4d9e.txt)
     shutil.make_archive(out_root, "gztar", out_root)
 
 
