@@ -33,7 +33,8 @@ from kernels import rel_err, random_tree, setup
 SOFTMAX = """                m_new = jnp.maximum(m, s.max(axis=1) * scale)
                 p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 alpha = jnp.exp2(m - m_new)
-                return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+                p16 = round_to_bf16(p) if k_smem.dtype == jnp.bfloat16 else p.astype(k_smem.dtype)
+                return p16, m_new, l * alpha + p.sum(axis=1), alpha
 """
 CUTS = [
     ("no exp2 (scaled scores as P)", [("p = jnp.exp2(s * scale - lax", "p = (s * scale - lax")]),

@@ -105,6 +105,14 @@ def _smem_bytes(block_kv, d, itemsize, wg_rows, width, stages, q_bufs, profile_s
             + 3 * 16 * profile_space + SMEM_SLACK)
 
 
+def round_to_bf16(x):
+    """f32 -> bf16, rounded to nearest (ties away from zero, where cvt.rn takes the even one) by an
+    integer add and a shift: Hopper issues the F2FP conversion that astype lowers to at a low rate
+    (the exponentials' pipe's), the integer ops on the ALU."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) + jnp.uint32(0x8000)
+    return lax.bitcast_convert_type(lax.shift_right_logical(bits, jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16)
+
+
 def _row_words(tree_mask, b, t, t_pad, rows_padded):
     """[B, 2, R] int32: bit j of row r's words says r's token (r % t_pad) may read new token j."""
     if tree_mask is None:
@@ -227,7 +235,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 m_new = jnp.maximum(m, s.max(axis=1) * scale)
                 p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 alpha = jnp.exp2(m - m_new)
-                return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+                p16 = round_to_bf16(p) if k_smem.dtype == jnp.bfloat16 else p.astype(k_smem.dtype)
+                return p16, m_new, l * alpha + p.sum(axis=1), alpha
 
             def qk_dot(slot, width=block_kv):  # the interpreter's products
                 return lax.dot_general(q_smem[...], k_smem[slot, :width], (((1,), (1,)), ((), ())),
