@@ -9,17 +9,19 @@ decode at the same batch and context for the verify/decode ratio:
   --out             the output through the query buffers, not the last K slot (0515872's comparison)
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
-  --convert         P converted to bf16 by cvt (astype) as before, or truncated; the output normalised
-                    by a reciprocal a row (CONVERT), the first profiled
+  --rescale         the output rescaled in every warp each tile, the row max moving on any higher
+                    score, or both, as before (RESCALE; the last also profiled)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
 (verify_timeline-bf75a55 ran a --fence flag at bf75a55, a kernel since reverted whose consumers
 stored their row sums to shared memory before the softmax-done arrival: with that store taken out,
 and with the turns at the scores issue alone; verify_timeline-4841fba ran --defer at 4841fba, also
-reverted.)
+reverted; verify_timeline-4a76ae1 ran --convert at 4a76ae1, whose kernel rounded P to bf16 by an
+integer add and shift, beside astype's F2FP, P truncated, and the output normalised by one
+reciprocal a row.)
 
-    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--convert] [--baseline=FILE] [--cuts=A,B]   (GPU)
+    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--rescale] [--baseline=FILE] [--cuts=A,B]   (GPU)
 """
 from __future__ import annotations
 
@@ -53,12 +55,12 @@ UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
 # the output through the query buffer (two of them where they fit), not the last tile's K slot
 OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
                                                          "stage_in_ring = False")])
-# P's conversion to bf16 (round_to_bf16: an integer add and shift) as it was, and two more tries
-P_BY_CVT = ("P by cvt (astype)", [("round_to_bf16(p) if k_smem.dtype == jnp.bfloat16 else p.astype(k_smem.dtype)",
-                                   "p.astype(k_smem.dtype)")])
-CONVERT = [P_BY_CVT, ("P truncated (no rounding add: wrong in the last bit)", [(" + jnp.uint32(0x8000)", "")]),
-           ("output by one reciprocal a row", [("acc = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])",
-                                                "acc = acc * lax.broadcast_in_dim(1 / jnp.maximum(l, 1e-30), acc.shape, [0])")])]
+# the output's rescale (rescale_where_moved, MAX_SLACK) as it was: in every warp each tile, with
+# each row's max moving on any higher score
+RESCALE = [("max moves on any higher score (slack 0)", [("MAX_SLACK = 8.0", "MAX_SLACK = 0.0")]),
+           ("rescale in every warp", [("return rescale_where_moved(acc, alpha)",
+                                       "return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])")])]
+RESCALE.append(("both: as before", [e for _, edits in RESCALE for e in edits]))
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 
@@ -122,9 +124,9 @@ def main():
         no_softmax = patched(*next(c for c in CUTS if c[0].startswith("no softmax")))
         variants += [("overlap", vh, dict(overlap=True), True), ("cut: no softmax", no_softmax, {}, True),
                      ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
-    if "--convert" in sys.argv:
-        variants += [(name, patched(name, edits), {}, False) for name, edits in CONVERT]
-        variants.append((f"{P_BY_CVT[0]}, two stages", patched(*P_BY_CVT), dict(stages=2), True))
+    if "--rescale" in sys.argv:
+        variants += [(name, patched(name, edits), {}, False) for name, edits in RESCALE]
+        variants.append((f"{RESCALE[-1][0]}, two stages", patched(*RESCALE[-1]), dict(stages=2), True))
     for arg in sys.argv:  # --baseline=FILE: another version of the kernel's source, side by side
         if arg.startswith("--baseline="):
             path = arg.split("=", 1)[1]

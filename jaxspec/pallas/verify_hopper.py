@@ -70,6 +70,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -105,12 +106,49 @@ def _smem_bytes(block_kv, d, itemsize, wg_rows, width, stages, q_bufs, profile_s
             + 3 * 16 * profile_space + SMEM_SLACK)
 
 
-def round_to_bf16(x):
-    """f32 -> bf16, rounded to nearest (ties away from zero, where cvt.rn takes the even one) by an
-    integer add and a shift: Hopper issues the F2FP conversion that astype lowers to at a low rate
-    (the exponentials' pipe's), the integer ops on the ALU."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32) + jnp.uint32(0x8000)
-    return lax.bitcast_convert_type(lax.shift_right_logical(bits, jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16)
+MAX_SLACK = 8.0  # log2 units: how far a score may pass its row's reference max before the max moves
+
+
+def rescale_where_moved(acc, alpha):
+    """acc * alpha (a factor a row) in the warps where some row's alpha is not 1; the others keep
+    acc as it is (the same bits: it would be multiplied by 1). A consumer thread's instructions are
+    the tile's pace (verify_timeline-4a76ae1: 64 integer adds a tile cost 4%), and the rescale is
+    64 multiplies a tile; with MAX_SLACK a row's max rarely moves after the first tiles."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.experimental.mosaic.gpu as mgpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, scf, vector
+
+    rows = plgpu.Layout.WGMMA.reduce(1)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, rows),
+                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
+    def _rescale(ctx, acc, alpha):
+        del ctx
+        i1, i32, f32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32), ir.F32Type.get()
+        one = arith.constant(f32, 1.0)
+        moved = arith.constant(i1, 0)
+        for reg in alpha.registers.flat:  # this thread's rows
+            is_vec = isinstance(reg.type, ir.VectorType)
+            for k in range(ir.VectorType(reg.type).shape[0] if is_vec else 1):
+                a = vector.extract(reg, [], [k]) if is_vec else reg
+                moved = arith.ori(moved, arith.cmpf(arith.CmpFPredicate.ONE, a, one))
+        # a warp-uniform branch: the warp's vote on whether any of its rows moved
+        ballot = llvm.inline_asm(i32, [arith.extui(i32, moved)],
+                                 "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }",
+                                 "=r,r", has_side_effects=False)
+        any_moved = arith.cmpi(arith.CmpIPredicate.ne, ballot, arith.constant(i32, 0))
+        regs = list(acc.registers.flat)
+        branch = scf.IfOp(any_moved, [r.type for r in regs], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
+            scf.yield_(list(scaled.registers.flat))
+        with ir.InsertionPoint(branch.else_block):
+            scf.yield_(regs)
+        out = np.asarray(list(branch.results), dtype=object).reshape(acc.registers.shape)
+        return mgpu.FragmentedArray(_registers=out, _layout=acc.layout, _is_signed=None)
+
+    return _rescale(acc, alpha)
 
 
 def _row_words(tree_mask, b, t, t_pad, rows_padded):
@@ -232,11 +270,15 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                                      lax.broadcast_in_dim(w1, s.shape, [0]))
                     bit = lax.shift_right_logical(word, rel & 31) & 1
                     s = jnp.where((rel < 0) | ((rel < q_len) & (bit == 1)), s, NEG_INF)
-                m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                # a row's reference max moves only when a score passes it by more than MAX_SLACK (P
+                # stays <= 2^MAX_SLACK): most tiles leave every row's max, alpha is 1, and the
+                # output's rescale is skipped where a whole warp's rows stay (rescale_where_moved)
+                m_tile = s.max(axis=1) * scale
+                moved = m_tile > m + MAX_SLACK
+                m_new = jnp.where(moved, m_tile, m)
                 p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                alpha = jnp.exp2(m - m_new)
-                p16 = round_to_bf16(p) if k_smem.dtype == jnp.bfloat16 else p.astype(k_smem.dtype)
-                return p16, m_new, l * alpha + p.sum(axis=1), alpha
+                alpha = jnp.where(moved, jnp.exp2(m - m_new), 1.0)
+                return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
             def qk_dot(slot, width=block_kv):  # the interpreter's products
                 return lax.dot_general(q_smem[...], k_smem[slot, :width], (((1,), (1,)), ((), ())),
@@ -247,7 +289,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                                              preferred_element_type=jnp.float32)
 
             def rescale(acc, alpha):
-                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if interpret:
+                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                return rescale_where_moved(acc, alpha)
 
             def step(i, carry, masked, width=block_kv):  # the consumers' turns (module docstring: looser in SASS)
                 acc, m, l = carry
