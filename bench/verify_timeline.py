@@ -9,8 +9,8 @@ decode at the same batch and context for the verify/decode ratio:
   --out             the output through the query buffers, not the last K slot (0515872's comparison)
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
-  --rescale         the output rescaled in every warp each tile, the row max moving on any higher
-                    score, or both, as before (RESCALE; the last also profiled)
+  --rescale         the output's rescale elsewhere (in the softmax, as at 437d56f; before the waits),
+                    in every warp each tile, or the row max moving on any higher score (RESCALE)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
@@ -55,12 +55,25 @@ UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
 # the output through the query buffer (two of them where they fit), not the last tile's K slot
 OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
                                                          "stage_in_ring = False")])
-# the output's rescale (rescale_where_moved, MAX_SLACK) as it was: in every warp each tile, with
-# each row's max moving on any higher score
-RESCALE = [("max moves on any higher score (slack 0)", [("MAX_SLACK = 8.0", "MAX_SLACK = 0.0")]),
+# the output's rescale (rescale_where_moved, MAX_SLACK, after the turn wait) as it was: in every warp
+# each tile, inside the softmax, with each row's max moving on any higher score; and 437d56f's place
+# for it (the softmax), and between the arrival and the waits
+_AFTER = ("                        plgpu.barrier_wait(turn)\n"
+          "                    # after the waits: its branch ends the block where ptxas hoists the arrival\n"
+          "                    acc = rescale(acc, alpha)\n")
+_IN_SOFTMAX = [(_AFTER, "                        plgpu.barrier_wait(turn)\n"),
+               ("                    alpha, l, m_new, p16 = lax.optimization_barrier((alpha, l, m_new, p16))\n",
+                "                    acc = rescale(acc, alpha)\n"
+                "                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))\n")]
+RESCALE = [("rescale in the softmax (437d56f)", _IN_SOFTMAX),
+           ("rescale between the arrival and the waits",
+            [(_AFTER, "                        plgpu.barrier_wait(turn)\n"),
+             ("                with jax.named_scope(\"values\"):\n                    with jax.named_scope(\"values wait\"):\n",
+              "                with jax.named_scope(\"values\"):\n                    acc = rescale(acc, alpha)\n"
+              "                    with jax.named_scope(\"values wait\"):\n")]),
+           ("max moves on any higher score (slack 0)", [("MAX_SLACK = 8.0", "MAX_SLACK = 0.0")]),
            ("rescale in every warp", [("return rescale_where_moved(acc, alpha)",
                                        "return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])")])]
-RESCALE.append(("both: as before", [e for _, edits in RESCALE for e in edits]))
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 
@@ -126,7 +139,7 @@ def main():
                      ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
     if "--rescale" in sys.argv:
         variants += [(name, patched(name, edits), {}, False) for name, edits in RESCALE]
-        variants.append((f"{RESCALE[-1][0]}, two stages", patched(*RESCALE[-1]), dict(stages=2), True))
+        variants.append(("rescale in every warp, two stages", patched(*RESCALE[-1]), dict(stages=2), True))
     for arg in sys.argv:  # --baseline=FILE: another version of the kernel's source, side by side
         if arg.startswith("--baseline="):
             path = arg.split("=", 1)[1]

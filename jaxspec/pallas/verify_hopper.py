@@ -319,14 +319,15 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                         plgpu.barrier_arrive(k_free.at[slot])
                 with jax.named_scope("softmax"):
                     p16, m_new, l, alpha = softmax(s, i, m, l, masked)
-                    acc = rescale(acc, alpha)
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    alpha, l, m_new, p16 = lax.optimization_barrier((alpha, l, m_new, p16))
                     plgpu.barrier_arrive(turn)  # softmax done, as written (in SASS: after the row max, docstring)
                 with jax.named_scope("values"):
                     with jax.named_scope("values wait"):
                         plgpu.barrier_wait(v_ready.at[slot])
                     with jax.named_scope("turn wait"):
                         plgpu.barrier_wait(turn)
+                    # after the waits: its branch ends the block where ptxas hoists the arrival
+                    acc = rescale(acc, alpha)
                     if interpret:
                         acc = pv_dot(acc, p16, slot)
                     else:
