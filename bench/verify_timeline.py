@@ -9,8 +9,8 @@ decode at the same batch and context for the verify/decode ratio:
   --out             the output through the query buffers, not the last K slot (0515872's comparison)
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
-  --rescale         the output's rescale elsewhere (in the softmax, as at 437d56f; before the waits),
-                    in every warp each tile, or the row max moving on any higher score (RESCALE)
+  --stale           the row max each tile as before, the turn's arrival after the softmax, a
+                    smaller slack (STALE; the first also profiled)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
@@ -19,9 +19,10 @@ stored their row sums to shared memory before the softmax-done arrival: with tha
 and with the turns at the scores issue alone; verify_timeline-4841fba ran --defer at 4841fba, also
 reverted; verify_timeline-4a76ae1 ran --convert at 4a76ae1, whose kernel rounded P to bf16 by an
 integer add and shift, beside astype's F2FP, P truncated, and the output normalised by one
-reciprocal a row.)
+reciprocal a row; verify_timeline-6315e1a ran --rescale at 6315e1a, whose kernel moved a row's max
+only past a slack and skipped the output's rescale in warps whose rows' max stayed: level.)
 
-    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--rescale] [--baseline=FILE] [--cuts=A,B]   (GPU)
+    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--stale] [--baseline=FILE] [--cuts=A,B]   (GPU)
 """
 from __future__ import annotations
 
@@ -55,25 +56,24 @@ UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
 # the output through the query buffer (two of them where they fit), not the last tile's K slot
 OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
                                                          "stage_in_ring = False")])
-# the output's rescale (rescale_where_moved, MAX_SLACK, after the turn wait) as it was: in every warp
-# each tile, inside the softmax, with each row's max moving on any higher score; and 437d56f's place
-# for it (the softmax), and between the arrival and the waits
-_AFTER = ("                        plgpu.barrier_wait(turn)\n"
-          "                    # after the waits: its branch ends the block where ptxas hoists the arrival\n"
-          "                    acc = rescale(acc, alpha)\n")
-_IN_SOFTMAX = [(_AFTER, "                        plgpu.barrier_wait(turn)\n"),
-               ("                    alpha, l, m_new, p16 = lax.optimization_barrier((alpha, l, m_new, p16))\n",
-                "                    acc = rescale(acc, alpha)\n"
-                "                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))\n")]
-RESCALE = [("rescale in the softmax (437d56f)", _IN_SOFTMAX),
-           ("rescale between the arrival and the waits",
-            [(_AFTER, "                        plgpu.barrier_wait(turn)\n"),
-             ("                with jax.named_scope(\"values\"):\n                    with jax.named_scope(\"values wait\"):\n",
-              "                with jax.named_scope(\"values\"):\n                    acc = rescale(acc, alpha)\n"
-              "                    with jax.named_scope(\"values wait\"):\n")]),
-           ("max moves on any higher score (slack 0)", [("MAX_SLACK = 8.0", "MAX_SLACK = 0.0")]),
-           ("rescale in every warp", [("return rescale_where_moved(acc, alpha)",
-                                       "return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])")])]
+# the softmax with each tile's row max (as at b4aa46a: the arrival after it, where ptxas hoists it
+# above the exponentials), the turn's arrival after the stale softmax, and a smaller slack
+EXACT_MAX = ("row max every tile", [(
+    "                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n",
+    "                    p16, m_new, l, alpha = softmax(s, i, m, l, masked)\n"
+    "                    acc = rescale(acc, alpha)\n"
+    "                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))\n"
+    "                    plgpu.barrier_arrive(turn)\n"),
+    ("                plgpu.barrier_arrive(turn)\n                with jax.named_scope(\"softmax\"):\n",
+     "                with jax.named_scope(\"softmax\"):\n")])
+STALE = [EXACT_MAX,
+         ("arrival after the softmax",
+          [("                plgpu.barrier_arrive(turn)\n                with jax.named_scope(\"softmax\"):\n",
+            "                with jax.named_scope(\"softmax\"):\n"),
+           ("                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n",
+            "                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n"
+            "                    plgpu.barrier_arrive(turn)\n")]),
+         ("slack 8", [("STALE_SLACK = 64", "STALE_SLACK = 8")])]
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 
@@ -137,9 +137,9 @@ def main():
         no_softmax = patched(*next(c for c in CUTS if c[0].startswith("no softmax")))
         variants += [("overlap", vh, dict(overlap=True), True), ("cut: no softmax", no_softmax, {}, True),
                      ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
-    if "--rescale" in sys.argv:
-        variants += [(name, patched(name, edits), {}, False) for name, edits in RESCALE]
-        variants.append(("rescale in every warp, two stages", patched(*RESCALE[-1]), dict(stages=2), True))
+    if "--stale" in sys.argv:
+        variants += [(name, patched(name, edits), {}, False) for name, edits in STALE]
+        variants.append((f"{EXACT_MAX[0]}, two stages", patched(*EXACT_MAX), dict(stages=2), True))
     for arg in sys.argv:  # --baseline=FILE: another version of the kernel's source, side by side
         if arg.startswith("--baseline="):
             path = arg.split("=", 1)[1]

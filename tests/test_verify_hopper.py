@@ -42,14 +42,33 @@ if not ON_GPU:  # the interpreter runs every warpgroup as a thread (and has no c
 
 @pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,opts,kv_lens", CASES)
 def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, opts, kv_lens):
+    check_against_reference(b, t, hq, hkv, d, ps, tree, opts, kv_lens)
+
+
+@pytest.mark.parametrize("opts", [{}] + ([dict(persistent=2), dict(overlap=True)] if ON_GPU else []))
+def test_verify_tree_hopper_settles_scores_far_above_the_first_tiles(opts):
+    """A row's reference max comes from an item's first tile and moves only where a later tile's P
+    would pass 2^STALE_SLACK: keys scaled by 60 in the second and third tiles (scores some 200 log2
+    units above the first tile's) must be caught and the tile redone with its row max."""
+    check_against_reference(3, 64, 8, 2, 128, 16, True, opts, [300, 150, 0], spike=(range(140, 270), 60.0))
+
+
+def check_against_reference(b, t, hq, hkv, d, ps, tree, opts, kv_lens, spike=None):
     rng = np.random.default_rng(t)
     n_pages, width = 104, 24  # 24 pages of 16 hold 256 + 64 keys
-    k = jnp.asarray(rng.standard_normal((2, n_pages, ps, hkv, d)), jnp.bfloat16)
+    k = rng.standard_normal((2, n_pages, ps, hkv, d))
     v = jnp.asarray(rng.standard_normal((2, n_pages, ps, hkv, d)), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
     kv_lens = np.array(kv_lens, np.int32)
     q_lens = np.array([t, t - 3, 1, t][:b], np.int32)
     pt = rng.permutation(np.arange(1, n_pages))[: b * width].reshape(b, width).astype(np.int32)
+    if spike is not None:  # (cached positions, factor): those keys of every request scaled
+        positions, factor = spike
+        for r in range(b):
+            for pos in positions:
+                if pos < kv_lens[r]:
+                    k[1, pt[r, pos // ps], pos % ps] *= factor
+    k = jnp.asarray(k, jnp.bfloat16)
     mask = None
     if tree:
         mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
@@ -126,6 +145,7 @@ def test_verify_probe_cuts_still_apply_to_the_kernel():
         sys.path.remove(bench)
     from jaxspec.pallas import verify_hopper
     src = open(verify_hopper.__file__).read()
-    for name, edits in verify_probe.CUTS + verify_timeline.UNDO + [verify_timeline.OUT_VIA_QUERIES]:
+    edits_of = verify_probe.CUTS + verify_timeline.UNDO + [verify_timeline.OUT_VIA_QUERIES] + verify_timeline.STALE
+    for name, edits in edits_of:
         for old, _ in edits:
             assert src.count(old) == 1, (name, old)

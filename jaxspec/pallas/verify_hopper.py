@@ -106,49 +106,62 @@ def _smem_bytes(block_kv, d, itemsize, wg_rows, width, stages, q_bufs, profile_s
             + 3 * 16 * profile_space + SMEM_SLACK)
 
 
-MAX_SLACK = 8.0  # log2 units: how far a score may pass its row's reference max before the max moves
+STALE_SLACK = 64  # log2 units: how far a tile's P may exceed its row's reference (P <= 2^64) unchecked
 
 
-def rescale_where_moved(acc, alpha):
-    """acc * alpha (a factor a row) in the warps where some row's alpha is not 1; the others keep
-    acc as it is (the same bits: it would be multiplied by 1). A consumer thread's instructions are
-    the tile's pace (verify_timeline-4a76ae1: 64 integer adds a tile cost 4%), and the rescale is
-    64 multiplies a tile; with MAX_SLACK a row's max rarely moves after the first tiles."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
+def settle_softmax(s, m, l, acc, p16, l_next, scale):
+    """A tile's softmax from P taken against the rows' reference maxes m (no row max, no rescale),
+    redone with the row max in the warps where some row's tile sum of P passes 2^STALE_SLACK (or is
+    not finite): the first tile of an item (m = NEG_INF), and a tile whose scores rise by more than
+    STALE_SLACK above the reference. -> (p16, m, l, acc). The row max is 64 FMNMX a thread and a tile
+    on the ALU pipe, in the chain from a tile's scores to its values; a warp's vote on a warp-uniform
+    branch decides (the redo uses shuffles within the warp, no product)."""
     import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, llvm, scf, vector
 
-    rows = plgpu.Layout.WGMMA.reduce(1)
+    tile, rows = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    sds = lambda x, layout: plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, rows),
-                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
-    def _rescale(ctx, acc, alpha):
+    @plgpu.inline_mgpu(arg_types=(tile, rows, rows, tile, tile, rows),
+                       return_type=(sds(p16, tile), sds(m, rows), sds(l, rows), sds(acc, tile)))
+    def _settle(ctx, s, m, l, acc, p16, l_next):
         del ctx
         i1, i32, f32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32), ir.F32Type.get()
-        one = arith.constant(f32, 1.0)
-        moved = arith.constant(i1, 0)
-        for reg in alpha.registers.flat:  # this thread's rows
-            is_vec = isinstance(reg.type, ir.VectorType)
-            for k in range(ir.VectorType(reg.type).shape[0] if is_vec else 1):
-                a = vector.extract(reg, [], [k]) if is_vec else reg
-                moved = arith.ori(moved, arith.cmpf(arith.CmpFPredicate.ONE, a, one))
-        # a warp-uniform branch: the warp's vote on whether any of its rows moved
-        ballot = llvm.inline_asm(i32, [arith.extui(i32, moved)],
+        bound = arith.constant(f32, 2.0 ** STALE_SLACK)
+        over = arith.constant(i1, 0)
+        for prev, nxt in zip(l.registers.flat, l_next.registers.flat):  # this thread's rows
+            is_vec = isinstance(prev.type, ir.VectorType)
+            for k in range(ir.VectorType(prev.type).shape[0] if is_vec else 1):
+                a, b = (vector.extract(r, [], [k]) if is_vec else r for r in (prev, nxt))
+                # the tile's sum, l_next - l, unordered-or-greater: NaN and infinity count as over
+                over = arith.ori(over, arith.cmpf(arith.CmpFPredicate.UGT, arith.subf(b, a), bound))
+        ballot = llvm.inline_asm(i32, [arith.extui(i32, over)],
                                  "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }",
                                  "=r,r", has_side_effects=False)
-        any_moved = arith.cmpi(arith.CmpIPredicate.ne, ballot, arith.constant(i32, 0))
-        regs = list(acc.registers.flat)
-        branch = scf.IfOp(any_moved, [r.type for r in regs], has_else=True)
+        redo = arith.cmpi(arith.CmpIPredicate.ne, ballot, arith.constant(i32, 0))
+        kept = (p16, m, l_next, acc)
+        regs = [r for x in kept for r in x.registers.flat]
+        branch = scf.IfOp(redo, [r.type for r in regs], has_else=True)
         with ir.InsertionPoint(branch.then_block):
-            scaled = acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout)
-            scf.yield_(list(scaled.registers.flat))
+            m_new = m.max(s.reduce("max", 1) * scale)
+            p = (s * scale - m_new.broadcast_in_dim(s.shape, (0,), s.layout)).exp2(approx=True)
+            alpha = (m - m_new).exp2(approx=True)
+            redone = (p.astype(p16.mlir_dtype), m_new, l * alpha + p.reduce("add", 1),
+                      acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout))
+            scf.yield_([r for x in redone for r in x.registers.flat])
         with ir.InsertionPoint(branch.else_block):
             scf.yield_(regs)
-        out = np.asarray(list(branch.results), dtype=object).reshape(acc.registers.shape)
-        return mgpu.FragmentedArray(_registers=out, _layout=acc.layout, _is_signed=None)
+        out, results = [], list(branch.results)
+        for x in kept:
+            n = x.registers.size
+            regs_x = np.asarray(results[:n], dtype=object).reshape(x.registers.shape)
+            out.append(mgpu.FragmentedArray(_registers=regs_x, _layout=x.layout, _is_signed=x.is_signed))
+            results = results[n:]
+        return tuple(out)
 
-    return _rescale(acc, alpha)
+    return _settle(s, m, l, acc, p16, l_next)
 
 
 def _row_words(tree_mask, b, t, t_pad, rows_padded):
@@ -258,27 +271,39 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
             l = laid_out(jnp.full((wg_rows,), 0, jnp.float32), wgmma_rows)
             acc = laid_out(jnp.full((wg_rows, q_smem.shape[-1]), 0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def softmax(s, i, m, l, masked):  # s: [wg_rows, keys of the tile]
+            def mask(s, i):  # s: [wg_rows, keys of the tile]; the hidden new tokens' scores NEG_INF
+                col = (lax.broadcasted_iota(jnp.int32, s.shape, 1) if interpret else
+                       plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA))
+                rel = col + (i * block_kv - kv_len)
+                word = jnp.where(rel < 32, lax.broadcast_in_dim(w0, s.shape, [0]),
+                                 lax.broadcast_in_dim(w1, s.shape, [0]))
+                bit = lax.shift_right_logical(word, rel & 31) & 1
+                return jnp.where((rel < 0) | ((rel < q_len) & (bit == 1)), s, NEG_INF)
+
+            def softmax(s, i, m, l, masked):
                 """Scores in raw units; m in scaled ones (softmax scale and log2 e): the row max is
                 scaled once, and each score's exponent is one FFMA (kernels-focus-v34, ncu_probe-mosaic:
                 8.6M fewer FMA-pipe instructions at 64 tokens, 2% less time)."""
-                if masked:
-                    col = (lax.broadcasted_iota(jnp.int32, s.shape, 1) if interpret else
-                           plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA))
-                    rel = col + (i * block_kv - kv_len)
-                    word = jnp.where(rel < 32, lax.broadcast_in_dim(w0, s.shape, [0]),
-                                     lax.broadcast_in_dim(w1, s.shape, [0]))
-                    bit = lax.shift_right_logical(word, rel & 31) & 1
-                    s = jnp.where((rel < 0) | ((rel < q_len) & (bit == 1)), s, NEG_INF)
-                # a row's reference max moves only when a score passes it by more than MAX_SLACK (P
-                # stays <= 2^MAX_SLACK): most tiles leave every row's max, alpha is 1, and the
-                # output's rescale is skipped where a whole warp's rows stay (rescale_where_moved)
-                m_tile = s.max(axis=1) * scale
-                moved = m_tile > m + MAX_SLACK
-                m_new = jnp.where(moved, m_tile, m)
+                s = mask(s, i) if masked else s
+                m_new = jnp.maximum(m, s.max(axis=1) * scale)
                 p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                alpha = jnp.where(moved, jnp.exp2(m - m_new), 1.0)
+                alpha = jnp.exp2(m - m_new)
                 return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
+
+            def softmax_stale(s, i, m, l, acc, masked):
+                """The softmax against the rows' reference maxes, which move only where a tile's P
+                would pass 2^STALE_SLACK (settle_softmax) -> (p16, m, l, acc), acc rescaled."""
+                s = mask(s, i) if masked else s
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m, s.shape, [0]))
+                l_next = l + p.sum(axis=1)
+                if not interpret:
+                    return settle_softmax(s, m, l, acc, p.astype(k_smem.dtype), l_next, scale)
+                redo = ~(l_next - l <= 2.0 ** STALE_SLACK)  # (by row: the interpreter has no warps)
+                m_new = jnp.where(redo, jnp.maximum(m, s.max(axis=1) * scale), m)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                alpha = jnp.exp2(m - m_new)
+                return (p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1),
+                        acc * lax.broadcast_in_dim(alpha, acc.shape, [0]))
 
             def qk_dot(slot, width=block_kv):  # the interpreter's products
                 return lax.dot_general(q_smem[...], k_smem[slot, :width], (((1,), (1,)), ((), ())),
@@ -289,9 +314,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                                              preferred_element_type=jnp.float32)
 
             def rescale(acc, alpha):
-                if interpret:
-                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                return rescale_where_moved(acc, alpha)
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
             def step(i, carry, masked, width=block_kv):  # the consumers' turns (module docstring: looser in SASS)
                 acc, m, l = carry
@@ -317,17 +340,16 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                         pl.when(last & (n + 1 < n_items))(lambda: load_q(n + 1, 0))
                     else:
                         plgpu.barrier_arrive(k_free.at[slot])
+                # the turn passes as the softmax begins (where ptxas had put the arrival written after
+                # it, above the exponentials: module docstring)
+                plgpu.barrier_arrive(turn)
                 with jax.named_scope("softmax"):
-                    p16, m_new, l, alpha = softmax(s, i, m, l, masked)
-                    alpha, l, m_new, p16 = lax.optimization_barrier((alpha, l, m_new, p16))
-                    plgpu.barrier_arrive(turn)  # softmax done, as written (in SASS: after the row max, docstring)
+                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)
                 with jax.named_scope("values"):
                     with jax.named_scope("values wait"):
                         plgpu.barrier_wait(v_ready.at[slot])
                     with jax.named_scope("turn wait"):
                         plgpu.barrier_wait(turn)
-                    # after the waits: its branch ends the block where ptxas hoists the arrival
-                    acc = rescale(acc, alpha)
                     if interpret:
                         acc = pv_dot(acc, p16, slot)
                     else:
