@@ -32,6 +32,8 @@ from kernels import rel_err, random_tree, setup
 # (name, [(old, new), ...]): the edits to the kernel's source
 SOFTMAX = """                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m, s.shape, [0]))
                 l_next = l + p.sum(axis=1)
+                if not interpret:
+                    return settle_softmax(s, m, l, acc, p.astype(k_smem.dtype), l_next, scale)
 """
 CUTS = [
     ("no exp2 (scaled scores as P)", [("p = jnp.exp2(s * scale - lax.broadcast_in_dim(m, s.shape, [0]))",
@@ -40,13 +42,10 @@ CUTS = [
      [(SOFTMAX, "                return s.astype(k_smem.dtype), m, l, acc\n")]),
     ("no DRAM (every tile from its item's first pages, L2-resident)",
      [("page = pt[lax.div(p, PT_LANES), lax.rem(p, PT_LANES)]", "page = pt[0, j]")]),
-    ("no check nor redo (P against the reference max: NaN from an item's first tile)",
-     [("                redo = (jnp.any(~(l_next - l <= 2.0 ** STALE_SLACK)) if interpret\n"
-       "                        else warpgroup_any_over(l, l_next) != 0)\n", ""),
-      ("return lax.cond(redo, exact, lambda _: (p.astype(k_smem.dtype), m, l_next, acc), None)",
+    ("no redo (P against the reference max, never settled)",
+     [("return settle_softmax(s, m, l, acc, p.astype(k_smem.dtype), l_next, scale)",
        "return p.astype(k_smem.dtype), m, l_next, acc")]),
-    ("no scores product",
-     [("plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(keys_of(slot, width), (1, 0)))", "pass")]),
+    ("no scores product", [("plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(keys, (1, 0)))", "pass")]),
     ("no values product", [("plgpu.wgmma(acc_ref, p16, v_smem.at[slot] if width == block_kv\n"
                             "                                        else v_smem.at[slot, pl.ds(0, width)])", "pass")]),
     ("half the V pages (the other half of each V tile left stale)",

@@ -9,7 +9,8 @@ decode at the same batch and context for the verify/decode ratio:
   --out             the output through the query buffers, not the last K slot (0515872's comparison)
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
-  --stale           the turn's arrival after the stale-max softmax (STALE)
+  --stale           the row max each tile as before, the turn's arrival after the softmax, a
+                    smaller slack (STALE; the first also profiled)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
@@ -20,8 +21,8 @@ reverted; verify_timeline-4a76ae1 ran --convert at 4a76ae1, whose kernel rounded
 integer add and shift, beside astype's F2FP, P truncated, and the output normalised by one
 reciprocal a row; verify_timeline-6315e1a ran --rescale at 6315e1a, whose kernel moved a row's max
 only past a slack and skipped the output's rescale in warps whose rows' max stayed: level;
-verify_timeline-3466605 ran --stale at 3466605, the first stale-max kernel, whose warps each voted on
-a redo from scores they kept in registers, beside the row max each tile.)
+verify_timeline-e1aab6e ran --stale at e1aab6e, whose redo the whole warpgroup decided (a named
+barrier's reduction) and took from the scores computed again: 7% slower than 3466605's, spilling.)
 
     python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--stale] [--baseline=FILE] [--cuts=A,B]   (GPU)
 """
@@ -57,13 +58,24 @@ UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
 # the output through the query buffer (two of them where they fit), not the last tile's K slot
 OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
                                                          "stage_in_ring = False")])
-# the turn's arrival after the stale-max softmax (the kernel before it: --baseline)
-STALE = [("arrival after the softmax",
+# the softmax with each tile's row max (as at b4aa46a: the arrival after it, where ptxas hoists it
+# above the exponentials), the turn's arrival after the stale softmax, and a smaller slack
+EXACT_MAX = ("row max every tile", [(
+    "                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n",
+    "                    p16, m_new, l, alpha = softmax(s, i, m, l, masked)\n"
+    "                    acc = rescale(acc, alpha)\n"
+    "                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))\n"
+    "                    plgpu.barrier_arrive(turn)\n"),
+    ("                plgpu.barrier_arrive(turn)\n                with jax.named_scope(\"softmax\"):\n",
+     "                with jax.named_scope(\"softmax\"):\n")])
+STALE = [EXACT_MAX,
+         ("arrival after the softmax",
           [("                plgpu.barrier_arrive(turn)\n                with jax.named_scope(\"softmax\"):\n",
             "                with jax.named_scope(\"softmax\"):\n"),
-           ("                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked, slot, width)\n",
-            "                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked, slot, width)\n"
-            "                    plgpu.barrier_arrive(turn)\n")])]
+           ("                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n",
+            "                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n"
+            "                    plgpu.barrier_arrive(turn)\n")]),
+         ("slack 8", [("STALE_SLACK = 64", "STALE_SLACK = 8")])]
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 
@@ -129,6 +141,7 @@ def main():
                      ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
     if "--stale" in sys.argv:
         variants += [(name, patched(name, edits), {}, False) for name, edits in STALE]
+        variants.append((f"{EXACT_MAX[0]}, two stages", patched(*EXACT_MAX), dict(stages=2), True))
     for arg in sys.argv:  # --baseline=FILE: another version of the kernel's source, side by side
         if arg.startswith("--baseline="):
             path = arg.split("=", 1)[1]

@@ -106,24 +106,27 @@ def _smem_bytes(block_kv, d, itemsize, wg_rows, width, stages, q_bufs, profile_s
             + 3 * 16 * profile_space + SMEM_SLACK)
 
 
-STALE_SLACK = 64  # log2 units: how far a tile's P may pass its row's reference max (P <= 2^64)
+STALE_SLACK = 64  # log2 units: how far a tile's P may exceed its row's reference (P <= 2^64) unchecked
 
 
-def warpgroup_any_over(l, l_next):
-    """Whether any row of the warpgroup's has a tile sum, l_next - l, above 2^STALE_SLACK or not
-    finite: one reduction at a named barrier (the warpgroup's, as Mosaic GPU numbers them), so
-    that the branch on it is the warpgroup's and may hold a product. -> int32 scalar, 0 or 1."""
+def settle_softmax(s, m, l, acc, p16, l_next, scale):
+    """A tile's softmax from P taken against the rows' reference maxes m (no row max, no rescale),
+    redone with the row max in the warps where some row's tile sum of P passes 2^STALE_SLACK (or is
+    not finite): the first tile of an item (m = NEG_INF), and a tile whose scores rise by more than
+    STALE_SLACK above the reference. -> (p16, m, l, acc). The row max is 64 FMNMX a thread and a tile
+    on the ALU pipe, in the chain from a tile's scores to its values; a warp's vote on a warp-uniform
+    branch decides (the redo uses shuffles within the warp, no product)."""
     import jax.experimental.mosaic.gpu as mgpu
     import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
+    from jaxlib.mlir.dialects import arith, llvm, scf, vector
 
-    rows = plgpu.Layout.WGMMA.reduce(1)
+    tile, rows = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    sds = lambda x, layout: plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=layout)
 
-    @plgpu.inline_mgpu(arg_types=(rows, rows),
-                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=plgpu.Layout.WG_SPLAT(shape=())))
-    def _any(ctx, l, l_next):
+    @plgpu.inline_mgpu(arg_types=(tile, rows, rows, tile, tile, rows),
+                       return_type=(sds(p16, tile), sds(m, rows), sds(l, rows), sds(acc, tile)))
+    def _settle(ctx, s, m, l, acc, p16, l_next):
         del ctx
         i1, i32, f32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32), ir.F32Type.get()
         bound = arith.constant(f32, 2.0 ** STALE_SLACK)
@@ -132,16 +135,33 @@ def warpgroup_any_over(l, l_next):
             is_vec = isinstance(prev.type, ir.VectorType)
             for k in range(ir.VectorType(prev.type).shape[0] if is_vec else 1):
                 a, b = (vector.extract(r, [], [k]) if is_vec else r for r in (prev, nxt))
-                # unordered-or-greater: NaN and infinity count as over
+                # the tile's sum, l_next - l, unordered-or-greater: NaN and infinity count as over
                 over = arith.ori(over, arith.cmpf(arith.CmpFPredicate.UGT, arith.subf(b, a), bound))
-        barrier = arith.addi(mgpu_utils.warpgroup_idx(sync=False), arith.constant(i32, 1))
-        any_over = llvm.inline_asm(
-            i32, [arith.extui(i32, over), barrier],
-            "{ .reg .pred p, q; setp.ne.b32 p, $1, 0; bar.red.or.pred q, $2, 128, p; selp.b32 $0, 1, 0, q; }",
-            "=r,r,r", has_side_effects=True)
-        return mgpu.FragmentedArray.splat(any_over, (), layout=mgpu.WGSplatFragLayout(()), is_signed=True)
+        ballot = llvm.inline_asm(i32, [arith.extui(i32, over)],
+                                 "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }",
+                                 "=r,r", has_side_effects=False)
+        redo = arith.cmpi(arith.CmpIPredicate.ne, ballot, arith.constant(i32, 0))
+        kept = (p16, m, l_next, acc)
+        regs = [r for x in kept for r in x.registers.flat]
+        branch = scf.IfOp(redo, [r.type for r in regs], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            m_new = m.max(s.reduce("max", 1) * scale)
+            p = (s * scale - m_new.broadcast_in_dim(s.shape, (0,), s.layout)).exp2(approx=True)
+            alpha = (m - m_new).exp2(approx=True)
+            redone = (p.astype(p16.mlir_dtype), m_new, l * alpha + p.reduce("add", 1),
+                      acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout))
+            scf.yield_([r for x in redone for r in x.registers.flat])
+        with ir.InsertionPoint(branch.else_block):
+            scf.yield_(regs)
+        out, results = [], list(branch.results)
+        for x in kept:
+            n = x.registers.size
+            regs_x = np.asarray(results[:n], dtype=object).reshape(x.registers.shape)
+            out.append(mgpu.FragmentedArray(_registers=regs_x, _layout=x.layout, _is_signed=x.is_signed))
+            results = results[n:]
+        return tuple(out)
 
-    return _any(l, l_next)
+    return _settle(s, m, l, acc, p16, l_next)
 
 
 def _row_words(tree_mask, b, t, t_pad, rows_padded):
@@ -270,30 +290,20 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 alpha = jnp.exp2(m - m_new)
                 return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), alpha
 
-            def softmax_stale(s, i, m, l, acc, masked, slot, width):
-                """The softmax against the rows' reference maxes (no row max, no rescale) -> (p16, m,
-                l, acc). Where a row's tile sum of P passes 2^STALE_SLACK or is not finite (an item's
-                first tile: m = NEG_INF; scores risen past the slack), the warpgroup computes the
-                tile's scores again (its K slot is still held) and takes the softmax with the row
-                max, rescaling acc. The row max is 64 FMNMX a thread and a tile on the ALU pipe, in
-                the chain from a tile's scores to its values (verify_timeline-3466605: 1.8%)."""
+            def softmax_stale(s, i, m, l, acc, masked):
+                """The softmax against the rows' reference maxes, which move only where a tile's P
+                would pass 2^STALE_SLACK (settle_softmax) -> (p16, m, l, acc), acc rescaled."""
                 s = mask(s, i) if masked else s
                 p = jnp.exp2(s * scale - lax.broadcast_in_dim(m, s.shape, [0]))
                 l_next = l + p.sum(axis=1)
-                redo = (jnp.any(~(l_next - l <= 2.0 ** STALE_SLACK)) if interpret
-                        else warpgroup_any_over(l, l_next) != 0)
-
-                def exact(_):
-                    s = qk_dot(slot, width) if interpret else pl.run_scoped(
-                        lambda s_ref: (plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(keys_of(slot, width), (1, 0))),
-                                       s_ref[...])[1], plgpu.ACC((wg_rows, width), jnp.float32))
-                    p16, m_new, l_new, alpha = softmax(s, i, m, l, masked)
-                    return p16, m_new, l_new, rescale(acc, alpha)
-
-                return lax.cond(redo, exact, lambda _: (p.astype(k_smem.dtype), m, l_next, acc), None)
-
-            def keys_of(slot, width):
-                return k_smem.at[slot] if width == block_kv else k_smem.at[slot, pl.ds(0, width)]
+                if not interpret:
+                    return settle_softmax(s, m, l, acc, p.astype(k_smem.dtype), l_next, scale)
+                redo = ~(l_next - l <= 2.0 ** STALE_SLACK)  # (by row: the interpreter has no warps)
+                m_new = jnp.where(redo, jnp.maximum(m, s.max(axis=1) * scale), m)
+                p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                alpha = jnp.exp2(m - m_new)
+                return (p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1),
+                        acc * lax.broadcast_in_dim(alpha, acc.shape, [0]))
 
             def qk_dot(slot, width=block_kv):  # the interpreter's products
                 return lax.dot_general(q_smem[...], k_smem[slot, :width], (((1,), (1,)), ((), ())),
@@ -317,24 +327,24 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                         take_turn()
                     else:
                         def scores(acc_ref):
-                            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(keys_of(slot, width), (1, 0)))
+                            keys = k_smem.at[slot] if width == block_kv else k_smem.at[slot, pl.ds(0, width)]
+                            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(keys, (1, 0)))
                             with jax.named_scope("turn wait"):
                                 take_turn()
                             with jax.named_scope("scores wait"):
                                 return acc_ref[...]
                         s = pl.run_scoped(scores, plgpu.ACC((wg_rows, width), jnp.float32))
+                    if stage_in_ring:
+                        last = i == n_tiles - 1
+                        pl.when(~last)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+                        pl.when(last & (n + 1 < n_items))(lambda: load_q(n + 1, 0))
+                    else:
+                        plgpu.barrier_arrive(k_free.at[slot])
                 # the turn passes as the softmax begins (where ptxas had put the arrival written after
                 # it, above the exponentials: module docstring)
                 plgpu.barrier_arrive(turn)
                 with jax.named_scope("softmax"):
-                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked, slot, width)
-                # the K slot and the query buffer are free once the softmax cannot need the scores again
-                if stage_in_ring:
-                    last = i == n_tiles - 1
-                    pl.when(~last)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
-                    pl.when(last & (n + 1 < n_items))(lambda: load_q(n + 1, 0))
-                else:
-                    plgpu.barrier_arrive(k_free.at[slot])
+                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)
                 with jax.named_scope("values"):
                     with jax.named_scope("values wait"):
                         plgpu.barrier_wait(v_ready.at[slot])
