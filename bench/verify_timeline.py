@@ -10,7 +10,7 @@ decode at the same batch and context for the verify/decode ratio:
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
   --stale           the row max each tile as before, the turn's arrival after the softmax, a
-                    smaller slack (STALE; the first also profiled)
+                    smaller slack, the redo's P packed as the kept P (STALE; the first also profiled)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
@@ -75,7 +75,8 @@ STALE = [EXACT_MAX,
            ("                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n",
             "                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n"
             "                    plgpu.barrier_arrive(turn)\n")]),
-         ("slack 8", [("STALE_SLACK = 64", "STALE_SLACK = 8")])]
+         ("slack 8", [("STALE_SLACK = 64", "STALE_SLACK = 8")]),
+         ("redo packs P by cvt too (3466605)", [("redone = (to_half(p, p16.mlir_dtype),", "redone = (p.astype(p16.mlir_dtype),")])]
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 

@@ -141,6 +141,15 @@ def settle_softmax(s, m, l, acc, p16, l_next, scale):
                                  "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }",
                                  "=r,r", has_side_effects=False)
         redo = arith.cmpi(arith.CmpIPredicate.ne, ballot, arith.constant(i32, 0))
+        def to_half(p, dtype):
+            """P in 16 bits: bf16 by an integer add and shift (rounding to nearest), not the F2FP the
+            kept P takes, so that ptxas packs the kept P before the branch rather than sinking both
+            packings past the join (and the turn's wait) with the f32 P live through it."""
+            if dtype != ir.BF16Type.get():
+                return p.astype(dtype)
+            bits = (p.bitcast(i32, output_is_signed=False) + 0x8000) >> 16
+            return bits.astype(ir.IntegerType.get_signless(16), is_signed=False).bitcast(dtype)
+
         kept = (p16, m, l_next, acc)
         regs = [r for x in kept for r in x.registers.flat]
         branch = scf.IfOp(redo, [r.type for r in regs], has_else=True)
@@ -148,7 +157,7 @@ def settle_softmax(s, m, l, acc, p16, l_next, scale):
             m_new = m.max(s.reduce("max", 1) * scale)
             p = (s * scale - m_new.broadcast_in_dim(s.shape, (0,), s.layout)).exp2(approx=True)
             alpha = (m - m_new).exp2(approx=True)
-            redone = (p.astype(p16.mlir_dtype), m_new, l * alpha + p.reduce("add", 1),
+            redone = (to_half(p, p16.mlir_dtype), m_new, l * alpha + p.reduce("add", 1),
                       acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout))
             scf.yield_([r for x in redone for r in x.registers.flat])
         with ir.InsertionPoint(branch.else_block):
