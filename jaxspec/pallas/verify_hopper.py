@@ -42,17 +42,33 @@ the softmax the tile still takes 3.05k. Its waits are short (verify_timeline-f55
 scores product after issuing it): each consumer's own chain of product, softmax and product is
 what sets the pace.
 
+The default loop's softmax takes P against a stale reference max a row (softmax_stale): no row
+max, no rescale of the output, in most tiles. A row's reference moves only where a tile's P would
+pass 2^STALE_SLACK (or overflow); a warp votes on that after the exponentials and, rarely, redoes
+the tile with its row max from the scores it kept (an item's first tile always: m = NEG_INF). The
+row max is 64 FMNMX a thread and a tile on the ALU pipe, in the chain from a tile's scores to its
+values; instructions there set the pace (verify_timeline-4a76ae1: 64 integer adds a tile there,
+4% slower). verify_timeline-28b1d97: 244.3 us against 251.0 for b4aa46a's row max each tile, 250.7
+for this loop with it. The redo packs its P by integer rounding, so that ptxas packs the kept P
+(F2FP) before the vote, among the exponentials, rather than sinking both packings past the join
+to after the values' turn wait (3466605, where it did: 246.1 in the same run). Tried and left:
+the output's rescale skipped by a warp's vote where no row's max moved past a slack (6315e1a:
+level), the redo decided by the whole warpgroup and computed from the scores' product again
+(e1aab6e: 7% slower, spilling).
+
 The turns are looser than the code reads: in the SASS (bench/results/mosaic_sass-f8f4d9e.txt; the
 PTX from mosaic_dump.py, ptxas and nvdisasm from NVIDIA's pip wheels) ptxas has moved each
-consumer's softmax-done arrival up to just after its row max, above the exponentials (the
-optimisation barrier fences LLVM, not ptxas), and the bf16 packing and output rescale down below
-the wait for the next turn. So the other consumer starts its softmax while this one is still in
-its own, and the two softmaxes overlap instead of alternating. Forcing the written order (a store
-of the row sums to shared memory, which the arrival's release must follow) gives the strict
-ping-pong, and it is slower: verify_timeline-bf75a55, 262.9 us against 249.5 without the store;
-its profile shows why: a softmax alone still takes 1.35k cycles, more than the other consumer's
-two products, so strict turns leave the period at two softmaxes plus the turn waits. Turns at the
-scores issue alone (no softmax-done arrival, no store): 269.6 us.
+consumer's softmax-done arrival, written after the softmax with the row max each tile, up to just
+after its row max, above the exponentials (the optimisation barrier fences LLVM, not ptxas), and
+the bf16 packing and output rescale down below the wait for the next turn. So the other consumer
+starts its softmax while this one is still in its own, and the two softmaxes overlap instead of
+alternating. Forcing the written order (a store of the row sums to shared memory, which the
+arrival's release must follow) gives the strict ping-pong, and it is slower: verify_timeline-bf75a55,
+262.9 us against 249.5 without the store; its profile shows why: a softmax alone still takes 1.35k
+cycles, more than the other consumer's two products, so strict turns leave the period at two
+softmaxes plus the turn waits. Turns at the scores issue alone (no softmax-done arrival, no
+store): 269.6 us. With the stale max the arrival is written before the softmax; ptxas places it
+among the exponentials (after them: 246.7 us in verify_timeline-28b1d97).
 
 Masking as in paged_attention.py: tiles wholly inside the cached prefix need none; the last one
 or two tiles hold the new tokens, whose visibility comes as two 32-bit words per query row (bit j:
