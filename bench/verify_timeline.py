@@ -12,6 +12,7 @@ decode at the same batch and context for the verify/decode ratio:
   --stale           the row max each tile as before, the turn's arrival after the softmax, a
                     smaller slack, the redo's P packed as the kept P (STALE; the first also profiled)
   --baseline=FILE   another version of verify_hopper.py's source, side by side
+  --tokens=N        N query tokens a request instead of 64 (the profiled rows too)
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
 (verify_timeline-bf75a55 ran a --fence flag at bf75a55, a kernel since reverted whose consumers
@@ -24,7 +25,8 @@ only past a slack and skipped the output's rescale in warps whose rows' max stay
 verify_timeline-e1aab6e ran --stale at e1aab6e, whose redo the whole warpgroup decided (a named
 barrier's reduction) and took from the scores computed again: 7% slower than 3466605's, spilling.)
 
-    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--stale] [--baseline=FILE] [--cuts=A,B]   (GPU)
+    python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--stale] [--baseline=FILE] [--tokens=N]
+                                  [--cuts=A,B]   (GPU)
 """
 from __future__ import annotations
 
@@ -118,7 +120,8 @@ def summarize(path: str) -> dict:
 
 def main():
     n_sm = jax.devices()[0].core_count
-    b, t, ctx = 64, 64, 2048
+    b, ctx = 64, 2048
+    t = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--tokens=")), 64)
     q, k, v, pt, kv_lens, q_lens = setup(b, t, ctx)
     mask, _ = tree_attention_mask(random_tree(b, t), q_lens)
     ref = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))(q, k, v)
