@@ -62,8 +62,9 @@ CUTS = [
        "plgpu.Barrier(num_arrivals=pages_per_tile // 2, num_barriers=stages),")]),
     ("no turn-taking (consumers run free)",
      [("        plgpu.barrier_arrive(turn)\n        plgpu.barrier_wait(turn)\n", "        pass\n"),
-      ("                plgpu.barrier_arrive(turn)\n                with jax.named_scope(\"softmax\"):\n",
-       "                with jax.named_scope(\"softmax\"):\n"),
+      ("                    plgpu.barrier_arrive(turn)\n                    with jax.named_scope(\"softmax\"):\n",
+       "                    with jax.named_scope(\"softmax\"):\n"),
+      ("plgpu.barrier_arrive(turn)  # softmax done", "pass  # softmax done"),
       ("                    with jax.named_scope(\"turn wait\"):\n                        plgpu.barrier_wait(turn)\n", "")]),
 ]
 

@@ -9,8 +9,9 @@ decode at the same batch and context for the verify/decode ratio:
   --out             the output through the query buffers, not the last K slot (0515872's comparison)
   --softmax         the overlapped loop and softmax-less copies (CUTS), profiled (84cd98b's)
   --tiles           192-key tiles; 128 rows a consumer (one CTA a head) (463c3e4's)
-  --stale           the row max each tile as before, the turn's arrival after the softmax, a
-                    smaller slack, the redo's P packed as the kept P (STALE; the first also profiled)
+  --stale           the stale max and the row max each tile (stale_max=True, False), and the
+                    stale max with the turn's arrival after it, a smaller slack, the redo's P packed
+                    as the kept P (STALE); the row max each tile also profiled
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --tokens=N        N query tokens a request instead of 64 (the profiled rows too)
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
@@ -60,25 +61,18 @@ UNDO.append(("all three undone", [e for _, edits in UNDO for e in edits]))
 # the output through the query buffer (two of them where they fit), not the last tile's K slot
 OUT_VIA_QUERIES = ("output through the query buffer", [("stage_in_ring = not overlap and 2 * wg_rows <= block_kv",
                                                          "stage_in_ring = False")])
-# the softmax with each tile's row max (as at b4aa46a: the arrival after it, where ptxas hoists it
-# above the exponentials), the turn's arrival after the stale softmax, and a smaller slack
-EXACT_MAX = ("row max every tile", [(
-    "                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n",
-    "                    p16, m_new, l, alpha = softmax(s, i, m, l, masked)\n"
-    "                    acc = rescale(acc, alpha)\n"
-    "                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))\n"
-    "                    plgpu.barrier_arrive(turn)\n"),
-    ("                plgpu.barrier_arrive(turn)\n                with jax.named_scope(\"softmax\"):\n",
-     "                with jax.named_scope(\"softmax\"):\n")])
-STALE = [EXACT_MAX,
-         ("arrival after the softmax",
-          [("                plgpu.barrier_arrive(turn)\n                with jax.named_scope(\"softmax\"):\n",
-            "                with jax.named_scope(\"softmax\"):\n"),
-           ("                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n",
-            "                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n"
+# variants of the stale-max softmax (run with stale_max=True at any token count, beside the row max
+# each tile, stale_max=False): the turn's arrival after it, a smaller slack, the redo's P packed as
+# the kept P
+STALE = [("arrival after the softmax",
+          [("                    plgpu.barrier_arrive(turn)\n                    with jax.named_scope(\"softmax\"):\n"
+            "                        p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n",
+            "                    with jax.named_scope(\"softmax\"):\n"
+            "                        p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)\n"
             "                    plgpu.barrier_arrive(turn)\n")]),
          ("slack 8", [("STALE_SLACK = 64", "STALE_SLACK = 8")]),
-         ("redo packs P by cvt too (3466605)", [("redone = (to_half(p, p16.mlir_dtype),", "redone = (p.astype(p16.mlir_dtype),")])]
+         ("redo packs P by cvt too (3466605)",
+          [("redone = (to_half(p, p16.mlir_dtype),", "redone = (p.astype(p16.mlir_dtype),")])]
 ROLES = ("consumer 0", "consumer 1", "producer")
 
 
@@ -144,8 +138,10 @@ def main():
         variants += [("overlap", vh, dict(overlap=True), True), ("cut: no softmax", no_softmax, {}, True),
                      ("overlap, cut: no softmax", no_softmax, dict(overlap=True), True)]
     if "--stale" in sys.argv:
-        variants += [(name, patched(name, edits), {}, False) for name, edits in STALE]
-        variants.append((f"{EXACT_MAX[0]}, two stages", patched(*EXACT_MAX), dict(stages=2), True))
+        variants += [("stale max", vh, dict(stale_max=True), False),
+                     ("row max every tile", vh, dict(stale_max=False), False)]
+        variants += [(name, patched(name, edits), dict(stale_max=True), False) for name, edits in STALE]
+        variants.append(("row max every tile, two stages", vh, dict(stages=2, stale_max=False), True))
     for arg in sys.argv:  # --baseline=FILE: another version of the kernel's source, side by side
         if arg.startswith("--baseline="):
             path = arg.split("=", 1)[1]

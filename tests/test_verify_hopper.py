@@ -35,9 +35,12 @@ CASES = [  # (B, T, Hq, Hkv, D, ps, tree, kernel options, kv_lens)
     (4, 16, 4, 1, 128, 16, True, dict(persistent=3, stages=3), [0, 129, 150, 256]),  # one query buffer
     (3, 64, 8, 2, 128, 16, True, dict(persistent=5, block_kv=64, stages=4), [0, 129, 150]),
     (2, 64, 3, 1, 64, 16, False, dict(persistent=3), [256, 129]),  # SmolLM2's heads, as the engine runs them
+    # the softmax's two forms where the default takes the other (one CTA a head: the row max each tile)
+    (3, 20, 4, 1, 128, 16, True, dict(persistent=2, stale_max=True), [100, 0, 150]),
+    (3, 64, 8, 2, 128, 16, True, dict(persistent=4, stale_max=False), [0, 129, 150]),
 ]
-if not ON_GPU:  # the interpreter runs every warpgroup as a thread (and has no clusters): four cases cover its paths
-    CASES = CASES[:4]
+if not ON_GPU:  # the interpreter runs every warpgroup as a thread (and has no clusters): five cases cover its paths
+    CASES = CASES[:4] + CASES[-2:-1]
 
 
 @pytest.mark.parametrize("b,t,hq,hkv,d,ps,tree,opts,kv_lens", CASES)
@@ -45,7 +48,7 @@ def test_verify_tree_hopper_matches_reference(b, t, hq, hkv, d, ps, tree, opts, 
     check_against_reference(b, t, hq, hkv, d, ps, tree, opts, kv_lens)
 
 
-@pytest.mark.parametrize("opts", [{}] + ([dict(persistent=2), dict(overlap=True)] if ON_GPU else []))
+@pytest.mark.parametrize("opts", [{}] + ([dict(persistent=2), dict(overlap=True)] if ON_GPU else []))  # stale max
 def test_verify_tree_hopper_settles_scores_far_above_the_first_tiles(opts):
     """A row's reference max comes from an item's first tile and moves only where a later tile's P
     would pass 2^STALE_SLACK: keys scaled by 60 in the second and third tiles (scores some 200 log2

@@ -200,7 +200,7 @@ def _row_words(tree_mask, b, t, t_pad, rows_padded):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref, v_ref, o_ref, scratch, *,
             page_size, block_kv, half_kv, stages, wg_rows, group, scale, overlap, pingpong, cluster, persistent,
-            stage_in_ring, interpret):
+            stage_in_ring, stale_max, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     (q_smem_bufs, k_smem, v_smem, pt_smem), (k_ready, v_ready, q_ready, pt_ready), (k_free, v_free), (turn, issue) = scratch
     n_heads, n_qb = k_ref.shape[2], words_ref.shape[2] // (2 * wg_rows)  # KV heads; CTAs (query blocks) a head
@@ -365,11 +365,18 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                         pl.when(last & (n + 1 < n_items))(lambda: load_q(n + 1, 0))
                     else:
                         plgpu.barrier_arrive(k_free.at[slot])
-                # the turn passes as the softmax begins (where ptxas had put the arrival written after
-                # it, above the exponentials: module docstring)
-                plgpu.barrier_arrive(turn)
-                with jax.named_scope("softmax"):
-                    p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)
+                if stale_max:
+                    # the turn passes as the softmax begins (where ptxas had put the arrival written
+                    # after the row max's softmax, above the exponentials: module docstring)
+                    plgpu.barrier_arrive(turn)
+                    with jax.named_scope("softmax"):
+                        p16, m_new, l, acc = softmax_stale(s, i, m, l, acc, masked)
+                else:
+                    with jax.named_scope("softmax"):
+                        p16, m_new, l, alpha = softmax(s, i, m, l, masked)
+                        acc = rescale(acc, alpha)
+                        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                        plgpu.barrier_arrive(turn)  # softmax done, as written (in SASS: after the row max)
                 with jax.named_scope("values"):
                     with jax.named_scope("values wait"):
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -553,11 +560,12 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "wg_rows", "grid_order", "overlap", "pingpong",
-                                             "multicast", "persistent", "interpret", "profile_dir", "profile_space"))
+                                             "multicast", "persistent", "stale_max", "interpret", "profile_dir",
+                                             "profile_space"))
 def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                        block_kv=None, stages=None, wg_rows=None, grid_order="bhq", overlap=False,
-                       pingpong=True, multicast=False, persistent=0, interpret=False, profile_dir=None,
-                       profile_space=0):
+                       pingpong=True, multicast=False, persistent=0, stale_max=None, interpret=False,
+                       profile_dir=None, profile_space=0):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
 
     The new tokens' K/V are already in the pages (slots kv_len .. kv_len + q_len - 1); tree_mask
@@ -572,6 +580,10 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     persistent: that many CTAs (0: one an item; at most one an SM fits, by shared memory). Where the
     output cannot go through the ring (overlap, wg_rows=128), it goes through the query buffer, two
     of them where they fit beside the ring (v37-v39: 315-335 us against 326-343 at 64 tokens).
+    stale_max: the default loop's softmax against a stale reference max (module docstring); None:
+    where a head's rows take two CTAs or more, the compute-bound shapes (verify_timeline-28b1d97, 64
+    tokens: 244.3 us against 250.7 with the row max each tile; -5b9a1bd, one CTA a head: 214.2
+    against 198.4 at 16 tokens, 207.5 against 207.0 at 32).
     profile_dir, profile_space: Mosaic GPU's in-kernel profiler (GPU only), a trace of the named
     regions (scores, softmax, values, epilogue; the producer's waits), up to profile_space regions a
     warpgroup, written as a Perfetto JSON file into profile_dir each call (bench/verify_timeline.py)."""
@@ -586,6 +598,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     padded = -(-rows // (2 * wg_rows)) * 2 * wg_rows
     assert supports(q, k_pages, tree_mask, block_kv=block_kv), (q.shape, k_pages.shape, q.dtype)
     n_qb = padded // (2 * wg_rows)  # CTAs a request and KV head
+    stale_max = n_qb >= 2 if stale_max is None else stale_max
     if multicast and (n_qb % 2 or interpret):  # (the interpreter has no clusters)
         raise ValueError(f"multicast pairs a head's CTAs: needs an even count (got {n_qb}) and a GPU")
     cluster = 2 if multicast else 1
@@ -619,7 +632,8 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, half_kv=half_kv, stages=stages,
                                      wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
-                                     persistent=persistent, stage_in_ring=stage_in_ring, interpret=interpret),
+                                     persistent=persistent, stage_in_ring=stage_in_ring, stale_max=stale_max,
+                                     interpret=interpret),
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
              plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=tiled),
