@@ -42,10 +42,11 @@ the softmax the tile still takes 3.05k. Its waits are short (verify_timeline-f55
 scores product after issuing it): each consumer's own chain of product, softmax and product is
 what sets the pace.
 
-The default loop's softmax takes P against a stale reference max a row (softmax_stale): no row
-max, no rescale of the output, in most tiles. A row's reference moves only where a tile's P would
-pass 2^STALE_SLACK (or overflow); a warp votes on that after the exponentials and, rarely, redoes
-the tile with its row max from the scores it kept (an item's first tile always: m = NEG_INF). The
+Where a head's rows take two CTAs or more (64 tokens at 8B heads; stale_max), the default loop's
+softmax takes P against a stale reference max a row (softmax_stale): no row max, no rescale of the
+output, in most tiles. A row's reference moves only where a tile's P would pass 2^STALE_SLACK (or
+overflow); a warp votes on that after the exponentials and, rarely, redoes the tile with its row
+max from the scores it kept (an item's first tile always: m = NEG_INF). The
 row max is 64 FMNMX a thread and a tile on the ALU pipe, in the chain from a tile's scores to its
 values; instructions there set the pace (verify_timeline-4a76ae1: 64 integer adds a tile there,
 4% slower). verify_timeline-28b1d97: 244.3 us against 251.0 for b4aa46a's row max each tile, 250.7
@@ -54,7 +55,8 @@ for this loop with it. The redo packs its P by integer rounding, so that ptxas p
 to after the values' turn wait (3466605, where it did: 246.1 in the same run). Tried and left:
 the output's rescale skipped by a warp's vote where no row's max moved past a slack (6315e1a:
 level), the redo decided by the whole warpgroup and computed from the scores' product again
-(e1aab6e: 7% slower, spilling).
+(e1aab6e: 7% slower, spilling). At 16 tokens, one CTA a head and memory-bound, it was 8% slower
+(verify_timeline-5b9a1bd-t16), level at 32.
 
 The turns are looser than the code reads: in the SASS (bench/results/mosaic_sass-f8f4d9e.txt; the
 PTX from mosaic_dump.py, ptxas and nvdisasm from NVIDIA's pip wheels) ptxas has moved each
