@@ -14,6 +14,7 @@ decode at the same batch and context for the verify/decode ratio:
                     as the kept P (STALE); the row max each tile also profiled
   --baseline=FILE   another version of verify_hopper.py's source, side by side
   --tokens=N        N query tokens a request instead of 64 (the profiled rows too)
+  --heads=HQ,HKV,D  query heads, KV heads and head_dim instead of 8B's 32,8,128 (SmolLM2: 9,3,64)
   --cuts=A,B        verify_probe.py's cut-out copies whose names start with A or B (wrong output)
 
 (verify_timeline-bf75a55 ran a --fence flag at bf75a55, a kernel since reverted whose consumers
@@ -27,7 +28,7 @@ verify_timeline-e1aab6e ran --stale at e1aab6e, whose redo the whole warpgroup d
 barrier's reduction) and took from the scores computed again: 7% slower than 3466605's, spilling.)
 
     python bench/verify_timeline.py [--undo] [--out] [--softmax] [--tiles] [--stale] [--baseline=FILE] [--tokens=N]
-                                  [--cuts=A,B]   (GPU)
+                                  [--heads=HQ,HKV,D] [--cuts=A,B]   (GPU)
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from jaxspec.pallas import verify_hopper
 from jaxspec.pallas.attention_ref import paged_attention_ref
 from jaxspec.pallas.paged_attention import paged_attention
 from jaxspec.pallas.tree_mask import tree_attention_mask
+import kernels
 from kernels import device_time, rel_err, random_tree, setup
 from verify_probe import CUTS, patched
 
@@ -116,6 +118,10 @@ def main():
     n_sm = jax.devices()[0].core_count
     b, ctx = 64, 2048
     t = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--tokens=")), 64)
+    for arg in sys.argv:  # --heads=HQ,HKV,D: kernels.setup's shapes (the verify's and the decode's)
+        if arg.startswith("--heads="):
+            kernels.HQ, kernels.HKV, kernels.D = map(int, arg.split("=", 1)[1].split(","))
+    heads = f"{kernels.HQ}/{kernels.HKV}/{kernels.D}"  # query heads / KV heads / head_dim
     q, k, v, pt, kv_lens, q_lens = setup(b, t, ctx)
     mask, _ = tree_attention_mask(random_tree(b, t), q_lens)
     ref = jax.jit(lambda q, k, v: paged_attention_ref(q, k[0], v[0], pt, kv_lens, q_lens, mask))(q, k, v)
@@ -156,7 +162,7 @@ def main():
     fns, rows = {}, []
     for name, fn, kw, _ in variants:
         f = jax.jit(lambda q, k, v, fn=fn, kw=kw: fn(q, k, v, 0, pt, kv_lens, q_lens, mask, persistent=n_sm, **kw))
-        rows.append(dict(kernel="verify", impl=f"mosaic[{name}]", batch=b, q_tokens=t, context=ctx,
+        rows.append(dict(kernel="verify", impl=f"mosaic[{name}]", batch=b, q_tokens=t, context=ctx, heads=heads,
                          rel_err=rel_err(f(q, k, v), ref)))
         fns[name] = f
     qd, kd, vd, ptd, kvd, qld = setup(b, 1, ctx)
@@ -172,8 +178,8 @@ def main():
     for r, name in zip(rows, fns):
         r.update(device_us=med[name], over_now=med[name] / med["now"], over_decode=med[name] / med["decode"],
                  device_us_rounds=[x * 1e6 for x in dev[name]])
-    rows.append(dict(kernel="decode", impl="pallas[auto]", batch=b, q_tokens=1, context=ctx, device_us=med["decode"],
-                     device_us_rounds=[x * 1e6 for x in dev["decode"]]))
+    rows.append(dict(kernel="decode", impl="pallas[auto]", batch=b, q_tokens=1, context=ctx, heads=heads,
+                     device_us=med["decode"], device_us_rounds=[x * 1e6 for x in dev["decode"]]))
     print_table(rows, ["kernel", "impl", "device_us", "over_now", "over_decode", "rel_err"])
 
     # the timeline: batch 32 (four items a CTA) so that the trace fits beside the ring in shared memory
