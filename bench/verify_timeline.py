@@ -74,8 +74,13 @@ STALE = [("arrival after the softmax",
             "                    plgpu.barrier_arrive(turn)\n")]),
          ("slack 8", [("STALE_SLACK = 64", "STALE_SLACK = 8")]),
          ("redo packs P by cvt too (3466605)",
-          [("redone = (to_half(p, p16.mlir_dtype),", "redone = (p.astype(p16.mlir_dtype),")])]
+          [("redone = (_to_half_by_integer(p, p16.mlir_dtype),", "redone = (p.astype(p16.mlir_dtype),")])]
 ROLES = ("consumer 0", "consumer 1", "producer")
+
+
+def options(name: str) -> list[str]:
+    """The values of each --name=VALUE on the command line, in order."""
+    return [a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")]
 
 
 def summarize(path: str) -> dict:
@@ -117,10 +122,9 @@ def summarize(path: str) -> dict:
 def main():
     n_sm = jax.devices()[0].core_count
     b, ctx = 64, 2048
-    t = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--tokens=")), 64)
-    for arg in sys.argv:  # --heads=HQ,HKV,D: kernels.setup's shapes (the verify's and the decode's)
-        if arg.startswith("--heads="):
-            kernels.HQ, kernels.HKV, kernels.D = map(int, arg.split("=", 1)[1].split(","))
+    t = int((options("tokens") or [64])[-1])
+    for value in options("heads"):  # kernels.setup's shapes (the verify's and the decode's)
+        kernels.HQ, kernels.HKV, kernels.D = map(int, value.split(","))
     heads = f"{kernels.HQ}/{kernels.HKV}/{kernels.D}"  # query heads / KV heads / head_dim
     q, k, v, pt, kv_lens, q_lens = setup(b, t, ctx)
     mask, _ = tree_attention_mask(random_tree(b, t), q_lens)
@@ -148,15 +152,12 @@ def main():
                      ("row max every tile", vh, dict(stale_max=False), False)]
         variants += [(name, patched(name, edits), dict(stale_max=True), False) for name, edits in STALE]
         variants.append(("row max every tile, two stages", vh, dict(stages=2, stale_max=False), True))
-    for arg in sys.argv:  # --baseline=FILE: another version of the kernel's source, side by side
-        if arg.startswith("--baseline="):
-            path = arg.split("=", 1)[1]
-            variants.insert(1, (f"baseline {os.path.basename(path)}", patched(path, [], path), {}, False))
-    for arg in sys.argv:  # --cuts=A,B: verify_probe's CUTS whose names start so, timed beside the kernel
-        if arg.startswith("--cuts="):
-            keep = tuple(arg.split("=", 1)[1].split(","))
-            variants += [(f"cut: {name}", patched(name, edits), {}, False) for name, edits in CUTS
-                         if name.startswith(keep)]
+    for path in options("baseline"):  # another version of the kernel's source, side by side
+        variants.insert(1, (f"baseline {os.path.basename(path)}", patched(path, [], path), {}, False))
+    for value in options("cuts"):  # verify_probe's CUTS whose names start so, timed beside the kernel
+        keep = tuple(value.split(","))
+        variants += [(f"cut: {name}", patched(name, edits), {}, False) for name, edits in CUTS
+                     if name.startswith(keep)]
     if "--undo" in sys.argv:
         variants += [(f"undo: {n}", patched(n, e), {}, False) for n, e in UNDO]
     fns, rows = {}, []

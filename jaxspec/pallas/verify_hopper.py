@@ -52,7 +52,8 @@ values; instructions there set the pace (verify_timeline-4a76ae1: 64 integer add
 4% slower). verify_timeline-28b1d97: 244.3 us against 251.0 for b4aa46a's row max each tile, 250.7
 for this loop with it. The redo packs its P by integer rounding, so that ptxas packs the kept P
 (F2FP) before the vote, among the exponentials, rather than sinking both packings past the join
-to after the values' turn wait (3466605, where it did: 246.1 in the same run). Tried and left:
+to after the values' turn wait (3466605, where it did: 246.1 in the same run; the SASS of these
+loops: bench/results/mosaic_sass-28b1d97.txt). Tried and left:
 the output's rescale skipped by a warp's vote where no row's max moved past a slack (6315e1a:
 level), the redo decided by the whole warpgroup and computed from the scores' product again
 (e1aab6e: 7% slower, spilling). At 16 tokens, one CTA a head and memory-bound, it was 8% slower
@@ -127,6 +128,19 @@ def _smem_bytes(block_kv, d, itemsize, wg_rows, width, stages, q_bufs, profile_s
 STALE_SLACK = 64  # log2 units: how far a tile's P may exceed its row's reference (P <= 2^64) unchecked
 
 
+def _to_half_by_integer(p, dtype):
+    """P (a Mosaic GPU FragmentedArray, f32) in 16 bits: bf16 by an integer add and shift (rounding
+    to nearest), not the F2FP the kept P takes in settle_softmax, so that ptxas packs the kept P
+    before the branch rather than sinking both packings past the join (and the turn's wait) with the
+    f32 P live through it."""
+    from jaxlib.mlir import ir
+
+    if dtype != ir.BF16Type.get():
+        return p.astype(dtype)
+    bits = (p.bitcast(ir.IntegerType.get_signless(32), output_is_signed=False) + 0x8000) >> 16
+    return bits.astype(ir.IntegerType.get_signless(16), is_signed=False).bitcast(dtype)
+
+
 def settle_softmax(s, m, l, acc, p16, l_next, scale):
     """A tile's softmax from P taken against the rows' reference maxes m (no row max, no rescale),
     redone with the row max in the warps where some row's tile sum of P passes 2^STALE_SLACK (or is
@@ -159,15 +173,6 @@ def settle_softmax(s, m, l, acc, p16, l_next, scale):
                                  "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }",
                                  "=r,r", has_side_effects=False)
         redo = arith.cmpi(arith.CmpIPredicate.ne, ballot, arith.constant(i32, 0))
-        def to_half(p, dtype):
-            """P in 16 bits: bf16 by an integer add and shift (rounding to nearest), not the F2FP the
-            kept P takes, so that ptxas packs the kept P before the branch rather than sinking both
-            packings past the join (and the turn's wait) with the f32 P live through it."""
-            if dtype != ir.BF16Type.get():
-                return p.astype(dtype)
-            bits = (p.bitcast(i32, output_is_signed=False) + 0x8000) >> 16
-            return bits.astype(ir.IntegerType.get_signless(16), is_signed=False).bitcast(dtype)
-
         kept = (p16, m, l_next, acc)
         regs = [r for x in kept for r in x.registers.flat]
         branch = scf.IfOp(redo, [r.type for r in regs], has_else=True)
@@ -175,7 +180,7 @@ def settle_softmax(s, m, l, acc, p16, l_next, scale):
             m_new = m.max(s.reduce("max", 1) * scale)
             p = (s * scale - m_new.broadcast_in_dim(s.shape, (0,), s.layout)).exp2(approx=True)
             alpha = (m - m_new).exp2(approx=True)
-            redone = (to_half(p, p16.mlir_dtype), m_new, l * alpha + p.reduce("add", 1),
+            redone = (_to_half_by_integer(p, p16.mlir_dtype), m_new, l * alpha + p.reduce("add", 1),
                       acc * alpha.broadcast_in_dim(acc.shape, (0,), acc.layout))
             scf.yield_([r for x in redone for r in x.registers.flat])
         with ir.InsertionPoint(branch.else_block):
@@ -329,8 +334,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, words_ref, q_ref, k_ref,
                 m_new = jnp.where(redo, jnp.maximum(m, s.max(axis=1) * scale), m)
                 p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 alpha = jnp.exp2(m - m_new)
-                return (p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1),
-                        acc * lax.broadcast_in_dim(alpha, acc.shape, [0]))
+                return p.astype(k_smem.dtype), m_new, l * alpha + p.sum(axis=1), rescale(acc, alpha)
 
             def qk_dot(slot, width=block_kv):  # the interpreter's products
                 return lax.dot_general(q_smem[...], k_smem[slot, :width], (((1,), (1,)), ((), ())),
