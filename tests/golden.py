@@ -1,0 +1,43 @@
+"""Greedy outputs of the Generator on 20 chat prompts (SmolLM2, float32), recorded before the
+engine's restructure (tests/data/golden_outputs.json) and checked after: the restructure must not
+change a token. `python tests/golden.py OUT.json` records them."""
+from __future__ import annotations
+
+import json
+import sys
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about autumn leaves.", "Explain recursion to a child.",
+    "List three uses of a paperclip.", "What is 17 times 23?", "Translate 'good morning' into Spanish.",
+    "Give me a short tip for learning to cook.", "Why is the sky blue?", "Write a Python function that reverses a string.",
+    "Name a famous painting and its painter.", "How do plants make food?", "Describe a cat in one sentence.",
+    "What does a compiler do?", "Suggest a name for a pet goldfish.", "What is the boiling point of water?",
+    "Write two lines of a poem about the sea.", "How many days are in a leap year?",
+    "What is the difference between weather and climate?", "Tell me a fun fact about octopuses.",
+    "Summarize the story of Cinderella in one sentence.",
+]
+ALGORITHMS = ("plain", "EAGLE3", "NGRAM")
+MAX_TOKENS = 24
+
+
+def generate_all() -> dict:
+    import jax.numpy as jnp
+
+    from jaxspec import Generator, SamplingParams, SpecConfig
+    out = {}
+    for algo in ALGORITHMS:
+        spec = None if algo == "plain" else (
+            SpecConfig("EAGLE3", num_steps=3, eagle_topk=4, num_draft_tokens=8) if algo == "EAGLE3"
+            else SpecConfig("NGRAM", num_draft_tokens=8))
+        gen = Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, speculative=spec, max_seq_len=256,
+                                        max_batch=8)
+        done = gen.generate([[{"role": "user", "content": p}] for p in PROMPTS],
+                            SamplingParams(max_tokens=MAX_TOKENS))
+        out[algo] = [c.token_ids for c in done]
+    return out
+
+
+if __name__ == "__main__":
+    res = generate_all()
+    with open(sys.argv[1], "w") as f:
+        json.dump({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "outputs": res}, f)
