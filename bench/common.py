@@ -123,15 +123,16 @@ def random_model(cfg, dtype, seed=0):
     from flax import nnx
     from jaxspec.models import Llama
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     key = jax.random.key(seed)
-    for i, (name, abstract) in enumerate(nnx.state(model, nnx.Param).flat_state()):
-        shape = abstract.shape
-        if "norm" in name[0]:
-            val = jnp.ones(shape, dtype)
+    for i, (path, var) in enumerate(flat.items()):
+        shape = var.get_value().shape
+        if "norm" in str(path[-1]):
+            var.set_value(jnp.ones(shape, dtype))
         else:
-            fan_in = shape[-2] if len(shape) >= 2 and name[0] != "embed" else 1
-            val = (jax.random.normal(jax.random.fold_in(key, i), shape, dtype) / np.sqrt(fan_in)).astype(dtype)
-        setattr(model, name[0], nnx.Param(val))
+            fan_in = shape[-2] if len(shape) >= 2 and path[-1] != "embed" else 1
+            var.set_value((jax.random.normal(jax.random.fold_in(key, i), shape, dtype) / np.sqrt(fan_in)).astype(dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
     return model
 
 

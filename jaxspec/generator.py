@@ -5,6 +5,7 @@ import dataclasses
 from typing import Iterator, Sequence
 
 from jaxspec.models.loading import load
+from jaxspec.programs import enable_compilation_cache
 from jaxspec.sampling import SamplingParams
 from jaxspec.scheduler import Request, Scheduler
 
@@ -67,6 +68,8 @@ class Generator:
     def from_pretrained(cls, name_or_path: str, *, dtype=None, speculative=None, **scheduler_kwargs):
         """name_or_path: a short name of an embedded model (e.g. 'smollm2-135m'), a .gguf file, or an
         HF directory. speculative: a `jaxspec.SpecConfig` (None = plain decoding)."""
+        if scheduler_kwargs.get("jit", True):  # before anything compiles: JAX looks at it once
+            enable_compilation_cache(scheduler_kwargs.get("compile_cache"))
         model, tokenizer = load(name_or_path, dtype)
         drafter = speculative.build(model, name_or_path) if speculative is not None else None
         return cls(model, tokenizer, drafter=drafter, **scheduler_kwargs)

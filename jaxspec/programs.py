@@ -1,17 +1,25 @@
-"""The jitted device programs and the shapes they are compiled for.
+"""The engine's device programs: a small fixed set of jitted steps, compiled once at start-up.
 
 `extend` feeds T new tokens per request (prefill chunks; decode is T = 1) and samples the token
 after the last one. `verify_tree` runs a draft tree through the target, accepts the longest
 matching root path, compacts the accepted K/V and returns the emitted tokens. The cache is
-donated to both; neither syncs with the host.
+donated to both; neither syncs with the host. With a device drafter (EAGLE heads) both come from
+the drafter's step module and also keep the head in step and draft the next tree
+(drafters/eagle_step.py); the signatures are the same, so the scheduler drives either.
 
-With a device drafter (EAGLE heads) both programs come from the drafter's step module instead and
-also keep the head in step and draft the next tree (drafters/eagle_step.py); the signatures are
-the same, so the scheduler drives either.
+Shapes: the page table always has the engine's maximum width (the kernels stop at each
+request's length), a batch is padded to a bucket of BATCH_BUCKETS, a prefill chunk to one of
+three (rows, tokens) shapes and a tree to the size its batch bucket gets. So an engine has a few
+dozen programs at most; `Programs.build` compiles them before the first request (in threads,
+from JAX's persistent cache where a previous start left them), and a program compiled after that
+is counted in `late_compiles` (tests fail on one; the server exports it).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +30,7 @@ from jaxspec.kv_cache import move_slots
 from jaxspec.pallas.accept import accept_tree
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
-# Every compiled shape comes from these lists.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TOKEN_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TREE_BUCKETS = (2, 4, 8, 16, 32, 64)
 
 
@@ -35,33 +41,135 @@ def bucket(n: int, buckets) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def page_bucket(n: int) -> int:
-    return 1 << max(0, (max(n, 1) - 1).bit_length())
+def prefill_shapes(chunk: int) -> tuple:
+    """(rows, tokens) of the prefill programs: one long prompt, or several shorter ones, within a
+    budget of `chunk` tokens a step."""
+    return tuple((r, max(1, chunk // r)) for r in (1, 4, 16))
+
+
+# -- the persistent compilation cache and the compile counter --------------------------------------------
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache (its keys hold the program, the jax version, the
+    backend and the XLA flags, so an entry never serves another configuration). path: a folder,
+    'off', or None for $JAXSPEC_CACHE_DIR or ~/.cache/jaxspec/xla. A folder set through
+    JAX_COMPILATION_CACHE_DIR or jax.config is kept. Returns the folder in use."""
+    current = jax.config.jax_compilation_cache_dir
+    path = path or os.environ.get("JAXSPEC_CACHE_DIR")
+    if path == "off":
+        return None
+    if current and path is None:
+        return current
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "xla")
+    if path != current:
+        from jax.experimental.compilation_cache import compilation_cache
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        compilation_cache.reset_cache()  # JAX decides once whether to use it: make it decide again
+    return path
+
+
+_COMPILES = [0]
+
+
+def _count_compiles(event, *_, **__):
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compile_count() -> int:
+    """Executables this process has built so far (fresh or from the persistent cache), any program."""
+    return _COMPILES[0]
+
+
+# -- the program table -------------------------------------------------------------------------------------
+def _signature(tree) -> tuple:
+    return tuple((x.shape, x.dtype) for x in jax.tree.leaves(tree))
 
 
 class Programs:
+    """One model's (and drafter's) step functions and the executables built for them, by shape."""
+
     def __init__(self, model, attn_impl: str = "auto", jit: bool = True, drafter=None):
         self.cfg = model.cfg
-        self.attn_impl = attn_impl
+        self.jit = jit
         head = getattr(drafter, "head", None)
         if head is None:
             graphdef, self.state = nnx.split(model)
-            extend = functools.partial(_extend, graphdef, attn_impl)
-            verify = functools.partial(_verify_tree, graphdef, attn_impl)
+            self.fns = {"extend": functools.partial(_extend, graphdef, attn_impl),
+                        "verify_tree": functools.partial(_verify_tree, graphdef, attn_impl)}
         else:
             from jaxspec.drafters import eagle_step
             (g_target, s_target), (g_head, s_head) = nnx.split(model), nnx.split(head)
             self.state = (s_target, s_head)
-            extend = functools.partial(eagle_step.extend, (g_target, g_head), drafter.tree, attn_impl)
-            verify = functools.partial(eagle_step.verify, (g_target, g_head), drafter.tree, attn_impl)
-        wrap = (lambda f, **kw: jax.jit(f, **kw)) if jit else (lambda f, **kw: f)
-        self.extend = wrap(extend, static_argnames=("flags", "draft"), donate_argnames=("cache",))
-        self.verify_tree = wrap(verify, static_argnames=("flags",), donate_argnames=("cache",))
+            graphs = (g_target, g_head)
+            self.fns = {"extend": functools.partial(eagle_step.extend, graphs, drafter.tree, attn_impl),
+                        "verify_tree": functools.partial(eagle_step.verify, graphs, drafter.tree, attn_impl)}
+        self.table: dict[tuple, object] = {}
+        self.warm = False  # set once the start-up set is built: compiles after it are late
+        self.late_compiles: list[tuple] = []
+
+    def extend(self, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, *, flags):
+        return self.run("extend", flags, cache, (tokens, next_tokens, page_table, kv_lens, q_lens, sb))
+
+    def verify_tree(self, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, *, flags):
+        return self.run("verify_tree", flags, cache, (tokens, parents, page_table, kv_lens, num_nodes, sb))
+
+    def run(self, name, flags, cache, args):
+        if not self.jit:
+            return self.fns[name](self.state, cache, *args, flags=flags)
+        key = (name, flags, _signature((cache, args)))
+        exe = self.table.get(key)
+        if exe is None:
+            exe = self.table[key] = self._lower(name, flags, cache, args).compile()
+            if self.warm:
+                self.late_compiles.append(key)
+        return exe(self.state, cache, *args)
+
+    def _lower(self, name, flags, cache, args):
+        fn = jax.jit(self.fns[name], static_argnames=("flags",), donate_argnames=("cache",))
+        return fn.lower(self.state, cache, *args, flags=flags)
+
+    def build(self, specs, progress: bool = False, threads: int | None = None) -> float:
+        """Compile every (name, flags, cache, args) of specs (arrays or jax.ShapeDtypeStructs) not
+        built yet: traced one by one, compiled in threads. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        todo = {}
+        for name, flags, cache, args in specs:
+            key = (name, flags, _signature((cache, args)))
+            if key not in self.table and key not in todo:
+                todo[key] = (name, flags, cache, args)
+        if self.jit and todo:
+            bar = None
+            if progress:
+                from tqdm import tqdm
+                bar = tqdm(total=len(todo), desc="compiling programs", unit="program")
+            with concurrent.futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
+                futures = {pool.submit(self._lower(*spec).compile): key for key, spec in todo.items()}
+                for fut in concurrent.futures.as_completed(futures):
+                    self.table[futures[fut]] = fut.result()
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
+        self.warm = True
+        return time.perf_counter() - t0
+
+    def listing(self) -> list[str]:
+        """One line a built program: its name, sampler flags and argument shapes."""
+        out = []
+        for name, flags, sig in sorted(self.table, key=str):
+            shapes = " ".join("x".join(map(str, s)) or "()" for s, _ in sig)
+            out.append(f"{name:12s} {','.join(k for k, v in flags._asdict().items() if v) or 'greedy':24s} {shapes}")
+        return out
 
 
-def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, flags, draft):
+# -- the target-only step functions ----------------------------------------------------------------------
+def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, flags):
     """tokens [B, T] at positions kv_len.. -> next token [B], its logprob [B], top-n, None (no
-    draft tree), cache. next_tokens and draft serve device drafters only."""
+    draft tree), the next decode step's tokens [B, 1], cache. next_tokens serves device drafters only."""
     model = nnx.merge(graphdef, state)
     t = tokens.shape[1]
     positions = kv_lens[:, None] + jnp.arange(t)[None]
@@ -71,22 +179,7 @@ def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, 
     nxt = sampling.sample(logits, sb, flags)
     lp, top_v, top_i = sampling.logprobs_of(logits, nxt, flags.top_logprobs)
     squeeze = (lambda x: None if x is None else x[:, 0])
-    return nxt[:, 0], lp[:, 0], squeeze(top_v), squeeze(top_i), None, cache
-
-
-TREE_UNROLL: int | None = None  # None: tree_unroll decides (bench/eagle_probe.py sets it to compare)
-
-
-def tree_unroll(cfg) -> int:
-    """The layer loop's unroll in tree programs. Scanned, a layer's weights are a dynamic slice of
-    the stacked weights, which XLA copies out before each gemm of more than one row (decode's
-    one-row products read the slice in place): ~10 copy kernels a layer, 289 of a SmolLM2 tree
-    step's 1024 at batch 1 (bench/results/eagle_probe-random-b1-*), where the host's launching of
-    kernels bounds the step. Unrolled, the slices are static. The CPU keeps the scan: its cost
-    there is compile time, not launches."""
-    if TREE_UNROLL is not None:
-        return TREE_UNROLL
-    return cfg.num_layers if jax.default_backend() == "gpu" else 1
+    return nxt[:, 0], lp[:, 0], squeeze(top_v), squeeze(top_i), None, nxt, cache
 
 
 def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
@@ -101,7 +194,7 @@ def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_no
     """
     mask, depth = tree_attention_mask(parents, num_nodes)
     h, cache, layers = model(tokens, kv_lens[:, None] + depth, cache, page_table, kv_lens, num_nodes, tree_mask=mask,
-                             hidden_layers=hidden_layers, attn_impl=attn_impl, unroll=tree_unroll(model.cfg))
+                             hidden_layers=hidden_layers, attn_impl=attn_impl)
     logits = model.logits(h)  # [B, N, V]
     extra = None
     if flags.penalties:  # each node's penalty sees the draft tokens above it

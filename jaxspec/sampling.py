@@ -89,7 +89,10 @@ class SamplerFlags(NamedTuple):
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> "SamplerFlags":
         top = max((p.logprobs or 0 for p in params), default=0)
-        return cls(sample=any(p.temperature > 0 for p in params), filter=any(p.filtered for p in params),
+        sample = any(p.temperature > 0 for p in params)
+        # a sampling batch always compiles the filters (off per row by its values), so that one
+        # program serves every sampled mix: fewer programs to build at start-up
+        return cls(sample=sample, filter=sample,
                    penalties=any(p.penalised for p in params),
                    top_logprobs=0 if top == 0 else (5 if top <= 5 else SamplingParams.MAX_TOP_LOGPROBS))
 
@@ -174,11 +177,12 @@ def filter_logits(logits, sb: SamplingBatch):
     sorted_desc = jnp.where(jnp.arange(v) < k, sorted_desc, NEG_INF)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-    keep_sorted = before < sb.top_p[:, None, None]
+    keep_sorted = (before < sb.top_p[:, None, None]) | (sb.top_p[:, None, None] >= 1.0)  # rounding must not cut top_p=1
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < cutoff, NEG_INF, logits)
     # min-p: p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); renormalising changes neither side
-    floor = sorted_desc[..., :1] + jnp.log(jnp.maximum(sb.min_p, 1e-30))[:, None, None]
+    floor = jnp.where(sb.min_p[:, None, None] > 0,
+                      sorted_desc[..., :1] + jnp.log(jnp.maximum(sb.min_p, 1e-30))[:, None, None], -jnp.inf)
     return jnp.where(logits < floor, NEG_INF, logits)
 
 

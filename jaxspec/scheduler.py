@@ -28,7 +28,7 @@ import numpy as np
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
 from jaxspec.paging import PagePool
-from jaxspec.programs import BATCH_BUCKETS, TOKEN_BUCKETS, TREE_BUCKETS, Programs, bucket, page_bucket
+from jaxspec.programs import BATCH_BUCKETS, TREE_BUCKETS, Programs, bucket, enable_compilation_cache, prefill_shapes
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 
 
@@ -99,10 +99,12 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
-                 spec_probe_every=8, spec_min_gain=None, overlap=True):
+                 spec_probe_every=8, spec_min_gain=None, overlap=True, warmup=False, warmup_flags=None,
+                 compile_cache=None):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.page_size, self.max_batch, self.prefill_chunk = page_size, max_batch, prefill_chunk
+        self.page_size, self.max_batch = page_size, max_batch
+        self.prefill_shapes = prefill_shapes(prefill_chunk)
         self.max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
         # a verify step writes a whole (padded) draft tree past the sequence's end
         slack = bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1
@@ -119,6 +121,8 @@ class Scheduler:
         self.device_drafter = getattr(drafter, "head", None) is not None
         if self.device_drafter:
             self.cache = (self.cache, drafter.create_cache(num_pages, page_size, dtype))
+        if jit:
+            enable_compilation_cache(compile_cache)
         self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter)
         # a device drafter's large-batch fallback: the target alone, no head catch-up
         self.plain_programs = Programs(model, attn_impl=attn_impl, jit=jit) if self.device_drafter else None
@@ -148,6 +152,54 @@ class Scheduler:
         self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set())
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0)
+        if warmup:
+            self.warmup(warmup_flags, progress=warmup == "progress")
+
+    # -- the program set, built before the first request -------------------------------------------
+    def program_specs(self, flag_sets=None) -> list:
+        """(programs, name, flags, cache, args) of every program this engine can launch with the
+        given sampler flags (default: greedy, and sampling with filters): prefill shapes, a decode
+        step per batch bucket, and a verify step per batch bucket that gets a tree. Penalties and
+        top logprobs add programs that are compiled when first asked for."""
+        flag_sets = flag_sets or (SamplerFlags(), SamplerFlags(sample=True, filter=True))
+        rows_all = [b for b in BATCH_BUCKETS if b <= bucket(self.max_batch, BATCH_BUCKETS)]
+        decode, target_cache = self.programs, self.cache
+        if self.device_drafter:
+            decode, target_cache = self.plain_programs, self.cache[0]
+        specs = []
+        for flags in flag_sets:
+            for rows, t in self.prefill_shapes:
+                specs.append((self.programs, "extend", flags, self.cache, self._dummy_extend(rows, t)))
+            for rows in rows_all:
+                specs.append((decode, "extend", flags, target_cache, self._dummy_extend(rows, 1)))
+                if self.tree_size(rows) > 1:
+                    n = bucket(self.tree_size(rows), TREE_BUCKETS)
+                    specs.append((self.programs, "verify_tree", flags, self.cache, self._dummy_verify(rows, n)))
+        return specs
+
+    def _dummy_sampling(self, rows):
+        return SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows)
+
+    def _dummy_extend(self, rows, t):
+        z = lambda *shape: np.zeros(shape, np.int32)
+        return (z(rows, t), z(rows), z(rows, self.max_pages_per_seq), z(rows), z(rows), self._dummy_sampling(rows))
+
+    def _dummy_verify(self, rows, n):
+        z = lambda *shape: np.zeros(shape, np.int32)
+        return (z(rows, n), z(rows, n), z(rows, self.max_pages_per_seq), z(rows), z(rows), self._dummy_sampling(rows))
+
+    def warmup(self, flag_sets=None, progress=False) -> dict:
+        """Compile the whole program set now (see program_specs); a compile after this is counted
+        in late_compiles. Returns {programs, seconds}."""
+        specs = self.program_specs(flag_sets)
+        groups = {id(p): p for p, *_ in specs}.values()
+        seconds = sum(progs.build([s[1:] for s in specs if s[0] is progs], progress=progress) for progs in groups)
+        return dict(programs=sum(len(p.table) for p in groups), seconds=seconds)
+
+    @property
+    def late_compiles(self) -> list:
+        """Programs compiled after warm-up: each made some request wait for a compile."""
+        return self.programs.late_compiles + (self.plain_programs.late_compiles if self.plain_programs else [])
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams, on_update=None) -> Request:
@@ -210,10 +262,12 @@ class Scheduler:
         self.stats["steps"] += 1
 
     def tree_size(self, batch: int) -> int:
+        """Nodes a step verifies at this batch size: by its batch bucket, so that each bucket has one
+        verify program."""
         if self.drafter is None:
             return 1
         budget = self.spec_max_verify_tokens if self.device_drafter else self.spec_max_host_verify_tokens
-        nodes = min(self.drafter.num_nodes, budget // max(batch, 1))
+        nodes = min(self.drafter.num_nodes, budget // bucket(max(batch, 1), BATCH_BUCKETS))
         return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
 
     def _nodes_for(self, reqs) -> int:
@@ -289,9 +343,8 @@ class Scheduler:
         self.waiting.insert(0, req)
         self.stats["preemptions"] += 1
 
-    def _page_table(self, reqs, rows, min_tokens):
-        width = page_bucket(max(max(len(r.pages) for r in reqs), -(-min_tokens // self.page_size)))
-        pt = np.zeros((rows, width), np.int32)
+    def _page_table(self, reqs, rows):
+        pt = np.zeros((rows, self.max_pages_per_seq), np.int32)
         for i, r in enumerate(reqs):
             pt[i, :len(r.pages)] = r.pages
         return pt
@@ -313,15 +366,16 @@ class Scheduler:
             prepare(self.running, busy=lambda: not waits_for.outputs[0].is_ready())
 
     def _run_prefill(self, reqs):
-        budget, batch = self.prefill_chunk, []
-        for r in reqs:
-            if budget <= 0 or len(batch) == self.max_batch:
-                break
-            n = min(r.todo, budget)
-            batch.append((r, n))
-            budget -= n
-        self.stats["prefill_tokens"] += sum(n for _, n in batch)
-        self._run_extend(batch, "prefill_time")
+        """One chunk of prefill in the prefill shape that takes the most prompt tokens now."""
+        best = None
+        for rows, t in self.prefill_shapes:
+            batch = [(r, min(r.todo, t)) for r in reqs[:rows]]
+            got = sum(n for _, n in batch)
+            if best is None or got > best[0]:
+                best = (got, rows, t, batch)
+        got, rows, t, batch = best
+        self.stats["prefill_tokens"] += got
+        self._run_extend(batch, rows, t, "prefill_time")
 
     def _run_decode(self, reqs, overlap=True):
         if self.device_drafter:  # the large-batch fallback: the target alone
@@ -329,15 +383,15 @@ class Scheduler:
                 r.draft = None
                 if r.head_len is None:
                     r.head_len = r.kv_len
-        self._run_extend([(r, 1) for r in reqs], "decode_time", plain=self.device_drafter, overlap=overlap)
+        self._run_extend([(r, 1) for r in reqs], bucket(len(reqs), BATCH_BUCKETS), 1, "decode_time",
+                         plain=self.device_drafter, overlap=overlap)
 
-    def _run_extend(self, batch, timer, plain=False, overlap=False):
-        """Feed n new tokens per request; a request whose tokens are then all cached gets the
-        sampled next token (the last prefill chunk, or a decode step)."""
+    def _run_extend(self, batch, rows, t, timer, plain=False, overlap=False):
+        """Feed n new tokens per request (a [rows, t] program); a request whose tokens are then all
+        cached gets the sampled next token (the last prefill chunk, or a decode step)."""
         t0 = time.perf_counter()
         reqs = [r for r, _ in batch]
-        rows = bucket(len(batch), BATCH_BUCKETS)
-        tokens = np.zeros((rows, bucket(max(n for _, n in batch), TOKEN_BUCKETS)), np.int32)
+        tokens = np.zeros((rows, t), np.int32)
         kv_lens = np.zeros(rows, np.int32)
         q_lens = np.zeros(rows, np.int32)
         next_tokens = np.full(rows, -1, np.int32)  # the token after a chunk that does not end the prompt
@@ -346,14 +400,10 @@ class Scheduler:
             kv_lens[i], q_lens[i] = r.kv_len, n
             if r.todo > n:
                 next_tokens[i] = r.token_slice(r.kv_len + n, r.kv_len + n + 1)[0]
-        # the first tree comes with the prompt's last chunk, unless the batch is too large for trees
-        # (then the head only catches up: its cache keeps the prompt's pages reusable as a prefix)
-        draft = (self.device_drafter and not plain and bool((next_tokens[:len(batch)] < 0).any())
-                 and self.tree_size(len(self.running)) > 1)
         flags = SamplerFlags.of([r.params for r in reqs])
-        pt = self._page_table(reqs, rows, int((kv_lens + q_lens).max()))
+        pt = self._page_table(reqs, rows)
         sb = self._sampling(reqs, rows, flags)
-        outputs = self._call_extend(plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft)
+        outputs = self._call_extend(plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags)
         f = InFlight("decode", reqs, outputs, dict(kv_lens=kv_lens, q_lens=q_lens, next_tokens=next_tokens, sb=sb),
                      flags, plain=plain, host_s=time.perf_counter() - t0)
         self._host_work_while_device_runs(f)
@@ -362,18 +412,14 @@ class Scheduler:
         else:
             self._collect(f, [n for _, n in batch], timer)
 
-    def _call_extend(self, plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags, draft):
+    def _call_extend(self, plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags):
         """Launch an extend program (the target alone when plain); returns its outputs, cache aside."""
-        # host arrays go to the device as one batch; they and a chained step's device arrays then
-        # meet the same compiled program (a numpy argument is a different jit cache entry)
-        args = _to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))
+        args = _to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))  # one transfer
         if plain:  # the target's cache alone
-            *outputs, tcache = self.plain_programs.extend(self.plain_programs.state, self.cache[0], *args,
-                                                          flags=flags, draft=False)
+            *outputs, tcache = self.plain_programs.extend(self.cache[0], *args, flags=flags)
             self.cache = (tcache, self.cache[1])
         else:
-            *outputs, self.cache = self.programs.extend(self.programs.state, self.cache, *args, flags=flags,
-                                                        draft=draft)
+            *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
         return tuple(outputs)
 
     def _run_verify(self, reqs, nodes, overlap=True):
@@ -394,7 +440,7 @@ class Scheduler:
         self.stats["draft_time"] += time.perf_counter() - t0
         flags = SamplerFlags.of([r.params for r in reqs])
         f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
-                                self._sampling(reqs, rows, flags), int(kv_lens.max()) + n)
+                                self._sampling(reqs, rows, flags))
         if self.policy is not None:
             f.match_keys = self._match_keys(reqs, nodes)
         self._host_work_while_device_runs(f)
@@ -404,11 +450,11 @@ class Scheduler:
         else:
             self._collect(f)
 
-    def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, max_tokens):
+    def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb):
         t0 = time.perf_counter()
-        pt = self._page_table(reqs, tokens.shape[0], max_tokens)
-        args = _to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # see _call_extend
-        *outputs, self.cache = self.programs.verify_tree(self.programs.state, self.cache, *args, flags=flags)
+        pt = self._page_table(reqs, tokens.shape[0])
+        args = _to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # one transfer
+        *outputs, self.cache = self.programs.verify_tree(self.cache, *args, flags=flags)
         # a chained step takes its sampling parameters from here (its tokens, kv lengths and
         # sampling steps come from this step's outputs)
         return InFlight("verify", reqs, tuple(outputs), dict(sb=args[5]), flags,
@@ -453,13 +499,10 @@ class Scheduler:
         rows = ins["sb"].step.shape[0]
         if f.kind == "decode":
             kv_lens = ins["kv_lens"] + ins["q_lens"]
-            nxt = f.outputs[0]
-            tokens = nxt[:, None]
+            tokens = f.outputs[5]  # the sampled tokens as the next step's [B, 1] input
             sb = dataclasses.replace(ins["sb"], step=ins["sb"].step + (np.arange(rows) < len(reqs)))
-            pt = self._page_table(reqs, rows, int(kv_lens.max()) + 1)
-            # a decode step that chains never drafts: EAGLE decodes plainly only in its fallback
-            outputs = self._call_extend(f.plain, tokens, ins["next_tokens"], pt, kv_lens, ins["q_lens"], sb, f.flags,
-                                        draft=False)
+            pt = self._page_table(reqs, rows)
+            outputs = self._call_extend(f.plain, tokens, ins["next_tokens"], pt, kv_lens, ins["q_lens"], sb, f.flags)
             g = InFlight("decode", reqs, outputs, dict(ins, kv_lens=kv_lens, sb=sb), f.flags, plain=f.plain)
         else:
             tokens, parents, kv_lens, step = f.outputs[6]  # computed by the step itself
@@ -467,9 +510,7 @@ class Scheduler:
             width = f.outputs[5][0].shape[1]  # the drafted tree's
             num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, width), 1).astype(np.int32)
             sb = dataclasses.replace(ins["sb"], step=step)
-            # the kv lengths are on the device now; the host's bound is the worst case
-            g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb,
-                                    max(r.kv_len for r in reqs) + f.nodes + n)
+            g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb)
         self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
         g.host_s = time.perf_counter() - t0
         return g
@@ -484,7 +525,7 @@ class Scheduler:
         # read what the host needs: tokens and counts, logprobs only if asked for; the drafted trees
         # stay on the device, where the next (chained) step takes them from
         want_lp = any(r.params.logprobs is not None for r in f.reqs)
-        tree = f.outputs[-2 if f.kind == "verify" else -1]
+        tree = f.outputs[5 if f.kind == "verify" else 4]
         shared = None if tree is None else _OnDevice(tree)
         if f.kind == "decode":
             nxt, lp, top_v, top_i = jax.device_get((f.outputs[0], f.outputs[1] if want_lp else None, *f.outputs[2:4]))

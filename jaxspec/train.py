@@ -134,8 +134,10 @@ def init_head(target, cfg: HeadConfig, hot, seed: int) -> DraftHead:
         head.lm_head[...] = jnp.asarray(tw[:, hot], jnp.float32)
         head.draft_to_target[...] = jnp.asarray(hot, jnp.int32)
     if cfg.intermediate_size == target.cfg.intermediate_size:
-        for ours, theirs in [("w_gate", "w_gate"), ("w_up", "w_up"), ("w_down", "w_down")]:
-            getattr(head, ours)[...] = jnp.asarray(getattr(target, theirs)[...][-1], jnp.float32)
+        last = target.layers[-1]
+        gate, up = jnp.split(jnp.asarray(last.w_gate_up[...], jnp.float32), 2, axis=-1)
+        head.w_gate[...], head.w_up[...] = gate, up
+        head.w_down[...] = jnp.asarray(last.w_down[...], jnp.float32)
     return head
 
 

@@ -104,22 +104,6 @@ def test_eagle3_greedy_equals_plain(tiny, tiny_eagle3, tree, ps):
     assert gen.scheduler.pool.in_use == 0
 
 
-def test_unrolled_tree_programs_equal_scanned(tiny, tiny_eagle3, monkeypatch):
-    """The GPU runs tree programs with the layer loop unrolled (programs.tree_unroll), the CPU
-    scanned: both give the same tokens and accept lengths."""
-    from jaxspec import programs
-    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
-    prompts = random_prompts(7, 5)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    runs = []
-    for unroll in (1, TINY.num_layers):
-        monkeypatch.setattr(programs, "TREE_UNROLL", unroll)
-        runs.append(eagle_generator(tiny, head, TREES[0]).generate(prompts, params))
-    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
-    assert [c.accept_lengths for c in runs[0]] == [c.accept_lengths for c in runs[1]]
-    assert max(c.mean_accept_length for c in runs[1]) > 1
-
-
 def test_eagle_head_greedy_equals_plain_and_debug_mode_agrees(tiny):
     head = DraftHead(HeadConfig.for_target(TINY, "eagle"), rngs=nnx.Rngs(5))
     prompts = random_prompts(1, 3)

@@ -118,7 +118,7 @@ def test_checkpoint_errors_name_the_file(tmp_path):
     raw = json.loads((tmp_path / "config.json").read_text())
     raw["intermediate_size"] = 80
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match=r"'w_\w+' has shape \(1, \d+, \d+\), config expects"):
+    with pytest.raises(CheckpointError, match=r"'layers/0/w_\w+' has shape \(\d+, \d+\), config expects"):
         load(str(tmp_path))
     gg = tmp_path / "broken.gguf"
     gg.write_bytes(b"GGUF\x03\x00\x00\x00garbage")

@@ -56,36 +56,42 @@ def load(name_or_path: str, dtype=None):
 
 
 def build_model(cfg: ModelConfig, weights: dict, dtype, source: str) -> Llama:
-    """weights: our parameter names -> numpy arrays in [in, out] layout (stacked over layers)."""
+    """weights: parameter paths as written by `nnx` ('embed', 'layers/3/wqkv', ...) -> numpy arrays
+    in [in, out] layout."""
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
-    for name, abstract in nnx.state(model, nnx.Param).flat_state():
-        key = name[0]
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for path, var in flat.items():
+        key = "/".join(map(str, path))
         if key not in weights:
             raise CheckpointError(f"{source}: missing weights for {key!r}")
         arr = weights[key]
-        if tuple(arr.shape) != tuple(abstract.shape):
-            raise CheckpointError(f"{source}: {key!r} has shape {tuple(arr.shape)}, config expects {tuple(abstract.shape)}")
-        setattr(model, key, nnx.Param(jnp.asarray(arr, dtype)))
+        if tuple(arr.shape) != tuple(var.get_value().shape):
+            raise CheckpointError(f"{source}: {key!r} has shape {tuple(arr.shape)}, config expects {tuple(var.get_value().shape)}")
+        var.set_value(jnp.asarray(arr, dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
     return model
 
 
-def _stack_layers(cfg: ModelConfig, get, source: str) -> dict:
-    """get(kind, layer) -> HF-layout numpy array ([out, in] for matrices) or None when absent."""
-    plan = {"attn_norm": "attn_norm", "wq": "q", "wk": "k", "wv": "v", "wo": "o", "mlp_norm": "mlp_norm",
-            "w_gate": "gate", "w_up": "up", "w_down": "down"}
-    if cfg.qkv_bias:
-        plan.update(bq="q_bias", bk="k_bias", bv="v_bias")
-    if cfg.qk_norm:
-        plan.update(q_norm="q_norm", k_norm="k_norm")
+def layer_weights(cfg: ModelConfig, get, source: str) -> dict:
+    """Each layer's arrays under our names, Q/K/V and gate/up concatenated (one GEMM each).
+    get(kind, layer) -> HF-layout numpy array ([out, in] for matrices) or None when absent."""
+    def need(kind, i):
+        a = get(kind, i)
+        if a is None:
+            raise CheckpointError(f"{source}: layer {i} has no {kind} weight")
+        return a.T if a.ndim == 2 else a
+
     out = {}
-    for ours, kind in plan.items():
-        layers = []
-        for i in range(cfg.num_layers):
-            a = get(kind, i)
-            if a is None:
-                raise CheckpointError(f"{source}: layer {i} has no {kind} weight")
-            layers.append(a.T if a.ndim == 2 else a)
-        out[ours] = np.stack(layers)
+    for i in range(cfg.num_layers):
+        p = f"layers/{i}/"
+        out[p + "attn_norm"], out[p + "mlp_norm"] = need("attn_norm", i), need("mlp_norm", i)
+        out[p + "wqkv"] = np.concatenate([need(k, i) for k in ("q", "k", "v")], axis=1)
+        out[p + "wo"], out[p + "w_down"] = need("o", i), need("down", i)
+        out[p + "w_gate_up"] = np.concatenate([need("gate", i), need("up", i)], axis=1)
+        if cfg.qkv_bias:
+            out[p + "bqkv"] = np.concatenate([need(k, i) for k in ("q_bias", "k_bias", "v_bias")])
+        if cfg.qk_norm:
+            out[p + "q_norm"], out[p + "k_norm"] = need("q_norm", i), need("k_norm", i)
     return out
 
 
@@ -144,7 +150,7 @@ def load_gguf(path: str, dtype):
             a = _unpermute(a, n_kv)
         return a
 
-    weights = _stack_layers(cfg, get, path)
+    weights = layer_weights(cfg, get, path)
     weights["embed"] = tensor("token_embd.weight")
     weights["final_norm"] = tensor("output_norm.weight")
     if not cfg.tie_word_embeddings:
@@ -237,7 +243,7 @@ def load_hf(directory: str, dtype):
              "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
              "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
              "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
-    weights = _stack_layers(cfg, lambda kind, i: tensors.get(f"model.layers.{i}.{names[kind]}"), directory)
+    weights = layer_weights(cfg, lambda kind, i: tensors.get(f"model.layers.{i}.{names[kind]}"), directory)
     for ours, theirs in [("embed", "model.embed_tokens.weight"), ("final_norm", "model.norm.weight")]:
         if theirs not in tensors:
             raise CheckpointError(f"{directory}: missing tensor {theirs!r}")

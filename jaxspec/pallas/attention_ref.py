@@ -13,13 +13,13 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def visible_mask(kv_lens, q_lens, num_queries, num_keys, tree_mask=None):
-    """[B, T, S] bool: query t of request b may read key slot s.
+def visible_mask(kv_lens, q_lens, num_queries, num_keys, tree_mask=None, first_key=0):
+    """[B, T, S] bool: query t of request b may read key slot first_key + s.
 
     Slots before kv_len are the cached prefix (always visible). Slot kv_len + j holds new token j:
     visible if j < q_len and (j <= t for a chain, or tree_mask[b, t, j] for a tree).
     """
-    s = jnp.arange(num_keys)[None, None, :]
+    s = first_key + jnp.arange(num_keys)[None, None, :]
     t = jnp.arange(num_queries)[None, :, None]
     rel = s - kv_lens[:, None, None]
     if tree_mask is None:
