@@ -141,6 +141,8 @@ def param_bytes(model) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+               num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                  num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False, max_position=8192)
 

@@ -1,88 +1,112 @@
-"""Plain decoding: device step time and tokens/s at batch 1, 8, 64 beside the memory floor.
+"""Plain decoding: the engine's decode step beside its memory floor and beside the PyTorch anchor.
 
-The step is the engine's own jitted `extend` program (T = 1) on a paged cache holding `--context`
-tokens per request, chained on the device as the engine runs it. floor = (weight bytes + K/V bytes
-read per step) / measured copy bandwidth.
-    python bench/decode.py [--smollm PATH.gguf] [--batches 1,8,64] [--context 512]
+The step is the engine's own `extend` program (T = 1) on a paged cache holding `--context` tokens
+a request, with the engine's fixed page-table width (`--max-seq-len`), chained on the device as
+the engine runs it. floor = (weight bytes + K/V bytes read a step) / measured copy bandwidth.
+`bench/torch_anchor.py` then runs the same shapes in a fresh process (same device call); rows
+carry `vs_torch` = torch's ms / jaxspec's ms (above 1: jaxspec is faster).
+    python bench/decode.py [--models llama3-8b,smollm2-135m] [--batches 1,8,64] [--context 1024]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from common import LLAMA3_8B, copy_bandwidth, param_bytes, print_table, random_model, write_results
+from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, device_kernels, param_bytes, print_table, random_model, write_results
 from jaxspec.kv_cache import KVCache
 from jaxspec.models import ModelConfig
 from jaxspec.programs import Programs
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-               num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
 
-
-def step_time(model, batch, context, page_size, attn_impl, steps=50):
+def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl):
+    """A function running n chained decode steps (returns the last tokens), built and warmed."""
     cfg = model.cfg
     progs = Programs(model, attn_impl=attn_impl)
-    pages_per = -(-(context + steps + 1) // page_size)
-    cache = KVCache.create(cfg.num_layers, batch * pages_per + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
-                           model.embed[...].dtype)
-    pt = jnp.asarray(1 + np.arange(batch * pages_per).reshape(batch, pages_per), jnp.int32)
+    pages_per = -(-(context + 200) // page_size)
+    width = max(-(-max_seq_len // page_size), pages_per)
+    cache = [KVCache.create(cfg.num_layers, batch * pages_per + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
+                            model.dtype)]
+    pt = np.zeros((batch, width), np.int32)
+    pt[:, :pages_per] = 1 + np.arange(batch * pages_per).reshape(batch, pages_per)
     flags = SamplerFlags.of([SamplingParams()])
-    sb = jax.tree.map(jnp.asarray, SamplingBatch.build([SamplingParams()] * batch, [0] * batch, [0] * batch))
-    q_lens = jnp.ones(batch, jnp.int32)
-    tok = jnp.ones((batch, 1), jnp.int32)
+    sb = jax.device_put(SamplingBatch.build([SamplingParams()] * batch, [0] * batch, [0] * batch))
+    q_lens, nxt = jax.device_put((np.ones(batch, np.int32), np.full(batch, -1, np.int32)))
+    pt = jax.device_put(pt)
+    tok = [jax.device_put(np.ones((batch, 1), np.int32))]
 
-    def run(n, cache, tok):
+    def run(n):
         for i in range(n):
-            kv = jnp.full((batch,), context + i, jnp.int32)
-            nxt, _, _, _, cache = progs.extend(progs.state, cache, tok, pt, kv, q_lens, sb, flags=flags)
-            tok = nxt[:, None]
-        return cache, tok
+            kv = jax.device_put(np.full(batch, context + i % 100, np.int32))
+            *_, tok[0], cache[0] = progs.extend(cache[0], tok[0], nxt, pt, kv, q_lens, sb, flags=flags)
+        return tok[0]
 
-    cache, tok = run(3, cache, tok)  # compile + warm up
-    jax.block_until_ready(tok)
-    t0 = time.perf_counter()
-    cache, tok = run(steps, cache, tok)
-    jax.block_until_ready(tok)
-    return (time.perf_counter() - t0) / steps
+    jax.block_until_ready(run(3))
+    return run
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama3-8b,smollm2-135m")
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--models", default="smollm2-135m,llama3-8b")
-    ap.add_argument("--impls", default="auto,ref")
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     rows = []
     for name in args.models.split(","):
         cfg = ModelConfig(**(SMOLLM2 if name == "smollm2-135m" else LLAMA3_8B))
-        model = random_model(cfg, jnp.bfloat16)
+        model = random_model(cfg, jax.numpy.bfloat16)
         wbytes = param_bytes(model)
         for b in map(int, args.batches.split(",")):
             kv_bytes = b * args.context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
             floor = (wbytes + kv_bytes) / bw
-            for impl in args.impls.split(","):
-                t = step_time(model, b, args.context, args.page_size, impl)
-                rows.append(dict(model=name, algorithm="plain", dataset="random", batch=b, context=args.context,
-                                 kernel="pallas" if impl == "auto" else "jnp-ref", step_ms=t * 1e3,
-                                 floor_ms=floor * 1e3, floor_ratio=t / floor, tokens_per_s=b / t))
-                print_table(rows[-1:], ["model", "batch", "kernel", "step_ms", "floor_ms", "floor_ratio", "tokens_per_s"])
+            run = decode_steps(model, b, args.context, args.max_seq_len, args.page_size, args.impl)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(run(args.steps))
+                times.append((time.perf_counter() - t0) / args.steps)
+            t = float(np.median(times))
+            prof = device_kernels(lambda: jax.block_until_ready(run(10)), 10, tempfile.mkdtemp())
+            rows.append(dict(model=name, batch=b, context=args.context, engine="jaxspec", algorithm="plain",
+                             ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor, tokens_per_s=b / t,
+                             kernels_per_step=prof and prof["kernels"], kernel_ms=prof and prof["kernel_ms"],
+                             ms_per_step_runs=[x * 1e3 for x in times]))
+            print_table(rows[-1:], ["model", "batch", "ms_per_step", "floor_ms", "floor_ratio", "kernels_per_step"])
         del model
+    if not args.no_torch:
+        out = os.path.join(tempfile.mkdtemp(), "torch.json")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+        r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_anchor.py"), "--models",
+                            args.models, "--batches", args.batches, "--context", str(args.context), "--out", out], env=env)
+        if r.returncode == 0:
+            for tr in json.load(open(out)):
+                mine = next(x for x in rows if x["model"] == tr["model"] and x["batch"] == tr["batch"]
+                            and x["engine"] == "jaxspec")
+                tr["floor_ms"] = mine["floor_ms"]
+                tr["floor_ratio"] = tr["ms_per_step"] / mine["floor_ms"]
+                mine["vs_torch"] = tr["ms_per_step"] / mine["ms_per_step"]
+                rows.append(tr)
     print()
-    print_table(rows, ["model", "batch", "kernel", "step_ms", "floor_ms", "floor_ratio", "tokens_per_s"])
+    print_table(rows, ["model", "batch", "engine", "ms_per_step", "floor_ms", "floor_ratio", "vs_torch",
+                       "kernels_per_step"])
     print(write_results("decode", rows, {"copy_bandwidth_GBps": bw / 1e9}))
 
 

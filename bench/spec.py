@@ -60,8 +60,7 @@ def compiled_programs(gen) -> int:
     """Shapes compiled so far by the generator's jitted programs (a compile inside the timed run
     is a stall the timing includes)."""
     sched = gen.scheduler
-    progs = [p for p in (sched.programs, sched.plain_programs) if p is not None]
-    return sum(f._cache_size() for p in progs for f in (p.extend, p.verify_tree) if hasattr(f, "_cache_size"))
+    return sum(len(p.table) for p in (sched.programs, sched.plain_programs) if p is not None)
 
 
 def timed_run(gen, prompts, batch, max_tokens):
@@ -100,6 +99,8 @@ def main():
     ap.add_argument("--warmup-threads", type=int, default=0,
                     help="engines compiling at once in the warm-up passes (0: all; 1: one after another)")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--torch-anchor", action="store_true",
+                    help="also run bench/torch_anchor.py's plain step (context 256) and give vs_torch")
     ap.add_argument("--spec-max-verify-tokens", type=int, default=None,
                     help="scheduler's tree budget per step over the batch (default: the scheduler's)")
     args = ap.parse_args()
@@ -127,7 +128,8 @@ def main():
         drafter = spec.build(model, args.model) if spec else None
         kw = {} if args.spec_max_verify_tokens is None else dict(spec_max_verify_tokens=args.spec_max_verify_tokens)
         kw["attn_impl"] = attn_impl or "auto"
-        gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=64, max_seq_len=1024, page_size=16, **kw)
+        gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=64, max_seq_len=1024, page_size=16,
+                                        warmup=True, **kw)
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":
@@ -194,8 +196,19 @@ def main():
                                         "compiles_in_timed_run",
                                         "identical_to_plain", "draft_host_ms_per_step", "overlapped_host_ms_per_step"])
                 write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)})  # partial results survive
+    if args.torch_anchor:
+        import json
+        import subprocess
+        import tempfile
+        out = os.path.join(tempfile.mkdtemp(), "torch.json")
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_anchor.py"), "--models",
+                        "smollm2-135m", "--batches", args.batches, "--context", "256", "--out", out], check=True)
+        anchor = {r["batch"]: r for r in json.load(open(out))}
+        for r in rows:
+            r["vs_torch"] = r["tokens_per_s"] / anchor[r["batch"]]["tokens_per_s"]
+        rows += [dict(r, dataset="random", config="torch-compile") for r in anchor.values()]
     print()
-    print_table(rows, ["config", "dataset", "batch", "draft_tokens", "tokens_per_s", "speedup", "speedup_pooled",
+    print_table(rows, ["config", "dataset", "batch", "draft_tokens", "tokens_per_s", "speedup", "speedup_pooled", "vs_torch",
                        "accept_length",
                        "identical_to_plain", "draft_host_ms_per_step", "overlapped_host_ms_per_step"])
     print(write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)}))

@@ -1,0 +1,38 @@
+"""The fixed program set: its size, built at start-up, and no compile after it."""
+import numpy as np
+from flax import nnx
+
+from conftest import TINY
+from jaxspec import Generator, SamplingParams
+from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.programs import compile_count
+
+
+def test_program_set_is_small_and_listed(tiny):
+    plain = Generator(tiny, None, max_batch=64, max_seq_len=256)
+    # 3 prefill shapes + a decode step for each of 7 batch buckets, for greedy and for sampling
+    assert len({(s[1], s[2], str(s[4][0].shape)) for s in plain.scheduler.program_specs()}) == 2 * (3 + 7)
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    eagle = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=256)
+    info = eagle.scheduler.warmup()
+    # prefill 3, plain decode 7, verify for the buckets whose tree keeps >= 4 nodes (1..32): 6; twice
+    assert info["programs"] == 2 * (3 + 7 + 6)
+    lines = eagle.scheduler.programs.listing()
+    assert len(lines) == 2 * (3 + 6) and sum(l.startswith("verify_tree") for l in lines) == 12
+
+
+def test_no_compile_after_warmup_over_varied_requests(tiny):
+    gen = Generator(tiny, None, max_batch=8, max_seq_len=160, prefill_chunk=64, warmup=True)
+    before = compile_count()
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 63, n))) for n in (1, 3, 17, 40, 63, 64, 65, 130, 5, 9, 2)]
+    params = [SamplingParams(max_tokens=int(rng.integers(1, 20)), temperature=float(t), top_p=p, seed=i)
+              for i, (t, p) in enumerate(zip(rng.choice([0.0, 0.8], len(prompts)), rng.choice([1.0, 0.9], len(prompts))))]
+    warm = gen.generate(prompts, params)
+    for k in (1, 3, 8):  # other batch sizes
+        gen.generate(prompts[:k], params[:k])
+    assert gen.scheduler.late_compiles == []
+    assert compile_count() == before, "a program was compiled after warm-up"
+    cold = Generator(tiny, None, max_batch=8, max_seq_len=160, prefill_chunk=64).generate(prompts, params)
+    assert [c.token_ids for c in warm] == [c.token_ids for c in cold]
