@@ -87,12 +87,12 @@ def step_ms(name, batch, context, steps=50):
     tok = torch.ones(batch, 1, dtype=torch.long, device="cuda")
     with torch.no_grad():
         for i in range(5):  # compile, capture, warm up
-            tok = decode(tok, torch.tensor([context + i], device="cuda"))
-        torch.cuda.synchronize()
+            tok = decode(tok, torch.tensor([context + i], device="cuda")).clone()  # as gpt-fast: the graph's
+        torch.cuda.synchronize()                                                   # output buffer is reused
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for i in range(steps):
-            tok = decode(tok, torch.tensor([context + i], device="cuda"))
+            tok = decode(tok, torch.tensor([context + i], device="cuda")).clone()
         e1.record()
         torch.cuda.synchronize()
     ms = e0.elapsed_time(e1) / steps

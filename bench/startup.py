@@ -1,0 +1,97 @@
+"""Start-up: a fresh process's time to its first token with the program set built at start-up,
+with the persistent compilation cache empty (cold) and filled by the run before (warm); then a
+mixed workload after warm-up, twice, with the compiles it caused.
+
+    python bench/startup.py [--algos plain,eagle3] [--mixed-requests 48]
+
+Each (algorithm, cache) row is its own process (`--child`): Generator.from_pretrained("smollm2-135m",
+warmup=True) and one request of one token. first_token_s counts from the process's start.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def spec_of(algo):
+    from jaxspec import SpecConfig
+    return None if algo == "plain" else SpecConfig("EAGLE3", num_steps=6, eagle_topk=4, num_draft_tokens=24)
+
+
+def child(algo, cache_dir, started, mixed, out):
+    import numpy as np
+    from jaxspec import Generator, SamplingParams
+    from jaxspec.programs import compile_count
+    t0 = time.perf_counter()
+    gen = Generator.from_pretrained("smollm2-135m", speculative=spec_of(algo), compile_cache=cache_dir,
+                                    max_batch=64, max_seq_len=2048)
+    load_s = time.perf_counter() - t0
+    info = gen.scheduler.warmup()
+    gen.generate("Hello", SamplingParams(max_tokens=1))
+    row = dict(model="smollm2-135m", algorithm=algo, programs=info["programs"], load_s=load_s,
+               warmup_s=info["seconds"], first_token_s=time.time() - started)
+    rows = [row]
+    if mixed:
+        rng = np.random.default_rng(0)
+        vocab = gen.model.cfg.vocab_size
+        waves = [1, 8, 64, 3]
+        reqs = []
+        for b in waves:
+            for _ in range(b):
+                n = int(rng.integers(1, 1500))
+                reqs.append((list(map(int, rng.integers(0, vocab - 1, n))),
+                             SamplingParams(max_tokens=int(rng.choice([128, 256, 512])), ignore_eos=True,
+                                            temperature=float(rng.choice([0.0, 1.0])), seed=len(reqs))))
+        for p in (1, 2):
+            c0, t1, tokens = compile_count(), time.perf_counter(), 0
+            i = 0
+            for b in waves:
+                outs = gen.generate([r[0] for r in reqs[i:i + b]], [r[1] for r in reqs[i:i + b]])
+                tokens += sum(len(o.token_ids) for o in outs)
+                i += b
+            rows.append(dict(model="smollm2-135m", algorithm=algo, workload="mixed", passno=p,
+                             tokens_per_s=tokens / (time.perf_counter() - t1), compiles=compile_count() - c0,
+                             late_compiles=len(gen.scheduler.late_compiles)))
+    json.dump(rows, open(out, "w"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--algos", default="plain,eagle3")
+    ap.add_argument("--child", nargs=4, metavar=("ALGO", "CACHE", "STARTED", "MIXED"))
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.child:
+        algo, cache, started, mixed = args.child
+        return child(algo, cache, float(started), mixed == "1", args.out)
+    from common import print_table, write_results
+    rows = []
+    for algo in args.algos.split(","):
+        cache = tempfile.mkdtemp(prefix="jaxspec-xla-")
+        for kind in ("cold", "warm"):
+            out = os.path.join(tempfile.mkdtemp(), "rows.json")
+            started = time.time()
+            env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+            subprocess.run([sys.executable, __file__, "--child", algo, cache, str(started), "1" if kind == "warm" else "0",
+                            "--out", out], check=True, env=env)
+            got = json.load(open(out))
+            got[0]["cache"] = kind
+            rows += got
+            print_table(got, ["algorithm", "cache", "workload", "passno", "programs", "warmup_s", "first_token_s",
+                              "tokens_per_s", "compiles"])
+    print()
+    print_table(rows, ["algorithm", "cache", "workload", "passno", "programs", "load_s", "warmup_s", "first_token_s",
+                       "tokens_per_s", "compiles", "late_compiles"])
+    print(write_results("startup", rows))
+
+
+if __name__ == "__main__":
+    main()
