@@ -31,12 +31,23 @@ def child(algo, cache_dir, started, mixed, out):
     from jaxspec import Generator, SamplingParams
     from jaxspec.programs import compile_count
     t0 = time.perf_counter()
-    gen = Generator.from_pretrained("smollm2-135m", speculative=spec_of(algo), compile_cache=cache_dir,
-                                    max_batch=64, max_seq_len=2048)
+    if os.environ.get("STARTUP_RANDOM_WEIGHTS"):  # the GGUF cannot travel to the GPU machine: same shapes
+        import jax.numpy as jnp
+        from common import SMOLLM2, random_model
+        from jaxspec.models import ModelConfig
+        from jaxspec.programs import enable_compilation_cache
+        enable_compilation_cache(cache_dir)
+        model = random_model(ModelConfig(**SMOLLM2, max_position=8192), jnp.bfloat16)
+        spec = spec_of(algo)
+        gen = Generator(model, None, drafter=spec and spec.build(model, "smollm2-135m"), compile_cache=cache_dir,
+                        max_batch=64, max_seq_len=2048)
+    else:
+        gen = Generator.from_pretrained("smollm2-135m", speculative=spec_of(algo), compile_cache=cache_dir,
+                                        max_batch=64, max_seq_len=2048)
     load_s = time.perf_counter() - t0
     info = gen.scheduler.warmup()
-    gen.generate("Hello", SamplingParams(max_tokens=1))
-    row = dict(model="smollm2-135m", algorithm=algo, programs=info["programs"], load_s=load_s,
+    gen.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+    row = dict(model="smollm2-135m", weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf", algorithm=algo, programs=info["programs"], load_s=load_s,
                warmup_s=info["seconds"], first_token_s=time.time() - started)
     rows = [row]
     if mixed:
