@@ -249,6 +249,7 @@ class Scheduler:
             self._run_prefill(prefill)
         if decode:
             nodes = self._nodes_for(decode)
+            rows = bucket(len(decode), BATCH_BUCKETS)  # the bucket whose tree size `nodes` is
             decode = self._reserve(decode, nodes)
             # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
             drafts = [nodes > 1 and r.head_len is None for r in decode]
@@ -256,7 +257,9 @@ class Scheduler:
             plain = [r for r, d in zip(decode, drafts) if not d]
             alone = not (spec and plain)  # one step in flight at a time: two groups are read back at once
             if spec:
-                self._run_verify(spec, nodes, overlap=alone)
+                # rows of the whole decode batch's bucket: its tree size is that bucket's, and
+                # only (bucket, its tree) pairs are built at start-up
+                self._run_verify(spec, nodes, rows, overlap=alone)
             if plain:
                 self._run_decode(plain, overlap=alone)
         self.stats["steps"] += 1
@@ -422,9 +425,8 @@ class Scheduler:
             *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
         return tuple(outputs)
 
-    def _run_verify(self, reqs, nodes, overlap=True):
+    def _run_verify(self, reqs, nodes, rows, overlap=True):
         t0 = time.perf_counter()
-        rows = bucket(len(reqs), BATCH_BUCKETS)
         n = bucket(nodes, TREE_BUCKETS)
         tokens = np.zeros((rows, n), np.int32)
         parents = np.full((rows, n), -1, np.int32)

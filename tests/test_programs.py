@@ -36,3 +36,25 @@ def test_no_compile_after_warmup_over_varied_requests(tiny):
     assert compile_count() == before, "a program was compiled after warm-up"
     cold = Generator(tiny, None, max_batch=8, max_seq_len=160, prefill_chunk=64).generate(prompts, params)
     assert [c.token_ids for c in warm] == [c.token_ids for c in cold]
+
+
+def test_eagle_engine_compiles_nothing_after_warmup_with_mixed_groups(tiny):
+    """At 40 requests trees do not fit: they decode plainly and leave the head behind (and stay
+    plain). Once 20 finish, 3 new requests verify trees beside them: 23 decoding requests (bucket
+    32: 4-node trees), of which the 3 speculative ones are a group of their own, launched in the
+    whole batch's bucket, for which the start-up set holds that tree size."""
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=160,
+                    prefill_chunk=64, warmup=True)
+    before = compile_count()
+    sched = gen.scheduler
+    reqs = [sched.add([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=12 if i % 2 else 60, ignore_eos=True))
+            for i in range(40)]
+    while sum(r.finished for r in reqs) < 20:
+        sched.step()
+    assert all(r.head_len is not None for r in reqs if not r.finished)
+    reqs += [sched.add([5, 6, 7, 8], SamplingParams(max_tokens=30, ignore_eos=True)) for _ in range(3)]
+    while sched.has_work:
+        sched.step()
+    assert all(r.finished for r in reqs) and sched.stats["verify_steps"] > 0
+    assert sched.late_compiles == [] and compile_count() == before
