@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from common import print_table, write_results
-from jaxspec import Generator, SamplingParams, programs
+from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models import Llama, ModelConfig
@@ -60,29 +60,19 @@ def main():
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tree-unroll", default="", help="comma list: an EAGLE-3 generator per layer-loop unroll of "
-                    "its tree programs (default: the engine's choice)")
-    ap.add_argument("--unroll", type=int, default=None, help="the target's layer-loop unroll in every program")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    if args.unroll is not None:
-        from jaxspec.models import llama
-        llama.LAYER_UNROLL = args.unroll
     model = Llama(SMOL, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     head = DraftHead(HeadConfig.for_target(SMOL, "eagle3"), dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
-    gens, unroll = {"plain": Generator(model, None, max_batch=64, max_seq_len=1024)}, {}
-    for u in [int(x) for x in args.tree_unroll.split(",") if x] or [None]:
-        name = "eagle3 5:4:16" + ("" if u is None else f" u{u}")
-        gens[name] = Generator(model, None, drafter=EagleDrafter(head, TreeShape(5, 4, 16)), max_batch=64,
-                               max_seq_len=1024)
-        unroll[name] = u
+    gens = {"plain": Generator(model, None, max_batch=64, max_seq_len=1024, warmup=True),
+            "eagle3 6:4:24": Generator(model, None, drafter=EagleDrafter(head, TreeShape(6, 4, 24)), max_batch=64,
+                                       max_seq_len=1024, warmup=True)}
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for b in map(int, args.batches.split(",")):
         prompts = [[int(t) for t in rng.integers(3, SMOL.vocab_size, 64)] for _ in range(b)]
         for algo, gen in gens.items():
-            programs.TREE_UNROLL = unroll.get(algo)  # read when a shape is traced
             one_pass(gen, prompts, params)  # compile every shape
             rs = [one_pass(gen, prompts, params) for _ in range(args.rounds)]
             rows.append(dict(algorithm=algo, batch=b, ms_per_step=float(np.median([1e3 * r["wall"] / r["steps"] for r in rs])),
@@ -93,7 +83,6 @@ def main():
             print_table(rows[-1:], ["algorithm", "batch", "ms_per_step", "wait_ms", "host_ms", "tokens_per_s"])
     # where the host's time goes: one EAGLE-3 pass at batch 1
     algo = next(a for a in gens if a != "plain")
-    programs.TREE_UNROLL = unroll.get(algo)
     gen, prompts = gens[algo], [[int(t) for t in rng.integers(3, SMOL.vocab_size, 64)]]
     one_pass(gen, prompts, params)
     prof = cProfile.Profile()
@@ -104,7 +93,7 @@ def main():
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     profile = [l for l in text.getvalue().splitlines() if l.strip()][:45]
     print("\n".join(profile))
-    write_results("host_probe" + args.tag, rows, {"xla_flags": os.environ.get("XLA_FLAGS", ""), "unroll": args.unroll,
+    write_results("host_probe" + args.tag, rows, {"xla_flags": os.environ.get("XLA_FLAGS", ""),
                                                   "profile_eagle3_b1": profile, "profile_steps": r["steps"]})
 
 
