@@ -200,6 +200,7 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
             ("jaxspec_kv_pages_in_use", pool.in_use), ("jaxspec_kv_pages_total", pool.num_pages - 1),
             ("jaxspec_verify_steps_total", s["verify_steps"]),
             ("jaxspec_preemptions_total", s["preemptions"]),
+            ("jaxspec_late_compiles_total", len(engine.sched.late_compiles)),  # a request waited for a compile
         ]
         text = "".join(f"# TYPE {k} {'counter' if k.endswith('_total') else 'gauge'}\n{k} {v}\n" for k, v in lines)
         return PlainTextResponse(text + f"# TYPE jaxspec_accept_length gauge\njaxspec_accept_length {acc if s['verify_steps'] else 0}\n")
@@ -405,6 +406,8 @@ def main(argv=None):
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--num-pages", type=int)
+    ap.add_argument("--skip-warmup", action="store_true",
+                    help="serve at once and compile each program when a request first needs it")
     args = ap.parse_args(argv)
     from jaxspec import SpecConfig
     spec = None
@@ -415,7 +418,8 @@ def main(argv=None):
                           draft_model_path=args.speculative_draft_model_path, num_steps=args.speculative_num_steps,
                           eagle_topk=args.speculative_eagle_topk)
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
-                                    max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages)
+                                    max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,
+                                    warmup=False if args.skip_warmup else "progress")  # before the port opens
     app = create_app(gen, args.served_model_name or args.model)
     # the model, tokenizer and drafter live as long as the server: the collector's full passes
     # need not walk them (each pass pauses every request's stream)

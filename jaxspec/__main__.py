@@ -29,10 +29,12 @@ def main(argv=None):
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    g.add_argument("--no-warmup", action="store_true", help="compile programs as they are first needed")
     args = ap.parse_args(argv)
 
     import jax.numpy as jnp
     from jaxspec import Generator, SamplingParams, SpecConfig
+    from jaxspec.sampling import SamplerFlags
     from jaxspec.models.loading import CheckpointError
 
     prompts = list(args.prompt or [])
@@ -49,13 +51,16 @@ def main(argv=None):
                           draft_model_path=args.speculative_draft_model_path, num_steps=args.speculative_num_steps,
                           eagle_topk=args.speculative_eagle_topk)
     try:
-        gen = Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
-                                        speculative=spec, max_batch=args.max_batch, page_size=args.page_size,
-                                        max_seq_len=args.max_seq_len)
-        chat = not args.raw and gen.tokenizer.chat_template is not None
-        inputs = [[{"role": "user", "content": p}] if chat else p for p in prompts]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
+        # the program set these prompts can meet (their batch, their sampler) is built before the
+        # first token, so no step waits for a compile mid-run
+        gen = Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
+                                        speculative=spec, max_batch=min(args.max_batch, len(prompts)),
+                                        page_size=args.page_size, max_seq_len=args.max_seq_len,
+                                        warmup=not args.no_warmup, warmup_flags=[SamplerFlags.of([params])])
+        chat = not args.raw and gen.tokenizer.chat_template is not None
+        inputs = [[{"role": "user", "content": p}] if chat else p for p in prompts]
         outs = gen.generate(inputs, params, progress=len(inputs) > 1)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
