@@ -66,6 +66,7 @@ def main():
     ap.add_argument("--impl", default="auto")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     anchor = []
     if not args.no_torch:  # first, while JAX holds no GPU memory: its allocator keeps what it takes
@@ -94,6 +95,7 @@ def main():
             rows.append(dict(model=name, batch=b, context=args.context, engine="jaxspec", algorithm="plain",
                              ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor, tokens_per_s=b / t,
                              kernels_per_step=prof and prof["kernels"], kernel_ms=prof and prof["kernel_ms"],
+                             most_launched=prof and prof["most_launched"],
                              ms_per_step_runs=[x * 1e3 for x in times]))
             print_table(rows[-1:], ["model", "batch", "ms_per_step", "floor_ms", "floor_ratio", "kernels_per_step"])
         del model
@@ -106,7 +108,8 @@ def main():
     print()
     print_table(rows, ["model", "batch", "engine", "ms_per_step", "floor_ms", "floor_ratio", "vs_torch",
                        "kernels_per_step"])
-    print(write_results("decode", rows, {"copy_bandwidth_GBps": bw / 1e9}))
+    print(write_results("decode" + args.tag, rows, {"copy_bandwidth_GBps": bw / 1e9,
+                                                     "xla_flags": os.environ.get("XLA_FLAGS", "")}))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-def paged_attention(q, k_pages, v_pages, layer: int, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
+def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers) -> [B, T, Hq, D].
 
     impl: 'auto' (the kernels on GPU), 'pallas' (the Triton kernel; interpreted off-GPU), 'ref'

@@ -123,7 +123,8 @@ def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypa
     attention.paged_attention(q.astype(jnp.bfloat16), pages, pages, 0, jnp.zeros((2, 1 << 17), jnp.int32), lens, lens,
                               impl="mosaic")
     assert calls == ["mosaic", "triton", "triton", "triton"]
-    # 'auto' takes it on a Hopper GPU at batch >= 8, and the reference below that batch
+    # 'auto' on a Hopper GPU: trees to the Mosaic kernel and decode to Triton's, at every batch (the page
+    # table has the engine's full width: only the kernels stop at each request's length)
     calls.clear()
     monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(attention, "on_hopper", lambda: True)
@@ -131,7 +132,7 @@ def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypa
     for b, t in ((8, 16), (8, 1), (2, 16)):
         q = jnp.zeros((b, t, 8, 128), jnp.bfloat16)
         attention.paged_attention(q, pages, pages, 0, pt8[:b], lens8[:b], lens8[:b])
-    assert calls == ["mosaic", "triton"]
+    assert calls == ["mosaic", "triton", "mosaic"]
 
 
 def test_verify_probe_cuts_still_apply_to_the_kernel():

@@ -8,6 +8,7 @@ GEMM reads the layer's input once. The KV cache is an explicit pytree passed in 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -65,6 +66,7 @@ class Block(nnx.Module):
     """One decoder layer; weights in [in, out] layout, wqkv = [wq | wk | wv], w_gate_up = [gate | up]."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
         H, F = cfg.hidden_size, cfg.intermediate_size
         hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.attn_norm = nnx.Param(jnp.ones((H,), dtype))
@@ -79,8 +81,9 @@ class Block(nnx.Module):
         self.w_gate_up = _param(rngs, (H, 2 * F), H, dtype)
         self.w_down = _param(rngs, (F, H), F, dtype)
 
-    def __call__(self, cfg: ModelConfig, x, rope, attend):
-        """x [B, T, H] -> (x after the layer, k, v [B, T, Hkv, D]); attend(q, k, v) -> [B, T, Hq, D]."""
+    def __call__(self, x, rope, attend):
+        """x [B, T, H] -> x after the layer; attend(q, k, v [B, T, H*, D]) -> [B, T, Hq, D]."""
+        cfg = self.cfg
         b, t, _ = x.shape
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qkv = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps) @ self.wqkv[...]
@@ -136,14 +139,26 @@ class Llama(nnx.Module):
         x = self.embed_tokens(tokens)
         kept = {}
         for li, block in enumerate(self.layers):
-            def attend(q, k, v, li=li):
-                nonlocal k_pages, v_pages
-                k_pages = write_layer(k_pages, li, k, page, offset)
-                v_pages = write_layer(v_pages, li, v, page, offset)
-                return attention.paged_attention(q, k_pages, v_pages, li, page_table, kv_lens, q_lens, tree_mask,
-                                                 impl=attn_impl)
-            x = block(cfg, x, rope, attend)
+            graphdef, state = nnx.split(block)
+            x, k_pages, v_pages = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, jnp.int32(li),
+                                             page, offset, page_table, kv_lens, q_lens, tree_mask)
             if li in hidden_layers:
                 kept[li] = x
         hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, page, offset, page_table, kv_lens,
+               q_lens, tree_mask):
+    """One layer, its K/V written into the pages at `layer` (a traced index). Jitted so that a
+    program traces and lowers the layer once, not once per layer: identical calls hit JAX's trace
+    cache and share one lowered function, which XLA inlines (the executable is the unrolled one)."""
+    def attend(q, k, v):
+        nonlocal k_pages, v_pages
+        k_pages = write_layer(k_pages, layer, k, page, offset)
+        v_pages = write_layer(v_pages, layer, v, page, offset)
+        return attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
+                                         impl=attn_impl)
+    x = nnx.merge(graphdef, state)(x, rope, attend)
+    return x, k_pages, v_pages
