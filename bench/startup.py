@@ -29,7 +29,10 @@ def spec_of(algo):
 def child(algo, cache_dir, started, mixed, out):
     import numpy as np
     from jaxspec import Generator, SamplingParams
+    import jax
     from jaxspec.programs import compile_count
+    events = {}
+    jax.monitoring.register_event_listener(lambda e, **_: events.__setitem__(e, events.get(e, 0) + 1))
     t0 = time.perf_counter()
     if os.environ.get("STARTUP_RANDOM_WEIGHTS"):  # the GGUF cannot travel to the GPU machine: same shapes
         import jax.numpy as jnp
@@ -48,7 +51,11 @@ def child(algo, cache_dir, started, mixed, out):
     info = gen.scheduler.warmup()
     gen.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
     row = dict(model="smollm2-135m", weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf", algorithm=algo, programs=info["programs"], load_s=load_s,
-               warmup_s=info["seconds"], first_token_s=time.time() - started)
+               warmup_s=info["seconds"], first_token_s=time.time() - started,
+               lower_s=sum(p.build_seconds["lower"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
+               compile_s=sum(p.build_seconds["compile"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
+               cache_hits=events.get("/jax/compilation_cache/cache_hits", 0),
+               cache_misses=events.get("/jax/compilation_cache/cache_misses", 0))
     rows = [row]
     if mixed:
         rng = np.random.default_rng(0)
@@ -79,6 +86,7 @@ def main():
     ap.add_argument("--algos", default="plain,eagle3")
     ap.add_argument("--child", nargs=4, metavar=("ALGO", "CACHE", "STARTED", "MIXED"))
     ap.add_argument("--out", default="")
+    ap.add_argument("--no-mixed", action="store_true", help="start-up rows only")
     args = ap.parse_args()
     if args.child:
         algo, cache, started, mixed = args.child
@@ -91,7 +99,7 @@ def main():
             out = os.path.join(tempfile.mkdtemp(), "rows.json")
             started = time.time()
             env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-            subprocess.run([sys.executable, __file__, "--child", algo, cache, str(started), "1" if kind == "warm" else "0",
+            subprocess.run([sys.executable, __file__, "--child", algo, cache, str(started), "1" if kind == "warm" and not args.no_mixed else "0",
                             "--out", out], check=True, env=env)
             got = json.load(open(out))
             got[0]["cache"] = kind
@@ -99,7 +107,8 @@ def main():
             print_table(got, ["algorithm", "cache", "workload", "passno", "programs", "warmup_s", "first_token_s",
                               "tokens_per_s", "compiles"])
     print()
-    print_table(rows, ["algorithm", "cache", "workload", "passno", "programs", "load_s", "warmup_s", "first_token_s",
+    print_table(rows, ["algorithm", "cache", "workload", "passno", "programs", "load_s", "warmup_s", "lower_s", "compile_s",
+                       "cache_hits", "cache_misses", "first_token_s",
                        "tokens_per_s", "compiles", "late_compiles"])
     print(write_results("startup", rows))
 

@@ -108,6 +108,7 @@ class Programs:
             self.fns = {"extend": functools.partial(eagle_step.extend, graphs, drafter.tree, attn_impl),
                         "verify_tree": functools.partial(eagle_step.verify, graphs, drafter.tree, attn_impl)}
         self.table: dict[tuple, object] = {}
+        self.build_seconds = {"lower": 0.0, "compile": 0.0}  # of build(): tracing + lowering, then compiling
         self.warm = False  # set once the start-up set is built: compiles after it are late
         self.late_compiles: list[tuple] = []
 
@@ -148,12 +149,15 @@ class Programs:
                 bar = tqdm(total=len(todo), desc="compiling programs", unit="program")
             with concurrent.futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
                 futures = {pool.submit(self._lower(*spec).compile): key for key, spec in todo.items()}
+                t1 = time.perf_counter()
+                self.build_seconds["lower"] += t1 - t0
                 for fut in concurrent.futures.as_completed(futures):
                     self.table[futures[fut]] = fut.result()
                     if bar is not None:
                         bar.update(1)
             if bar is not None:
                 bar.close()
+            self.build_seconds["compile"] += time.perf_counter() - t1
         self.warm = True
         return time.perf_counter() - t0
 
