@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxspec.drafters.eagle import DraftHead, HeadConfig, export_head
 from jaxspec.kv_cache import KVCache
-from jaxspec.pallas.attention_ref import NEG_INF
+from jaxspec.sampling import NEG_INF
 from jaxspec.train_data import build_data, draft_vocabulary, pack
 
 # -- 2. the training step --------------------------------------------------------------------------------

@@ -181,10 +181,10 @@ IGNORED = ("embed_tokens.weight", "t2d", "layers.0.input_layernorm.weight")
 
 def _read_tensors(directory: str) -> dict:
     from jaxspec.models.torch_zip import read_torch_zip
-    from jaxspec.models.loading import _read_safetensors
+    from jaxspec.models.loading import read_safetensors
     st = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
     if st:
-        return _read_safetensors(directory)
+        return read_safetensors(directory)
     bins = sorted(f for f in os.listdir(directory) if f.endswith(".bin"))
     if not bins:
         raise CheckpointError(f"{directory}: no *.safetensors or pytorch_model*.bin weights")

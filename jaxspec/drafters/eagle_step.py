@@ -24,8 +24,8 @@ from flax import nnx
 
 from jaxspec import attention, sampling
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
-from jaxspec.pallas.attention_ref import NEG_INF
-from jaxspec.programs import verify_and_accept
+from jaxspec.attention import NEG_INF
+from jaxspec.verify import verify_and_accept
 
 
 @dataclasses.dataclass(frozen=True)

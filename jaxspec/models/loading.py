@@ -188,7 +188,7 @@ def gguf_tokenizer(fields, path):
 
 # -- HF directories ----------------------------------------------------------------------------
 
-def _read_safetensors(directory: str) -> dict:
+def read_safetensors(directory: str) -> dict:
     from safetensors.numpy import load_file
 
     index = os.path.join(directory, "model.safetensors.index.json")
@@ -237,7 +237,7 @@ def load_hf(directory: str, dtype):
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
     cfg = ModelConfig.from_hf(raw)
-    tensors = _read_safetensors(directory)
+    tensors = read_safetensors(directory)
     names = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
              "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
              "o": "self_attn.o_proj.weight", "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",

@@ -1,0 +1,42 @@
+"""Tree verification, the core every speculative step shares: the target over a draft tree, the
+target's own token after each node, the longest matching root path, and the accepted K/V moved
+into place. The plain programs (programs.py) and every drafter's step import it from here."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxspec import sampling
+from jaxspec.kv_cache import move_slots
+from jaxspec.pallas.accept import accept_tree
+from jaxspec.pallas.tree_mask import tree_attention_mask
+
+
+def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
+                      hidden_layers: tuple = ()):
+    """The target over a draft tree, then accept. Shared by every tree-verifying step.
+
+    tokens [B, N]: node 0 is the request's pending token (sampled last step, not yet cached),
+    nodes 1.. the draft, in an order where parents come first; parents [B, N] (-1 for the root and
+    padding). Returns (emitted tokens [B, N]: accepted drafts then the bonus token, their count
+    [B], logprobs, top-n values, top-n ids, the accepted path [B, N], the target's final hidden
+    [B, N, H] and hidden_layers' states, the cache with the accepted path's K/V moved into place).
+    """
+    mask, depth = tree_attention_mask(parents, num_nodes)
+    h, cache, layers = model(tokens, kv_lens[:, None] + depth, cache, page_table, kv_lens, num_nodes, tree_mask=mask,
+                             hidden_layers=hidden_layers, attn_impl=attn_impl)
+    logits = model.logits(h)  # [B, N, V]
+    extra = None
+    if flags.penalties:  # each node's penalty sees the draft tokens above it
+        n = tokens.shape[1]
+        anc = mask & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n)[None, None] > 0)
+        extra = jnp.where(anc, tokens[:, None, :], -1)
+    target = sampling.sample(logits, sb, flags, extra, depth)  # the target's own token after each node
+    path, num_accepted = accept_tree(tokens, parents, target, num_nodes, mask, depth)
+    # Along the accepted path target[path[i]] == tokens[path[i + 1]], so the emitted tokens (the
+    # accepted drafts, then the bonus) are simply the target's tokens at the path's nodes.
+    count = num_accepted + 1
+    out = jnp.where(jnp.arange(tokens.shape[1])[None] < count[:, None], jnp.take_along_axis(target, path, axis=1), 0)
+    lp, top_v, top_i = sampling.logprobs_of(jnp.take_along_axis(logits, path[:, :, None], axis=1), out,
+                                            flags.top_logprobs)
+    cache = move_slots(cache, page_table, kv_lens, path, count)
+    return out, count, lp, top_v, top_i, path, h, layers, cache
