@@ -104,7 +104,7 @@ class Scheduler:
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch = page_size, max_batch
-        self.prefill_shapes = prefill_shapes(prefill_chunk)
+        self.prefill_shapes = [(r, t) for r, t in prefill_shapes(prefill_chunk) if r <= bucket(max_batch, BATCH_BUCKETS)]
         self.max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
         # a verify step writes a whole (padded) draft tree past the sequence's end
         slack = bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1
@@ -169,24 +169,21 @@ class Scheduler:
         specs = []
         for flags in flag_sets:
             for rows, t in self.prefill_shapes:
-                specs.append((self.programs, "extend", flags, self.cache, self._dummy_extend(rows, t)))
+                specs.append((self.programs, "extend", flags, self.cache, self._dummy_inputs(rows, t)))
             for rows in rows_all:
-                specs.append((decode, "extend", flags, target_cache, self._dummy_extend(rows, 1)))
+                specs.append((decode, "extend", flags, target_cache, self._dummy_inputs(rows, 1)))
                 if self.tree_size(rows) > 1:
                     n = bucket(self.tree_size(rows), TREE_BUCKETS)
-                    specs.append((self.programs, "verify_tree", flags, self.cache, self._dummy_verify(rows, n)))
+                    specs.append((self.programs, "verify_tree", flags, self.cache, self._dummy_inputs(rows, n, tree=True)))
         return specs
 
-    def _dummy_sampling(self, rows):
-        return SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows)
-
-    def _dummy_extend(self, rows, t):
+    def _dummy_inputs(self, rows, t, tree=False):
+        """Zeros shaped as an extend call's inputs of rows x t tokens (or, with tree, a verify_tree
+        call's): what the programs are built for."""
         z = lambda *shape: np.zeros(shape, np.int32)
-        return (z(rows, t), z(rows), z(rows, self.max_pages_per_seq), z(rows), z(rows), self._dummy_sampling(rows))
-
-    def _dummy_verify(self, rows, n):
-        z = lambda *shape: np.zeros(shape, np.int32)
-        return (z(rows, n), z(rows, n), z(rows, self.max_pages_per_seq), z(rows), z(rows), self._dummy_sampling(rows))
+        second = z(rows, t) if tree else z(rows)  # parents, or next_tokens
+        return (z(rows, t), second, z(rows, self.max_pages_per_seq), z(rows), z(rows),
+                SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
 
     def warmup(self, flag_sets=None, progress=False) -> dict:
         """Compile the whole program set now (see program_specs); a compile after this is counted
