@@ -104,7 +104,8 @@ class Scheduler:
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch = page_size, max_batch
-        self.prefill_shapes = [(r, t) for r, t in prefill_shapes(prefill_chunk) if r <= bucket(max_batch, BATCH_BUCKETS)]
+        rows_max = bucket(max_batch, BATCH_BUCKETS)  # no prefill program wider than the batch can be
+        self.prefill_shapes = sorted({(min(r, rows_max), t) for r, t in prefill_shapes(prefill_chunk)})
         self.max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
         # a verify step writes a whole (padded) draft tree past the sequence's end
         slack = bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1
