@@ -48,7 +48,21 @@ def startup() -> str:
     return "\n".join(out)
 
 
-TABLES = {"decode": decode, "startup": startup}
+def spec() -> str:
+    d = _load("spec")
+    out = [f"`spec-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
+           "| algorithm | batch | tok/s | vs plain (median of rounds) | accept length | vs torch.compile plain |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        if r["config"] == "torch-compile":
+            continue
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        acc = f"{r['accept_length']:.2f}" if "accept_length" in r else ""
+        out.append(f"| {r['config']} | {r['batch']} | {r['tokens_per_s']:.0f} | {speed} | {acc} | {r['vs_torch']:.2f}x |")
+    return "\n".join(out)
+
+
+TABLES = {"decode": decode, "startup": startup, "spec": spec}
 
 
 def main():
