@@ -20,24 +20,19 @@ ALGORITHMS = ("plain", "EAGLE3", "NGRAM")
 MAX_TOKENS = 24
 
 
-def generate_all() -> dict:
+def generate(algo: str) -> list:
     import jax.numpy as jnp
 
     from jaxspec import Generator, SamplingParams, SpecConfig
-    out = {}
-    for algo in ALGORITHMS:
-        spec = None if algo == "plain" else (
-            SpecConfig("EAGLE3", num_steps=3, eagle_topk=4, num_draft_tokens=8) if algo == "EAGLE3"
-            else SpecConfig("NGRAM", num_draft_tokens=8))
-        gen = Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, speculative=spec, max_seq_len=256,
-                                        max_batch=8)
-        done = gen.generate([[{"role": "user", "content": p}] for p in PROMPTS],
-                            SamplingParams(max_tokens=MAX_TOKENS))
-        out[algo] = [c.token_ids for c in done]
-    return out
+    spec = None if algo == "plain" else (
+        SpecConfig("EAGLE3", num_steps=3, eagle_topk=4, num_draft_tokens=8) if algo == "EAGLE3"
+        else SpecConfig("NGRAM", num_draft_tokens=8))
+    gen = Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, speculative=spec, max_seq_len=256, max_batch=8)
+    done = gen.generate([[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=MAX_TOKENS))
+    return [c.token_ids for c in done]
 
 
 if __name__ == "__main__":
-    res = generate_all()
+    res = {algo: generate(algo) for algo in ALGORITHMS}
     with open(sys.argv[1], "w") as f:
         json.dump({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "outputs": res}, f)
