@@ -118,6 +118,16 @@ def copy_bandwidth(nbytes=1 << 30) -> float:
     return max(copy_bandwidths(nbytes).values())
 
 
+def run_torch_anchor(models: str, batches: str, context: int) -> list:
+    """bench/torch_anchor.py's rows, run in a fresh process: call it before JAX takes the GPU (JAX's
+    allocator keeps the memory it takes)."""
+    import tempfile
+    out = os.path.join(tempfile.mkdtemp(), "torch.json")
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_anchor.py"), "--models", models,
+                    "--batches", batches, "--context", str(context), "--out", out], check=True)
+    return json.load(open(out))
+
+
 def random_model(cfg, dtype, seed=0):
     """A model of cfg's shape with random weights created on the device (no host copy)."""
     from flax import nnx

@@ -10,9 +10,7 @@ carry `vs_torch` = torch's ms / jaxspec's ms (above 1: jaxspec is faster).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, device_kernels, param_bytes, print_table, random_model, write_results
+from common import (LLAMA3_8B, SMOLLM2, copy_bandwidth, device_kernels, param_bytes, print_table, random_model,
+                    run_torch_anchor, write_results)
 from jaxspec.kv_cache import KVCache
 from jaxspec.models import ModelConfig
 from jaxspec.programs import Programs
@@ -68,12 +67,7 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
-    anchor = []
-    if not args.no_torch:  # first, while JAX holds no GPU memory: its allocator keeps what it takes
-        out = os.path.join(tempfile.mkdtemp(), "torch.json")
-        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_anchor.py"), "--models",
-                        args.models, "--batches", args.batches, "--context", str(args.context), "--out", out], check=True)
-        anchor = json.load(open(out))
+    anchor = [] if args.no_torch else run_torch_anchor(args.models, args.batches, args.context)
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     rows = []

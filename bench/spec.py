@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import humaneval_prompts, mt_bench_prompts, print_table, write_results
+from common import humaneval_prompts, mt_bench_prompts, print_table, run_torch_anchor, write_results
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.speculative import DEFAULT_HEADS
 from jaxspec.generator import Generator
@@ -197,13 +197,7 @@ def main():
                                         "identical_to_plain", "draft_host_ms_per_step", "overlapped_host_ms_per_step"])
                 write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)})  # partial results survive
     if args.torch_anchor:
-        import json
-        import subprocess
-        import tempfile
-        out = os.path.join(tempfile.mkdtemp(), "torch.json")
-        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "torch_anchor.py"), "--models",
-                        "smollm2-135m", "--batches", args.batches, "--context", "256", "--out", out], check=True)
-        anchor = {r["batch"]: r for r in json.load(open(out))}
+        anchor = {r["batch"]: r for r in run_torch_anchor("smollm2-135m", args.batches, 256)}
         for r in rows:
             r["vs_torch"] = r["tokens_per_s"] / anchor[r["batch"]]["tokens_per_s"]
         rows += [dict(r, dataset="random", config="torch-compile") for r in anchor.values()]

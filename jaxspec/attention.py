@@ -3,7 +3,8 @@
 The page table has one fixed width (the longest sequence the engine admits), so its width is no
 compile-time dimension. Every path therefore reads only the pages a request uses: the kernels
 stop at each request's length, and the jnp path walks the table a chunk of pages at a time, up to
-the batch's longest sequence (a loop whose trip count is computed on the device).
+the batch's longest sequence (a loop whose trip count is computed on the device, which on the
+GPU would sync with the host each iteration: there every batch takes the kernels).
 """
 from __future__ import annotations
 
@@ -54,22 +55,12 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
 
 def paged_attention_chunked(q, k_pages, v_pages, page_table, kv_lens, q_lens, tree_mask=None):
     """paged_attention_ref's function, reading CHUNK_KEYS keys at a time with an online softmax and
-    stopping after the batch's longest sequence. k_pages/v_pages [N, ps, Hkv, D]."""
+    stopping after the batch's longest sequence. k_pages/v_pages [N, ps, Hkv, D]. Off the GPU only:
+    there XLA reads a while loop's condition back to the host every iteration."""
     b, t, hq, d = q.shape
-    hkv = k_pages.shape[2]
-    visible = lambda first, n: visible_mask(kv_lens, q_lens, t, n, tree_mask, first_key=first)
-    _, l, acc = online_softmax_over_pages(q.reshape(b, t, hkv, hq // hkv, d), k_pages, v_pages, page_table,
-                                          jnp.max(kv_lens + q_lens), visible)
-    out = acc / jnp.maximum(l, 1e-30)[..., None]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
-
-
-def online_softmax_over_pages(qg, k_pages, v_pages, page_table, num_keys, visible):
-    """Unnormalised attention of qg [B, T, Hkv, G, D] over the keys at slots < num_keys (a traced
-    scalar) of each request's pages, CHUNK_KEYS at a time; visible(first slot, n) -> [B, T, n] bool.
-    Returns the running max m and sum l [B, Hkv, G, T] and the output acc [B, Hkv, G, T, D]."""
-    b, t, hkv, g, d = qg.shape
-    ps = k_pages.shape[1]
+    _, ps, hkv, _ = k_pages.shape
+    g = hq // hkv
+    qg = q.reshape(b, t, hkv, g, d)
     cp = max(1, min(CHUNK_KEYS // ps, page_table.shape[1]))  # pages a chunk
     table = jnp.pad(page_table, ((0, 0), (0, -page_table.shape[1] % cp)))
 
@@ -79,9 +70,9 @@ def online_softmax_over_pages(qg, k_pages, v_pages, page_table, num_keys, visibl
         k = k_pages[pages].reshape(b, cp * ps, hkv, d)
         v = v_pages[pages].reshape(b, cp * ps, hkv, d)
         s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
-        ok = visible(i * cp * ps, cp * ps)[:, None, None]
+        ok = visible_mask(kv_lens, q_lens, t, cp * ps, tree_mask, first_key=i * cp * ps)[:, None, None]
         m_new = jnp.maximum(m, jnp.where(ok, s, NEG_INF).max(-1))
-        p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+        p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)  # a row with nothing visible yet adds 0
         corr = jnp.exp(m - m_new)
         acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v,
                                                  preferred_element_type=jnp.float32)
@@ -89,4 +80,7 @@ def online_softmax_over_pages(qg, k_pages, v_pages, page_table, num_keys, visibl
 
     init = (jnp.full((b, hkv, g, t), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),
             jnp.zeros((b, hkv, g, t, d), jnp.float32))
-    return jax.lax.fori_loop(0, (num_keys + cp * ps - 1) // (cp * ps), chunk, init)
+    keys = jnp.max(kv_lens + q_lens)
+    _, l, acc = jax.lax.fori_loop(0, (keys + cp * ps - 1) // (cp * ps), chunk, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)

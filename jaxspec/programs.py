@@ -51,19 +51,19 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     backend and the XLA flags, so an entry never serves another configuration). path: a folder,
     'off', or None for $JAXSPEC_CACHE_DIR or ~/.cache/jaxspec/xla. A folder set through
     JAX_COMPILATION_CACHE_DIR or jax.config is kept. Returns the folder in use."""
+    from jax.experimental.compilation_cache import compilation_cache
     current = jax.config.jax_compilation_cache_dir
     path = path or os.environ.get("JAXSPEC_CACHE_DIR")
-    if path == "off":
-        return None
     if current and path is None:
         return current
-    path = path or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "xla")
-    if path != current:
-        from jax.experimental.compilation_cache import compilation_cache
+    if path != "off":
+        path = path or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "xla")
         os.makedirs(path, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", path)
+    new = None if path == "off" else path
+    if new != current:
+        jax.config.update("jax_compilation_cache_dir", new)
         compilation_cache.reset_cache()  # JAX decides once whether to use it: make it decide again
-    return path
+    return new
 
 
 _COMPILES = [0]
@@ -91,7 +91,6 @@ class Programs:
     """One model's (and drafter's) step functions and the executables built for them, by shape."""
 
     def __init__(self, model, attn_impl: str = "auto", jit: bool = True, drafter=None):
-        self.cfg = model.cfg
         self.jit = jit
         head = getattr(drafter, "head", None)
         if head is None:
