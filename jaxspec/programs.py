@@ -1,7 +1,10 @@
 """The engine's device programs: a small fixed set of jitted steps, compiled once at start-up.
 
-`extend` feeds T new tokens per request (prefill chunks; decode is T = 1) and samples the token
-after the last one. `verify_tree` runs a draft tree through the target, accepts the longest
+`extend` feeds T new tokens per request (prefill chunks) and samples the token after the last
+one. `decode` runs up to MAX_DECODE_STEPS plain decode steps in one call, each row stopping on the
+device at a stop id or its token budget: the host launches and reads back once per call, so at
+small batch, where launching a step costs the host about as long as the GPU takes to run it, the
+GPU no longer waits for the host between steps. `verify_tree` runs a draft tree through the target, accepts the longest
 matching root path, compacts the accepted K/V and returns the emitted tokens. The cache is
 donated to both; neither syncs with the host. With a device drafter (EAGLE heads) both come from
 the drafter's step module and also keep the head in step and draft the next tree
@@ -17,6 +20,7 @@ is counted in `late_compiles` (tests fail on one; the server exports it).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import os
 import time
@@ -30,6 +34,8 @@ from jaxspec.verify import verify_and_accept
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TREE_BUCKETS = (2, 4, 8, 16, 32, 64)
+MAX_DECODE_STEPS = 8  # a decode call's most steps (its outputs' width)
+STOP_ID_SLOTS = 8  # stop ids a row's decode call checks on the device (the host checks them all)
 
 
 def bucket(n: int, buckets) -> int:
@@ -96,6 +102,7 @@ class Programs:
         if head is None:
             graphdef, self.state = nnx.split(model)
             self.fns = {"extend": functools.partial(_extend, graphdef, attn_impl),
+                        "decode": functools.partial(_decode, graphdef, attn_impl),
                         "verify_tree": functools.partial(_verify_tree, graphdef, attn_impl)}
         else:
             from jaxspec.drafters import eagle_step
@@ -111,6 +118,9 @@ class Programs:
 
     def extend(self, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, *, flags):
         return self.run("extend", flags, cache, (tokens, next_tokens, page_table, kv_lens, q_lens, sb))
+
+    def decode(self, cache, tokens, page_table, kv_lens, budget, stop_ids, num_steps, sb, *, flags):
+        return self.run("decode", flags, cache, (tokens, page_table, kv_lens, budget, stop_ids, num_steps, sb))
 
     def verify_tree(self, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, *, flags):
         return self.run("verify_tree", flags, cache, (tokens, parents, page_table, kv_lens, num_nodes, sb))
@@ -181,6 +191,44 @@ def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, 
     lp, top_v, top_i = sampling.logprobs_of(logits, nxt, flags.top_logprobs)
     squeeze = (lambda x: None if x is None else x[:, 0])
     return nxt[:, 0], lp[:, 0], squeeze(top_v), squeeze(top_i), None, nxt, cache
+
+
+def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budget, stop_ids, num_steps, sb, flags):
+    """Up to num_steps (<= MAX_DECODE_STEPS, a device scalar) decode steps in one call.
+
+    tokens [B, 1]: each request's pending token (sampled, not yet cached). Row b emits at most
+    budget[b] tokens (0: a padding row) and stops after a token in stop_ids[b] (-1 padded); a
+    stopped row feeds no token (q_len 0), so its K/V and kv length stay put. Returns (tokens
+    [B, MAX_DECODE_STEPS], count [B], logprobs [B, M], top-n values and ids [B, M, n] or None, None
+    (no draft tree), (the last token [B, 1], kv lengths [B], sampling steps [B]): the next call's
+    inputs, cache). The trip count is a device value, so one program serves every N; the token
+budget left comes back too, so that a call chained on this one needs nothing from the host."""
+    model = nnx.merge(graphdef, state)
+    b, m, k = tokens.shape[0], MAX_DECODE_STEPS, flags.top_logprobs
+    out = jnp.zeros((b, m), jnp.int32)
+    lps = jnp.zeros((b, m), jnp.float32)
+    tops = (jnp.zeros((b, m, k), jnp.float32), jnp.zeros((b, m, k), jnp.int32)) if k else None
+
+    def step(i, c):
+        cache, tok, kv, count, alive, out, lps, tops = c
+        q = alive.astype(jnp.int32)
+        h, cache, _ = model(tok, kv[:, None], cache, page_table, kv, q, attn_impl=attn_impl)
+        logits = model.logits(h)  # [B, 1, V]
+        nxt = sampling.sample(logits, dataclasses.replace(sb, step=sb.step + count), flags)
+        lp, top_v, top_i = sampling.logprobs_of(logits, nxt, k)
+        out, lps = out.at[:, i].set(nxt[:, 0]), lps.at[:, i].set(lp[:, 0])
+        if k:
+            tops = (tops[0].at[:, i].set(top_v[:, 0]), tops[1].at[:, i].set(top_i[:, 0]))
+        tok = jnp.where(alive[:, None], nxt, tok)
+        count, kv = count + q, kv + q
+        alive = alive & (count < budget) & ~jnp.any(nxt == stop_ids, axis=1)
+        return cache, tok, kv, count, alive, out, lps, tops
+
+    count = jnp.zeros((b,), jnp.int32)
+    init = (cache, tokens, kv_lens, count, budget > 0, out, lps, tops)
+    cache, tok, kv, count, _, out, lps, tops = jax.lax.fori_loop(0, jnp.minimum(num_steps, m), step, init)
+    top_v, top_i = tops if k else (None, None)
+    return out, count, lps, top_v, top_i, None, (tok, kv, sb.step + count, budget - count), cache
 
 
 def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):

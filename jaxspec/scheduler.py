@@ -28,7 +28,8 @@ import numpy as np
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
 from jaxspec.paging import PagePool
-from jaxspec.programs import BATCH_BUCKETS, TREE_BUCKETS, Programs, bucket, enable_compilation_cache, prefill_shapes
+from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
+                              enable_compilation_cache, prefill_shapes)
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 
 
@@ -82,12 +83,12 @@ class Request:
 @dataclasses.dataclass
 class InFlight:
     """A decode or verify step launched and not yet read back."""
-    kind: str  # "decode" (one token per request) or "verify" (a draft tree per request)
+    kind: str  # "extend" (a prefill chunk), "decode" (up to `nodes` tokens a request) or "verify" (a draft tree)
     reqs: list
     outputs: tuple  # the program's outputs, on the device
     inputs: dict  # device inputs a chained next step derives its own from
     flags: SamplerFlags
-    nodes: int = 1
+    nodes: int = 1  # tokens a request may write: the tree's nodes, or a decode call's steps
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
     match_keys: list | None = None  # a host drafter's: DraftPolicy keys its requests drafted at
@@ -99,8 +100,8 @@ class Scheduler:
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
-                 spec_probe_every=8, spec_min_gain=None, overlap=True, warmup=False, warmup_flags=None,
-                 compile_cache=None):
+                 spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
+                 warmup_flags=None, compile_cache=None):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch = page_size, max_batch
@@ -146,6 +147,11 @@ class Scheduler:
         self.policy = (DraftPolicy(min_gain, spec_min_accept, spec_probe_every)
                        if drafter is not None and not self.device_drafter else None)
         self.overlap = overlap
+        # Plain decoding runs up to decode_steps steps a call while the batch is steady (see
+        # _decode_steps_now); 1 launches a call a step.
+        if not 1 <= decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps={decode_steps} must be in [1, {MAX_DECODE_STEPS}]")
+        self.decode_steps = decode_steps
         self.inflight: InFlight | None = None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -172,7 +178,7 @@ class Scheduler:
             for rows, t in self.prefill_shapes:
                 specs.append((self.programs, "extend", flags, self.cache, self._dummy_inputs(rows, t)))
             for rows in rows_all:
-                specs.append((decode, "extend", flags, target_cache, self._dummy_inputs(rows, 1)))
+                specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
                 if self.tree_size(rows) > 1:
                     n = bucket(self.tree_size(rows), TREE_BUCKETS)
                     specs.append((self.programs, "verify_tree", flags, self.cache, self._dummy_inputs(rows, n, tree=True)))
@@ -184,6 +190,11 @@ class Scheduler:
         z = lambda *shape: np.zeros(shape, np.int32)
         second = z(rows, t) if tree else z(rows)  # parents, or next_tokens
         return (z(rows, t), second, z(rows, self.max_pages_per_seq), z(rows), z(rows),
+                SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
+
+    def _dummy_decode(self, rows):
+        z = lambda *shape: np.zeros(shape, np.int32)
+        return (z(rows, 1), z(rows, self.max_pages_per_seq), z(rows), z(rows), z(rows, STOP_ID_SLOTS), np.int32(1),
                 SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
 
     def warmup(self, flag_sets=None, progress=False) -> dict:
@@ -248,8 +259,10 @@ class Scheduler:
         if decode:
             nodes = self._nodes_for(decode)
             rows = bucket(len(decode), BATCH_BUCKETS)  # the bucket whose tree size `nodes` is
-            decode = self._reserve(decode, nodes)
             # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
+            all_plain = nodes == 1 or all(r.head_len is not None for r in decode)
+            steps = self._decode_steps_now(decode) if all_plain else 1
+            decode = self._reserve(decode, max(nodes, steps))
             drafts = [nodes > 1 and r.head_len is None for r in decode]
             spec = [r for r, d in zip(decode, drafts) if d]
             plain = [r for r, d in zip(decode, drafts) if not d]
@@ -259,7 +272,7 @@ class Scheduler:
                 # only (bucket, its tree) pairs are built at start-up
                 self._run_verify(spec, nodes, rows, overlap=alone)
             if plain:
-                self._run_decode(plain, overlap=alone)
+                self._run_decode(plain, steps, overlap=alone)
         self.stats["steps"] += 1
 
     def tree_size(self, batch: int) -> int:
@@ -279,6 +292,22 @@ class Scheduler:
                                                                                    len(reqs)):
             return 1
         return nodes
+
+    def _decode_steps_now(self, reqs) -> int:
+        """Steps the next plain decode call runs: decode_steps while the batch is steady (every
+        running request decoding, none waiting that could be admitted, so that no newcomer waits
+        behind a long call), without penalties (their token histories are built on the host) and
+        without a host drafter (its policy decides step by step); 1 otherwise. Never more than the
+        most tokens a request may still emit."""
+        if (self.decode_steps == 1 or (self.drafter is not None and not self.device_drafter)
+                or len(reqs) != len(self.running) or (self.waiting and len(self.running) < self.max_batch)
+                or any(r.params.penalised for r in reqs)):
+            return 1
+        return max(1, min(self.decode_steps, max(r.params.max_tokens - len(r.output_ids) for r in reqs)))
+
+    def _stop_ids(self, req) -> list:
+        p = req.params
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
 
     def _match_keys(self, reqs, nodes) -> list:
         """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
@@ -378,18 +407,50 @@ class Scheduler:
         self.stats["prefill_tokens"] += got
         self._run_extend(batch, rows, t, "prefill_time")
 
-    def _run_decode(self, reqs, overlap=True):
-        if self.device_drafter:  # the large-batch fallback: the target alone
+    def _run_decode(self, reqs, steps, overlap=True):
+        """Up to `steps` plain decode steps over reqs in one call (by the target alone where a
+        device drafter falls back: its head is left behind)."""
+        t0 = time.perf_counter()
+        if self.device_drafter:
             for r in reqs:
                 r.draft = None
                 if r.head_len is None:
                     r.head_len = r.kv_len
-        self._run_extend([(r, 1) for r in reqs], bucket(len(reqs), BATCH_BUCKETS), 1, "decode_time",
-                         plain=self.device_drafter, overlap=overlap)
+        rows = bucket(len(reqs), BATCH_BUCKETS)
+        tokens = np.zeros((rows, 1), np.int32)
+        kv_lens, budget = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
+        for i, r in enumerate(reqs):
+            tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
+            kv_lens[i], budget[i] = r.kv_len, r.params.max_tokens - len(r.output_ids)
+            ids = self._stop_ids(r)[:STOP_ID_SLOTS]
+            stop_ids[i, :len(ids)] = ids
+        flags = SamplerFlags.of([r.params for r in reqs])
+        sb = self._sampling(reqs, rows, flags)
+        pt = self._page_table(reqs, rows)
+        args = _to_device((tokens, pt, kv_lens, budget, stop_ids, np.int32(steps), sb))
+        outputs = self._call_decode(self.device_drafter, args, flags)
+        f = InFlight("decode", reqs, outputs, dict(zip(("pt", "stop_ids", "num_steps", "sb"), args[1:2] + args[4:])),
+                     flags, nodes=steps, plain=self.device_drafter, host_s=time.perf_counter() - t0)
+        f.inputs["pages"] = [len(r.pages) for r in reqs]
+        self._host_work_while_device_runs(f)
+        if overlap and self._may_overlap(f):
+            self.inflight = f  # read back in the next step, after the call that follows it is launched
+        else:
+            self._collect(f)
 
-    def _run_extend(self, batch, rows, t, timer, plain=False, overlap=False):
-        """Feed n new tokens per request (a [rows, t] program); a request whose tokens are then all
-        cached gets the sampled next token (the last prefill chunk, or a decode step)."""
+    def _call_decode(self, plain, args, flags):
+        """Launch a decode program (the target alone when plain); returns its outputs, cache aside."""
+        if plain:  # the target's cache alone
+            *outputs, tcache = self.plain_programs.decode(self.cache[0], *args, flags=flags)
+            self.cache = (tcache, self.cache[1])
+        else:
+            *outputs, self.cache = self.programs.decode(self.cache, *args, flags=flags)
+        return tuple(outputs)
+
+    def _run_extend(self, batch, rows, t, timer):
+        """Feed n new tokens per request (a [rows, t] program: a prefill chunk); a request whose
+        tokens are then all cached gets the sampled next token."""
         t0 = time.perf_counter()
         reqs = [r for r, _ in batch]
         tokens = np.zeros((rows, t), np.int32)
@@ -404,24 +465,11 @@ class Scheduler:
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows)
         sb = self._sampling(reqs, rows, flags)
-        outputs = self._call_extend(plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags)
-        f = InFlight("decode", reqs, outputs, dict(kv_lens=kv_lens, q_lens=q_lens, next_tokens=next_tokens, sb=sb),
-                     flags, plain=plain, host_s=time.perf_counter() - t0)
-        self._host_work_while_device_runs(f)
-        if overlap and self._may_overlap(f):
-            self.inflight = f  # read back in the next step, after the step that follows it is launched
-        else:
-            self._collect(f, [n for _, n in batch], timer)
-
-    def _call_extend(self, plain, tokens, next_tokens, pt, kv_lens, q_lens, sb, flags):
-        """Launch an extend program (the target alone when plain); returns its outputs, cache aside."""
         args = _to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))  # one transfer
-        if plain:  # the target's cache alone
-            *outputs, tcache = self.plain_programs.extend(self.cache[0], *args, flags=flags)
-            self.cache = (tcache, self.cache[1])
-        else:
-            *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
-        return tuple(outputs)
+        *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
+        f = InFlight("extend", reqs, tuple(outputs), {}, flags, host_s=time.perf_counter() - t0)
+        self._host_work_while_device_runs(f)
+        self._collect(f, [n for _, n in batch], timer)
 
     def _run_verify(self, reqs, nodes, rows, overlap=True):
         t0 = time.perf_counter()
@@ -468,7 +516,7 @@ class Scheduler:
         are built on the host)."""
         if not self.overlap or f.flags.penalties:
             return False
-        return f.kind == "decode" or self.device_drafter
+        return f.kind == "decode" or (f.kind == "verify" and self.device_drafter)
 
     def _reserve_chain(self, f: InFlight) -> bool:
         """Whether the step after f may be launched from f's device outputs; if so, pages for both
@@ -479,9 +527,11 @@ class Scheduler:
             return False  # the batch changes: admissions, prefill chunks, preemptions
         if self._nodes_for(f.reqs) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
             return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
+        if f.kind == "decode" and self._decode_steps_now(f.reqs) != f.nodes:
+            return False
         # a request that may reach max_tokens in step t would waste step t + 1 (and may run past its
         # pages' slack): end the chain there. A step emits at most the tree's depth + 1 tokens.
-        most = 1 if f.kind == "decode" else min(f.nodes, self.drafter.tree.steps + 1)
+        most = f.nodes if f.kind == "decode" else min(f.nodes, self.drafter.tree.steps + 1)
         if any(len(r.output_ids) + most >= r.params.max_tokens for r in f.reqs):
             return False
         # pages for both steps' worst case: every node accepted in each
@@ -498,12 +548,16 @@ class Scheduler:
         reqs, ins = f.reqs, f.inputs
         rows = ins["sb"].step.shape[0]
         if f.kind == "decode":
-            kv_lens = ins["kv_lens"] + ins["q_lens"]
-            tokens = f.outputs[5]  # the sampled tokens as the next step's [B, 1] input
-            sb = dataclasses.replace(ins["sb"], step=ins["sb"].step + (np.arange(rows) < len(reqs)))
-            pt = self._page_table(reqs, rows)
-            outputs = self._call_extend(f.plain, tokens, ins["next_tokens"], pt, kv_lens, ins["q_lens"], sb, f.flags)
-            g = InFlight("decode", reqs, outputs, dict(ins, kv_lens=kv_lens, sb=sb), f.flags, plain=f.plain)
+            tokens, kv_lens, step, budget = f.outputs[6]  # computed by the call itself
+            sb = dataclasses.replace(ins["sb"], step=step)
+            pages = [len(r.pages) for r in reqs]
+            # the same page table again unless pages were added: an unchanged input keeps XLA's
+            # recorded command buffer as it is
+            pt = ins["pt"] if pages == ins["pages"] else jax.device_put(self._page_table(reqs, rows))
+            args = (tokens, pt, kv_lens, budget, ins["stop_ids"], ins["num_steps"], sb)
+            outputs = self._call_decode(f.plain, args, f.flags)
+            g = InFlight("decode", reqs, outputs, dict(ins, pt=pt, pages=pages, sb=sb), f.flags, nodes=f.nodes,
+                         plain=f.plain)
         else:
             tokens, parents, kv_lens, step = f.outputs[6]  # computed by the step itself
             n = tokens.shape[1]
@@ -528,6 +582,19 @@ class Scheduler:
         tree = f.outputs[5 if f.kind == "verify" else 4]
         shared = None if tree is None else _OnDevice(tree)
         if f.kind == "decode":
+            toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
+                                                            *f.outputs[3:5]))
+            for i, r in enumerate(f.reqs):
+                if r.finished:
+                    continue
+                c = int(count[i])
+                r.kv_len += c
+                self._emit(r, toks[i, :c].tolist(), None if lp is None else lp[i, :c].tolist(),
+                           None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
+            self._time_step("decode", len(f.reqs), arrived)
+            self.stats["decode_time"] += f.host_s + time.perf_counter() - t0
+            return
+        if f.kind == "extend":
             nxt, lp, top_v, top_i = jax.device_get((f.outputs[0], f.outputs[1] if want_lp else None, *f.outputs[2:4]))
             for i, r in enumerate(f.reqs):
                 if r.finished:

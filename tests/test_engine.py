@@ -123,7 +123,7 @@ def test_overlapped_steps_equal_synchronous(tiny):
               SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=24, stop_token_ids=[stop_id])]
     sync = make_gen(tiny, overlap=False).generate(prompts, params)
     assert len(set(sync[1].token_ids)) > 8  # hot enough that a reused sampling key would show
-    gen = make_gen(tiny)
+    gen = make_gen(tiny, decode_steps=1)  # a call a step: many chained calls
     over = gen.generate(prompts, params)
     assert [c.token_ids for c in over] == [c.token_ids for c in sync]
     assert over[3].finish_reason == "stop" and len(over[3].token_ids) <= 8
@@ -141,6 +141,51 @@ def test_overlapped_steps_equal_synchronous(tiny):
     assert reqs[0].finish_reason == "abort" and 0 < len(reqs[0].output_ids) < 24
     sched.pool.check()
     assert sched.pool.in_use == 0
+
+
+def test_multi_step_decode_equals_one_step_a_call(tiny):
+    """N = 8 decode steps a call give what N = 1 gives: greedy and seeded tokens, logprobs and
+    top logprobs, with EOS, stop ids and max_tokens falling mid-call, an abort while a call is in
+    flight, and preemption in a pool too small for the batch; no page leaks."""
+    from tests.conftest import TINY
+    rng = np.random.default_rng(6)
+    prompts = [list(map(int, rng.integers(0, 62, n))) for n in (3, 9, 14, 6, 11)]
+    free = make_gen(tiny, decode_steps=1).generate([prompts[3]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=30, temperature=3.0, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=11, ignore_eos=True),  # ends 3 steps into its second call
+              SamplingParams(max_tokens=30, stop_token_ids=[free.token_ids[5]]),
+              SamplingParams(max_tokens=30, temperature=3.0, seed=9)]  # may meet EOS (63) anywhere
+    one = make_gen(tiny, decode_steps=1).generate(prompts, params)
+    gen = make_gen(tiny)
+    eight = gen.generate(prompts, params)
+    assert [c.token_ids for c in eight] == [c.token_ids for c in one]
+    assert [c.finish_reason for c in eight] == [c.finish_reason for c in one]
+    assert eight[2].finish_reason == "length" and len(eight[2].token_ids) == 11
+    assert eight[3].finish_reason == "stop" and len(eight[3].token_ids) <= 6
+    np.testing.assert_allclose(eight[0].logprobs, one[0].logprobs, rtol=1e-5)
+    assert [sorted(t) for t in eight[0].top_logprobs] == [sorted(t) for t in one[0].top_logprobs]
+    assert (eight[4].finish_reason == "stop") == (eight[4].token_ids[-1] in TINY.eos_token_ids)
+    sched = gen.scheduler
+    assert sched.stats["steps"] < sum(len(c.token_ids) for c in eight) // 4  # several tokens a call
+    assert sched.stats["chained_steps"] > 0
+    # an abort while a multi-step call is in flight
+    reqs = [sched.add(p, q) for p, q in zip(prompts, params)]
+    while sched.has_work and (sched.inflight is None or len(reqs[0].output_ids) < 9):
+        sched.step()
+    sched.abort(reqs[0])
+    while sched.has_work:
+        sched.step()
+    assert [r.output_ids for r in reqs[1:]] == [c.token_ids for c in one[1:]]
+    assert reqs[0].finish_reason == "abort" and 0 < len(reqs[0].output_ids) < 30
+    sched.pool.check()
+    assert sched.pool.in_use == 0
+    # preemption: a pool too small for every request's pages at once
+    small = make_gen(tiny, num_pages=40, max_seq_len=120)
+    long = [SamplingParams(max_tokens=40, ignore_eos=True)] * 5
+    assert ([c.token_ids for c in small.generate(prompts, long)]
+            == [c.token_ids for c in make_gen(tiny, decode_steps=1).generate(prompts, long)])
+    assert small.scheduler.stats["preemptions"] > 0 and small.scheduler.pool.in_use == 0
 
 
 def test_sampling_seeded_reproducible_and_batch_independent(tiny):
