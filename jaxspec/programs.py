@@ -4,11 +4,12 @@
 one. `decode` runs up to MAX_DECODE_STEPS plain decode steps in one call, each row stopping on the
 device at a stop id or its token budget: the host launches and reads back once per call, so at
 small batch, where launching a step costs the host about as long as the GPU takes to run it, the
-GPU no longer waits for the host between steps. `verify_tree` runs a draft tree through the target, accepts the longest
-matching root path, compacts the accepted K/V and returns the emitted tokens. The cache is
-donated to both; neither syncs with the host. With a device drafter (EAGLE heads) both come from
-the drafter's step module and also keep the head in step and draft the next tree
-(drafters/eagle_step.py); the signatures are the same, so the scheduler drives either.
+GPU no longer waits for the host between steps. `verify_tree` runs a host-drafted tree through
+the target, accepts the longest matching root path, compacts the accepted K/V and returns the
+emitted tokens. With a device drafter (EAGLE heads) `extend` and `verify_steps` come from the
+drafter's step module (drafters/eagle_step.py): they also keep the head in step and draft the
+next tree, and `verify_steps` runs up to MAX_VERIFY_STEPS speculative steps a call. The cache is
+donated to every program; none syncs with the host.
 
 Shapes: the page table always has the engine's maximum width (the kernels stop at each
 request's length), a batch is padded to a bucket of BATCH_BUCKETS, a prefill chunk to one of
@@ -93,6 +94,13 @@ def _signature(tree) -> tuple:
     return tuple((x.shape, x.dtype) for x in jax.tree.leaves(tree))
 
 
+# A chained call's inputs are the last call's outputs: donating them lets XLA write those outputs
+# into the inputs' buffers, so a chain of calls runs on the same buffers and the command buffer
+# (CUDA graph) XLA recorded for the program is replayed without updating its kernels' pointers.
+_CARRIED = {"decode": ("tokens", "kv_lens", "budget", "sb")}
+_CARRIED_DEVICE_DRAFTER = {"verify_steps": ("tokens", "parents", "kv_lens", "budget", "sb")}
+
+
 class Programs:
     """One model's (and drafter's) step functions and the executables built for them, by shape."""
 
@@ -100,17 +108,23 @@ class Programs:
         self.jit = jit
         head = getattr(drafter, "head", None)
         if head is None:
-            graphdef, self.state = nnx.split(model)
-            self.fns = {"extend": functools.partial(_extend, graphdef, attn_impl),
-                        "decode": functools.partial(_decode, graphdef, attn_impl),
-                        "verify_tree": functools.partial(_verify_tree, graphdef, attn_impl)}
+            graphdef, state = nnx.split(model)
+            fns = {"extend": functools.partial(_extend, graphdef, attn_impl),
+                   "decode": functools.partial(_decode, graphdef, attn_impl),
+                   "verify_tree": functools.partial(_verify_tree, graphdef, attn_impl)}
+            self.carried = _CARRIED
         else:
             from jaxspec.drafters import eagle_step
             (g_target, s_target), (g_head, s_head) = nnx.split(model), nnx.split(head)
-            self.state = (s_target, s_head)
+            state = (s_target, s_head)
             graphs = (g_target, g_head)
-            self.fns = {"extend": functools.partial(eagle_step.extend, graphs, drafter.tree, attn_impl),
-                        "verify_tree": functools.partial(eagle_step.verify, graphs, drafter.tree, attn_impl)}
+            fns = {"extend": functools.partial(eagle_step.extend, graphs, drafter.tree, attn_impl),
+                   "verify_steps": functools.partial(eagle_step.verify_steps, graphs, drafter.tree, attn_impl)}
+            self.carried = _CARRIED_DEVICE_DRAFTER
+        # the weights as a flat list: flattening the module state's tree on every call cost the
+        # host ~0.4 ms a call (SmolLM2, H100: host_probe-multistep)
+        self.state, treedef = jax.tree.flatten(state)
+        self.fns = {name: _with_state(treedef, fn) for name, fn in fns.items()}
         self.table: dict[tuple, object] = {}
         self.build_seconds = {"lower": 0.0, "compile": 0.0}  # of build(): tracing + lowering, then compiling
         self.warm = False  # set once the start-up set is built: compiles after it are late
@@ -125,6 +139,11 @@ class Programs:
     def verify_tree(self, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, *, flags):
         return self.run("verify_tree", flags, cache, (tokens, parents, page_table, kv_lens, num_nodes, sb))
 
+    def verify_steps(self, cache, tokens, parents, page_table, kv_lens, num_nodes, budget, stop_ids, num_steps,
+                     next_nodes, sb, *, flags):
+        return self.run("verify_steps", flags, cache, (tokens, parents, page_table, kv_lens, num_nodes, budget,
+                                                       stop_ids, num_steps, next_nodes, sb))
+
     def run(self, name, flags, cache, args):
         if not self.jit:
             return self.fns[name](self.state, cache, *args, flags=flags)
@@ -137,7 +156,8 @@ class Programs:
         return exe(self.state, cache, *args)
 
     def _lower(self, name, flags, cache, args):
-        fn = jax.jit(self.fns[name], static_argnames=("flags",), donate_argnames=("cache",))
+        fn = jax.jit(self.fns[name], static_argnames=("flags",),
+                     donate_argnames=("cache",) + self.carried.get(name, ()))
         return fn.lower(self.state, cache, *args, flags=flags)
 
     def build(self, specs, progress: bool = False, threads: int | None = None) -> float:
@@ -177,6 +197,14 @@ class Programs:
         return out
 
 
+def _with_state(treedef, fn):
+    """fn(state, ...) as a function of the state's leaves (same argument names after the first)."""
+    @functools.wraps(fn)
+    def with_leaves(leaves, *args, **kwargs):
+        return fn(jax.tree.unflatten(treedef, leaves), *args, **kwargs)
+    return with_leaves
+
+
 # -- the target-only step functions ----------------------------------------------------------------------
 def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, flags):
     """tokens [B, T] at positions kv_len.. -> next token [B], its logprob [B], top-n, None (no
@@ -200,8 +228,8 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
     budget[b] tokens (0: a padding row) and stops after a token in stop_ids[b] (-1 padded); a
     stopped row feeds no token (q_len 0), so its K/V and kv length stay put. Returns (tokens
     [B, MAX_DECODE_STEPS], count [B], logprobs [B, M], top-n values and ids [B, M, n] or None, None
-    (no draft tree), (the last token [B, 1], kv lengths [B], sampling steps [B]): the next call's
-    inputs, cache). The trip count is a device value, so one program serves every N; the token
+    (no draft tree), (the last token [B, 1], kv lengths [B], the sampling batch a step on, tokens
+    left [B]): the next call's inputs, in this call's donated input buffers, cache). The trip count is a device value, so one program serves every N; the token
 budget left comes back too, so that a call chained on this one needs nothing from the host."""
     model = nnx.merge(graphdef, state)
     b, m, k = tokens.shape[0], MAX_DECODE_STEPS, flags.top_logprobs
@@ -228,7 +256,8 @@ budget left comes back too, so that a call chained on this one needs nothing fro
     init = (cache, tokens, kv_lens, count, budget > 0, out, lps, tops)
     cache, tok, kv, count, _, out, lps, tops = jax.lax.fori_loop(0, jnp.minimum(num_steps, m), step, init)
     top_v, top_i = tops if k else (None, None)
-    return out, count, lps, top_v, top_i, None, (tok, kv, sb.step + count, budget - count), cache
+    return out, count, lps, top_v, top_i, None, (tok, kv, dataclasses.replace(sb, step=sb.step + count),
+                                                 budget - count), cache
 
 
 def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):

@@ -28,6 +28,7 @@ import numpy as np
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
 from jaxspec.paging import PagePool
+from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
 from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
                               enable_compilation_cache, prefill_shapes)
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
@@ -88,7 +89,8 @@ class InFlight:
     outputs: tuple  # the program's outputs, on the device
     inputs: dict  # device inputs a chained next step derives its own from
     flags: SamplerFlags
-    nodes: int = 1  # tokens a request may write: the tree's nodes, or a decode call's steps
+    nodes: int = 1  # a verify step's tree nodes (1 for decode)
+    steps: int = 1  # steps in the call
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
     match_keys: list | None = None  # a host drafter's: DraftPolicy keys its requests drafted at
@@ -181,7 +183,7 @@ class Scheduler:
                 specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
                 if self.tree_size(rows) > 1:
                     n = bucket(self.tree_size(rows), TREE_BUCKETS)
-                    specs.append((self.programs, "verify_tree", flags, self.cache, self._dummy_inputs(rows, n, tree=True)))
+                    specs.append((self.programs, self._verify_name, flags, self.cache, self._dummy_verify(rows, n)))
         return specs
 
     def _dummy_inputs(self, rows, t, tree=False):
@@ -191,6 +193,17 @@ class Scheduler:
         second = z(rows, t) if tree else z(rows)  # parents, or next_tokens
         return (z(rows, t), second, z(rows, self.max_pages_per_seq), z(rows), z(rows),
                 SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
+
+    @property
+    def _verify_name(self):
+        return "verify_steps" if self.device_drafter else "verify_tree"
+
+    def _dummy_verify(self, rows, n):
+        args = self._dummy_inputs(rows, n, tree=True)
+        if not self.device_drafter:
+            return args
+        z = lambda *shape: np.zeros(shape, np.int32)
+        return args[:5] + (z(rows), z(rows, STOP_ID_SLOTS), np.int32(1), np.int32(1)) + args[5:]
 
     def _dummy_decode(self, rows):
         z = lambda *shape: np.zeros(shape, np.int32)
@@ -261,8 +274,9 @@ class Scheduler:
             rows = bucket(len(decode), BATCH_BUCKETS)  # the bucket whose tree size `nodes` is
             # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
             all_plain = nodes == 1 or all(r.head_len is not None for r in decode)
-            steps = self._decode_steps_now(decode) if all_plain else 1
-            decode = self._reserve(decode, max(nodes, steps))
+            all_spec = nodes > 1 and all(r.head_len is None for r in decode)
+            steps = self._decode_steps_now(decode) if all_plain else self._verify_steps_now(decode) if all_spec else 1
+            decode = self._reserve(decode, self._span(nodes, steps) if all_spec else max(nodes, steps))
             drafts = [nodes > 1 and r.head_len is None for r in decode]
             spec = [r for r, d in zip(decode, drafts) if d]
             plain = [r for r, d in zip(decode, drafts) if not d]
@@ -270,7 +284,7 @@ class Scheduler:
             if spec:
                 # rows of the whole decode batch's bucket: its tree size is that bucket's, and
                 # only (bucket, its tree) pairs are built at start-up
-                self._run_verify(spec, nodes, rows, overlap=alone)
+                self._run_verify(spec, nodes, rows, steps if all_spec else 1, overlap=alone)
             if plain:
                 self._run_decode(plain, steps, overlap=alone)
         self.stats["steps"] += 1
@@ -305,6 +319,19 @@ class Scheduler:
             return 1
         return max(1, min(self.decode_steps, max(r.params.max_tokens - len(r.output_ids) for r in reqs)))
 
+    def _verify_steps_now(self, reqs) -> int:
+        """Speculative steps the next verify call runs: a device drafter's steps chain on the
+        device, up to MAX_VERIFY_STEPS while the batch is steady (as _decode_steps_now)."""
+        if not self.device_drafter or self.decode_steps == 1:
+            return 1
+        return min(MAX_VERIFY_STEPS, self._decode_steps_now(reqs))
+
+    def _span(self, nodes, steps) -> int:
+        """Cache slots past a request's kv length that a call of `steps` verify steps may write:
+        every step but the last accepts at most the tree's depth + 1 tokens."""
+        depth = getattr(getattr(self.drafter, "tree", None), "steps", nodes)
+        return (steps - 1) * min(nodes, depth + 1) + nodes
+
     def _stop_ids(self, req) -> list:
         p = req.params
         return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
@@ -322,7 +349,9 @@ class Scheduler:
             self.policy.timed(kind, batch, now, prefill)
 
     def _pages_needed(self, req, extra):
-        return -(-(req.kv_len + req.todo + extra) // self.page_size)
+        """Pages for the request's tokens and `extra` slots past them; a row never holds more than
+        the page table's width (a request's writes stop at max_seq_len + the tree's slack)."""
+        return min(-(-(req.kv_len + req.todo + extra) // self.page_size), self.max_pages_per_seq)
 
     def _admit(self):
         while self.waiting and len(self.running) < self.max_batch:
@@ -430,9 +459,9 @@ class Scheduler:
         pt = self._page_table(reqs, rows)
         args = _to_device((tokens, pt, kv_lens, budget, stop_ids, np.int32(steps), sb))
         outputs = self._call_decode(self.device_drafter, args, flags)
-        f = InFlight("decode", reqs, outputs, dict(zip(("pt", "stop_ids", "num_steps", "sb"), args[1:2] + args[4:])),
-                     flags, nodes=steps, plain=self.device_drafter, host_s=time.perf_counter() - t0)
-        f.inputs["pages"] = [len(r.pages) for r in reqs]
+        f = InFlight("decode", reqs, outputs, dict(pt=args[1], stop_ids=args[4], num_steps=args[5],
+                                                   pages=[len(r.pages) for r in reqs]),
+                     flags, steps=steps, plain=self.device_drafter, host_s=time.perf_counter() - t0)
         self._host_work_while_device_runs(f)
         if overlap and self._may_overlap(f):
             self.inflight = f  # read back in the next step, after the call that follows it is launched
@@ -471,7 +500,7 @@ class Scheduler:
         self._host_work_while_device_runs(f)
         self._collect(f, [n for _, n in batch], timer)
 
-    def _run_verify(self, reqs, nodes, rows, overlap=True):
+    def _run_verify(self, reqs, nodes, rows, steps=1, overlap=True):
         t0 = time.perf_counter()
         n = bucket(nodes, TREE_BUCKETS)
         tokens = np.zeros((rows, n), np.int32)
@@ -487,8 +516,14 @@ class Scheduler:
             num_nodes[i], kv_lens[i] = m, r.kv_len
         self.stats["draft_time"] += time.perf_counter() - t0
         flags = SamplerFlags.of([r.params for r in reqs])
+        budget = np.zeros(rows, np.int32)
+        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
+        for i, r in enumerate(reqs):
+            budget[i] = r.params.max_tokens - len(r.output_ids)
+            ids = self._stop_ids(r)[:STOP_ID_SLOTS]
+            stop_ids[i, :len(ids)] = ids
         f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
-                                self._sampling(reqs, rows, flags))
+                                self._sampling(reqs, rows, flags), budget=budget, stop_ids=stop_ids, steps=steps)
         if self.policy is not None:
             f.match_keys = self._match_keys(reqs, nodes)
         self._host_work_while_device_runs(f)
@@ -498,15 +533,26 @@ class Scheduler:
         else:
             self._collect(f)
 
-    def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb):
+    def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, pt=None, budget=None,
+                       stop_ids=None, steps=1, next_nodes=None):
+        """Launch a verify program: verify_tree for a host drafter's trees; a device drafter's
+        verify_steps, which also takes the token budgets, stop ids, its number of steps and the
+        size of the trees it drafts itself (given as device arrays by a chained call)."""
         t0 = time.perf_counter()
-        pt = self._page_table(reqs, tokens.shape[0])
-        args = _to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # one transfer
-        *outputs, self.cache = self.programs.verify_tree(self.cache, *args, flags=flags)
-        # a chained step takes its sampling parameters from here (its tokens, kv lengths and
-        # sampling steps come from this step's outputs)
-        return InFlight("verify", reqs, tuple(outputs), dict(sb=args[5]), flags,
-                        nodes=nodes, host_s=time.perf_counter() - t0)
+        pt = self._page_table(reqs, tokens.shape[0]) if pt is None else pt
+        if not self.device_drafter:
+            args = _to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # one transfer
+            *outputs, self.cache = self.programs.verify_tree(self.cache, *args, flags=flags)
+            return InFlight("verify", reqs, tuple(outputs), {}, flags, nodes=nodes, host_s=time.perf_counter() - t0)
+        if next_nodes is None:
+            next_nodes = np.int32(min(nodes, self.drafter.num_nodes))
+        args = _to_device((tokens, parents, pt, kv_lens, num_nodes, budget, stop_ids, np.int32(steps)
+                           if isinstance(steps, int) else steps, next_nodes, sb))
+        *outputs, self.cache = self.programs.verify_steps(self.cache, *args, flags=flags)
+        # a chained call reuses the page table, node counts, stop ids, steps (their buffers unchanged)
+        ins = dict(zip(("pt", "num_nodes", "stop_ids", "num_steps", "next_nodes"), args[2:3] + args[4:5] + args[6:9]))
+        return InFlight("verify", reqs, tuple(outputs), dict(ins, pages=[len(r.pages) for r in reqs]), flags,
+                        nodes=nodes, steps=int(steps), host_s=time.perf_counter() - t0)
 
     # -- overlap: the next step launched from the last one's device outputs ------------------------
     def _may_overlap(self, f: InFlight) -> bool:
@@ -527,15 +573,16 @@ class Scheduler:
             return False  # the batch changes: admissions, prefill chunks, preemptions
         if self._nodes_for(f.reqs) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
             return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
-        if f.kind == "decode" and self._decode_steps_now(f.reqs) != f.nodes:
+        if f.steps != (self._decode_steps_now(f.reqs) if f.kind == "decode" else self._verify_steps_now(f.reqs)):
             return False
-        # a request that may reach max_tokens in step t would waste step t + 1 (and may run past its
+        # a request that may reach max_tokens in call t would waste call t + 1 (and may run past its
         # pages' slack): end the chain there. A step emits at most the tree's depth + 1 tokens.
-        most = f.nodes if f.kind == "decode" else min(f.nodes, self.drafter.tree.steps + 1)
+        most = f.steps * (1 if f.kind == "decode" else min(f.nodes, self.drafter.tree.steps + 1))
         if any(len(r.output_ids) + most >= r.params.max_tokens for r in f.reqs):
             return False
-        # pages for both steps' worst case: every node accepted in each
-        need = [self._pages_needed(r, 2 * f.nodes - 1) - len(r.pages) for r in f.reqs]
+        # pages for both calls' worst case: every step accepting all it may
+        span = f.steps if f.kind == "decode" else self._span(f.nodes, f.steps)
+        need = [self._pages_needed(r, 2 * span - 1) - len(r.pages) for r in f.reqs]
         if sum(max(0, x) for x in need) > self.pool.available:
             return False
         for r, x in zip(f.reqs, need):
@@ -546,25 +593,25 @@ class Scheduler:
     def _chain(self, f: InFlight) -> InFlight:
         t0 = time.perf_counter()
         reqs, ins = f.reqs, f.inputs
-        rows = ins["sb"].step.shape[0]
+        rows = f.outputs[1].shape[0]
+        # The page table again unless pages were added: an input whose buffer is unchanged keeps
+        # XLA's recorded command buffer as it is (the carried inputs reuse theirs: Programs donates them).
+        pages = [len(r.pages) for r in reqs]
+        pt = ins["pt"] if pages == ins["pages"] else jax.device_put(self._page_table(reqs, rows))
         if f.kind == "decode":
-            tokens, kv_lens, step, budget = f.outputs[6]  # computed by the call itself
-            sb = dataclasses.replace(ins["sb"], step=step)
-            pages = [len(r.pages) for r in reqs]
-            # the same page table again unless pages were added: an unchanged input keeps XLA's
-            # recorded command buffer as it is
-            pt = ins["pt"] if pages == ins["pages"] else jax.device_put(self._page_table(reqs, rows))
+            tokens, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
             args = (tokens, pt, kv_lens, budget, ins["stop_ids"], ins["num_steps"], sb)
             outputs = self._call_decode(f.plain, args, f.flags)
-            g = InFlight("decode", reqs, outputs, dict(ins, pt=pt, pages=pages, sb=sb), f.flags, nodes=f.nodes,
+            g = InFlight("decode", reqs, outputs, dict(ins, pt=pt, pages=pages), f.flags, steps=f.steps,
                          plain=f.plain)
         else:
-            tokens, parents, kv_lens, step = f.outputs[6]  # computed by the step itself
-            n = tokens.shape[1]
-            width = f.outputs[5][0].shape[1]  # the drafted tree's
-            num_nodes = np.where(np.arange(rows) < len(reqs), min(f.nodes, width), 1).astype(np.int32)
-            sb = dataclasses.replace(ins["sb"], step=step)
-            g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb)
+            tokens, parents, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
+            num_nodes = ins.get("chained_nodes")  # the drafted trees', for every row (the budget stops padding)
+            if num_nodes is None:
+                num_nodes = np.full(rows, min(f.nodes, self.drafter.num_nodes), np.int32)
+            g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb, pt, budget,
+                                    ins["stop_ids"], ins["num_steps"], ins["next_nodes"])
+            g.inputs["chained_nodes"] = g.inputs["num_nodes"]
         self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
         g.host_s = time.perf_counter() - t0
         return g
@@ -613,16 +660,20 @@ class Scheduler:
             live = [i for i, r in enumerate(f.reqs) if not r.finished]
             self.policy.verified([f.match_keys[i] for i in live], [int(count[i]) for i in live], len(f.reqs))
         self._time_step("verify", len(f.reqs), arrived)
+        if toks.ndim == 2:  # verify_tree: one step; as verify_steps' [B, steps, N]
+            toks, count = toks[:, None], count[:, None]
+            lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
         for i, r in enumerate(f.reqs):
-            if r.finished:
-                continue
-            c = int(count[i])
-            if shared is not None:
+            if shared is not None and not r.finished:
                 r.draft = DraftRow(shared, i)
-            r.kv_len += c
-            r.accept_lengths.append(c)
-            self._emit(r, [int(x) for x in toks[i, :c]], None if lp is None else [float(x) for x in lp[i, :c]],
-                       None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
+            for s in range(count.shape[1]):
+                c = int(count[i, s])
+                if r.finished or c == 0:
+                    break
+                r.kv_len += c
+                r.accept_lengths.append(c)
+                self._emit(r, toks[i, s, :c].tolist(), None if lp is None else lp[i, s, :c].tolist(),
+                           None if top_i is None else [(top_v[i, s, j], top_i[i, s, j]) for j in range(c)])
         self.stats["verify_steps"] += 1
         self.stats["verify_time"] += f.host_s + time.perf_counter() - t0
 

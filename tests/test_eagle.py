@@ -115,19 +115,27 @@ def test_eagle_head_greedy_equals_plain_and_debug_mode_agrees(tiny):
     assert [c.accept_lengths for c in jitted] == [c.accept_lengths for c in eager]
 
 
-def test_eagle_overlapped_steps_equal_synchronous(tiny):
-    """The next verify step launched from the last one's device tree (before it is read back)
-    gives the synchronous scheduler's tokens and accept lengths, greedy and sampled."""
+def test_eagle_overlapped_and_multi_step_calls_equal_synchronous(tiny):
+    """The next verify call launched from the last one's device tree (before it is read back), and
+    up to 4 verify steps a call, give the synchronous one-step scheduler's tokens and accept
+    lengths, greedy and sampled, with max_tokens and a stop id falling inside a call."""
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3", draft_vocab_size=48), rngs=nnx.Rngs(5))
     prompts = random_prompts(4, 4)
-    for params in (SamplingParams(max_tokens=16, ignore_eos=True),
-                   SamplingParams(max_tokens=16, temperature=4.0, seed=2, ignore_eos=True)):
-        sync = eagle_generator(tiny, head, TreeShape(3, 2, 6), overlap=False).generate(prompts, params)
-        gen = eagle_generator(tiny, head, TreeShape(3, 2, 6))
-        over = gen.generate(prompts, params)
-        assert [c.token_ids for c in over] == [c.token_ids for c in sync]
-        assert [c.accept_lengths for c in over] == [c.accept_lengths for c in sync]
-        assert gen.scheduler.stats["chained_steps"] > 5 and gen.scheduler.pool.in_use == 0
+    free = eagle_generator(tiny, head, TreeShape(3, 2, 6)).generate(
+        prompts[:1], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    for params in ([SamplingParams(max_tokens=40, ignore_eos=True)] * 3 + [SamplingParams(max_tokens=13, ignore_eos=True)],
+                   SamplingParams(max_tokens=30, temperature=4.0, seed=2, ignore_eos=True),
+                   SamplingParams(max_tokens=40, stop_token_ids=[free.token_ids[17]])):
+        sync = eagle_generator(tiny, head, TreeShape(3, 2, 6), overlap=False, decode_steps=1).generate(prompts, params)
+        for kw in (dict(decode_steps=1), {}):
+            gen = eagle_generator(tiny, head, TreeShape(3, 2, 6), **kw)
+            over = gen.generate(prompts, params)
+            assert [c.token_ids for c in over] == [c.token_ids for c in sync]
+            assert [c.accept_lengths for c in over] == [c.accept_lengths for c in sync]
+            assert [c.finish_reason for c in over] == [c.finish_reason for c in sync]
+            assert gen.scheduler.stats["chained_steps"] > 2 and gen.scheduler.pool.in_use == 0
+        calls = gen.scheduler.stats["verify_steps"]
+        assert calls < sum(len(c.accept_lengths or []) for c in over) / 2  # several steps a call
 
 
 def test_draft_tree_is_parent_first_with_distinct_siblings(tiny, tiny_eagle3):

@@ -19,7 +19,7 @@ def test_program_set_is_small_and_listed(tiny):
     # prefill 3, plain decode 7, verify for the buckets whose tree keeps >= 4 nodes (1..32): 6; twice
     assert info["programs"] == 2 * (3 + 7 + 6)
     lines = eagle.scheduler.programs.listing()
-    assert len(lines) == 2 * (3 + 6) and sum(l.startswith("verify_tree") for l in lines) == 12
+    assert len(lines) == 2 * (3 + 6) and sum(l.startswith("verify_steps") for l in lines) == 12
 
 
 def test_no_compile_after_warmup_over_varied_requests(tiny):

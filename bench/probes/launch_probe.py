@@ -93,14 +93,16 @@ def probe(model, batch, context, max_seq_len, impl, loop_n):
     stop_ids = jax.device_put(np.full((batch, STOP_ID_SLOTS), -1, np.int32))
     for n in (1, 8):
         num = jax.device_put(np.int32(n))
-        carry = [state[1], kv, sb, jax.device_put(np.full(batch, 1 << 30, np.int32))]
+        # the decode program donates its carried inputs: give it copies
+        carry = list(jax.device_put((np.ones((batch, 1), np.int32), np.full(batch, context, np.int32),
+                                     SamplingBatch.build([SamplingParams()] * batch, [0] * batch, [0] * batch),
+                                     np.full(batch, 1 << 30, np.int32))))
 
         def call():
             tok, kv_, sb_, budget = carry
             res = progs.decode(state[0], tok, pt, kv_, budget, stop_ids, num, sb_, flags=flags)
             state[0] = res[-1]
-            nt, nkv, step, nbudget = res[6]
-            carry[:] = [nt, nkv, sb_, nbudget]
+            carry[:] = res[6]
             return res[0]
         for _ in range(3):
             jax.block_until_ready(call())

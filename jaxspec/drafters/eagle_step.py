@@ -17,6 +17,7 @@ closed under parents, and candidates are numbered in creation order, so sorting 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -173,12 +174,15 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
     """Verify the drafted tree, accept, compact the target's K/V, catch the head up on the accepted
     tokens and draft the next tree. Returns (emitted tokens [B, N], count [B], logprobs, top-n
     values, top-n ids, (next tree tokens, parents), the next step's (tokens, parents, kv_lens,
-    sampling steps), (target cache, draft cache))."""
+    sampling batch), (target cache, draft cache)). The next step's inputs take the buffers of this
+    step's (Programs donates them), so a chain of steps keeps its buffers and XLA's recorded
+    command buffer needs no update."""
     target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
     tcache, dcache = cache
     out, count, lp, top_v, top_i, path, h, layers, tcache = verify_and_accept(
         target, tcache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
         hidden_layers=head.cfg.feature_layers)
+    count = jnp.where(num_nodes > 0, count, 0)  # a row with no nodes (stopped in verify_steps) emits nothing
     feats = jnp.take_along_axis(head.features(h, layers), path[:, :, None], axis=1)
     d_out, dcache = catch_up(head, target, dcache, feats, out, page_table, kv_lens, count, attn_impl)
     rows = jnp.arange(tokens.shape[0])
@@ -188,5 +192,50 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
     # the next tree in this step's padded width (nodes past num_nodes are ignored), kv lengths and
     # sampling steps advanced by the accepted counts
     take = jnp.minimum(jnp.arange(tokens.shape[1]), tree_out[0].shape[1] - 1)
-    chained = (tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, sb.step + count)
+    chained = (tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, dataclasses.replace(sb, step=sb.step + count))
     return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
+
+
+MAX_VERIFY_STEPS = 4  # a verify_steps call's most steps (its outputs' width)
+
+
+def verify_steps(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes,
+                 budget, stop_ids, num_steps, next_nodes, sb, flags):
+    """Up to num_steps (<= MAX_VERIFY_STEPS, a device scalar) verify steps in one call, each one
+    drafting the next step's tree: the host launches and reads back once per call.
+
+    The first step verifies the given trees (num_nodes [B]); the later ones their own drafts, of
+    next_nodes nodes. Row b stops once it has emitted budget[b] tokens or emitted a token of
+    stop_ids[b] (-1 padded); a stopped row verifies no nodes, so its caches stay put. Returns
+    (emitted tokens [B, M, N], counts [B, M] (0 after a row stopped), logprobs [B, M, N], top-n
+    values and ids [B, M, N, n] or None, the last step's drafted tree, the next call's (tokens,
+    parents, kv lengths, sampling batch, budget) in this call's donated buffers, caches)."""
+    b, n, m, k = tokens.shape[0], tokens.shape[1], MAX_VERIFY_STEPS, flags.top_logprobs
+    step = functools.partial(verify, graphs, tree, attn_impl, state)
+    width = min(n, tree.num_draft_tokens)
+    tree0 = (jnp.zeros((b, tree.num_draft_tokens), jnp.int32), jnp.full((b, tree.num_draft_tokens), -1, jnp.int32))
+    outs = dict(tokens=jnp.zeros((b, m, n), jnp.int32), counts=jnp.zeros((b, m), jnp.int32),
+                lp=jnp.zeros((b, m, n), jnp.float32))
+    if k:
+        outs.update(top_v=jnp.zeros((b, m, n, k), jnp.float32), top_i=jnp.zeros((b, m, n, k), jnp.int32))
+
+    def body(i, c):
+        cache, tokens, parents, kv, sb, budget, nodes, outs, _ = c
+        out, count, lp, top_v, top_i, tree_out, chained, cache = step(cache, tokens, parents, page_table, kv, nodes,
+                                                                       sb, flags=flags)
+        outs = dict(outs, tokens=outs["tokens"].at[:, i].set(out), counts=outs["counts"].at[:, i].set(count),
+                    lp=outs["lp"].at[:, i].set(lp))
+        if k:
+            outs.update(top_v=outs["top_v"].at[:, i].set(top_v), top_i=outs["top_i"].at[:, i].set(top_i))
+        emitted = jnp.arange(n)[None] < count[:, None]
+        stopped = jnp.any(emitted[:, :, None] & (out[:, :, None] == stop_ids[:, None, :]), axis=(1, 2))
+        budget = budget - count
+        alive = (nodes > 0) & (budget > 0) & ~stopped
+        nodes = jnp.where(alive, jnp.minimum(next_nodes, width), 0)
+        return (cache, chained[0], chained[1], chained[2], chained[3], budget, nodes, outs, tree_out)
+
+    init = (cache, tokens, parents, kv_lens, sb, budget, jnp.where(budget > 0, num_nodes, 0), outs, tree0)
+    cache, tokens, parents, kv_lens, sb, budget, _, outs, tree_out = jax.lax.fori_loop(
+        0, jnp.minimum(num_steps, m), body, init)
+    return (outs["tokens"], outs["counts"], outs["lp"], outs.get("top_v"), outs.get("top_i"), tree_out,
+            (tokens, parents, kv_lens, sb, budget), cache)
