@@ -19,4 +19,7 @@ demo: install
 test: install-dev
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 tests
 
-.PHONY: install install-dev demo test
+lint: $(BIN)/python
+	$(BIN)/pip install -q ruff && $(BIN)/ruff check jaxspec server.py bench tests
+
+.PHONY: install install-dev demo test lint

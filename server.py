@@ -203,7 +203,8 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
             ("jaxspec_late_compiles_total", len(engine.sched.late_compiles)),  # a request waited for a compile
         ]
         text = "".join(f"# TYPE {k} {'counter' if k.endswith('_total') else 'gauge'}\n{k} {v}\n" for k, v in lines)
-        return PlainTextResponse(text + f"# TYPE jaxspec_accept_length gauge\njaxspec_accept_length {acc if s['verify_steps'] else 0}\n")
+        accept = acc if s['verify_steps'] else 0
+        return PlainTextResponse(text + f"# TYPE jaxspec_accept_length gauge\njaxspec_accept_length {accept}\n")
 
     def params_of(body: _Common, logprobs: int | None) -> SamplingParams:
         if body.model is not None and body.model != model_name:
@@ -389,7 +390,9 @@ def start_in_thread(app, host="127.0.0.1"):
     raise RuntimeError("server did not start")
 
 
-def main(argv=None):
+def build_app(argv=None):
+    """The app that server.py's command-line flags describe: the model loaded and, unless
+    --skip-warmup, its programs built. Returns (app, parsed flags)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--served-model-name")
@@ -420,7 +423,11 @@ def main(argv=None):
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
                                     max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,
                                     warmup=False if args.skip_warmup else "progress")  # before the port opens
-    app = create_app(gen, args.served_model_name or args.model)
+    return create_app(gen, args.served_model_name or args.model), args
+
+
+def main(argv=None):
+    app, args = build_app(argv)
     # the model, tokenizer and drafter live as long as the server: the collector's full passes
     # need not walk them (each pass pauses every request's stream)
     gc.collect()

@@ -33,12 +33,20 @@ def write_results(bench: str, rows: list, extra: dict | None = None) -> str:
         commit = r.stdout.strip() if r.returncode == 0 else ""
     out = {"bench": bench, "device": device_name(), "date": datetime.date.today().isoformat(),
            "commit": commit or "unknown",
-           "command": " ".join(["python"] + sys.argv), "jax": jax.__version__, **(extra or {}), "rows": rows}
+           "command": " ".join(["python", _repo_relative(sys.argv[0])] + sys.argv[1:]), "jax": jax.__version__,
+           **(extra or {}), "rows": rows}
     path = os.path.join(os.environ.get("BENCH_OUT", RESULTS), f"{bench}-{out['device']}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     return path
+
+
+def _repo_relative(path: str) -> str:
+    """A script's path as the repo sees it: results record no machine paths."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = os.path.abspath(path)
+    return os.path.relpath(full, root) if full.startswith(root + os.sep) else os.path.basename(path)
 
 
 def print_table(rows, cols):

@@ -98,7 +98,8 @@ def main():
     bws = copy_bandwidths()
     bw = max(bws.values())
     extra = {"copy_bandwidth_GBps": bw / 1e9, "copy_bandwidths_GBps": {k: v / 1e9 for k, v in bws.items()},
-             "timing": "time_us: median of 20 x (5 calls queued, then a sync) / 5; device_us: the kernels of one call in a profiler trace (mean of 10)"}
+             "timing": "time_us: median of 20 x (5 calls queued, then a sync) / 5; device_us: the kernels of one call "
+                       "in a profiler trace (mean of 10)"}
     print("copy bandwidth (GB/s):", {k: round(v / 1e9) for k, v in bws.items()})
     rows = []
 
@@ -232,7 +233,8 @@ def main():
         # pages of 128 keys: one TMA copy a K or V tile instead of eight (v28: is the per-page copy
         # what holds the Mosaic kernel at the Triton one's time?)
         for t in (32, 64) if "--ps128" in sys.argv else ():
-            attn_row("verify", BIG_BATCH, t, CTX, True, [("auto ps128", {}), ("kv128 st2 ps128", dict(hopper=True, block_kv=128, wg_rows=64))],
+            attn_row("verify", BIG_BATCH, t, CTX, True,
+                     [("auto ps128", {}), ("kv128 st2 ps128", dict(hopper=True, block_kv=128, wg_rows=64))],
                      ps=128)
         tree_rows(rows)
         print_table(rows, ["kernel", "impl", "batch", "q_tokens", "context", "time_us", "device_us", "bandwidth_fraction",
@@ -240,7 +242,8 @@ def main():
         if not SMOKE:
             print(write_results("kernels-focus" + TAG, rows, extra))
         return
-    attn_row("extend", 4, 64 if SMOKE else 512, CTX // 2, False, [("auto", {}), ("ppb8 w8", dict(pages_per_block=8, num_warps=8))])
+    attn_row("extend", 4, 64 if SMOKE else 512, CTX // 2, False,
+             [("auto", {}), ("ppb8 w8", dict(pages_per_block=8, num_warps=8))])
 
     tree_rows(rows)
     print()

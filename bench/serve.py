@@ -63,7 +63,8 @@ def main():
                         max_seq_len=1024)
         url, server, th = serve(gen, args.model)
         load_test(url, prompts[: args.concurrency], args.concurrency, args.max_tokens)  # compile
-        row = dict(model="smollm2-135m" if "smol" in args.model.lower() else args.model, algorithm=algo, dataset="mt-bench", concurrency=args.concurrency,
+        row = dict(model="smollm2-135m" if "smol" in args.model.lower() else args.model, algorithm=algo, dataset="mt-bench",
+                   concurrency=args.concurrency,
                    **load_test(url, prompts, args.concurrency, args.max_tokens))
         server.should_exit = True
         th.join(timeout=30)

@@ -8,7 +8,8 @@ Each (dataset, batch) runs its prompts twice per algorithm to compile (the engin
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
 reverse order every other round (a pass is timed again, up to twice, if it compiled a new shape:
 `compiles_in_timed_run`, `timed_passes`); tokens/s counts emitted tokens over wall time with
-`batch` requests in flight, the median over rounds, and speedup is the median of per-round ratios (`--min-seconds` adds rounds where passes are short);
+`batch` requests in flight, the median over rounds, and speedup is the median of per-round ratios
+(`--min-seconds` adds rounds where passes are short);
 `speedup_pooled` divides all rounds' tokens by all their seconds. An algorithm named twice runs
 twice (`plain,plain,...`: the second plain's speedup is the noise between two identical engines).
 The heap is frozen for the garbage collector after the compile passes, as a server does after its

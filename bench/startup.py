@@ -50,7 +50,8 @@ def child(algo, cache_dir, started, mixed, out):
     load_s = time.perf_counter() - t0
     info = gen.scheduler.warmup()
     gen.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
-    row = dict(model="smollm2-135m", weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf", algorithm=algo, programs=info["programs"], load_s=load_s,
+    row = dict(model="smollm2-135m", weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf",
+               algorithm=algo, programs=info["programs"], load_s=load_s,
                warmup_s=info["seconds"], first_token_s=time.time() - started,
                lower_s=sum(p.build_seconds["lower"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
                compile_s=sum(p.build_seconds["compile"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
@@ -99,7 +100,8 @@ def main():
             out = os.path.join(tempfile.mkdtemp(), "rows.json")
             started = time.time()
             env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-            subprocess.run([sys.executable, __file__, "--child", algo, cache, str(started), "1" if kind == "warm" and not args.no_mixed else "0",
+            subprocess.run([sys.executable, __file__, "--child", algo, cache, str(started),
+                            "1" if kind == "warm" and not args.no_mixed else "0",
                             "--out", out], check=True, env=env)
             got = json.load(open(out))
             got[0]["cache"] = kind

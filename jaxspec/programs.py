@@ -229,8 +229,9 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
     stopped row feeds no token (q_len 0), so its K/V and kv length stay put. Returns (tokens
     [B, MAX_DECODE_STEPS], count [B], logprobs [B, M], top-n values and ids [B, M, n] or None, None
     (no draft tree), (the last token [B, 1], kv lengths [B], the sampling batch a step on, tokens
-    left [B]): the next call's inputs, in this call's donated input buffers, cache). The trip count is a device value, so one program serves every N; the token
-budget left comes back too, so that a call chained on this one needs nothing from the host."""
+    left [B]): the next call's inputs, in this call's donated input buffers, cache). The trip
+    count is a device value, so one program serves every N; the token budget left comes back too,
+    so that a call chained on this one needs nothing from the host."""
     model = nnx.merge(graphdef, state)
     b, m, k = tokens.shape[0], MAX_DECODE_STEPS, flags.top_logprobs
     out = jnp.zeros((b, m), jnp.int32)

@@ -22,7 +22,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.draft_policy import DraftPolicy
@@ -158,7 +157,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
-        self.eos_ids = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set())
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0)
         if warmup:

@@ -255,7 +255,8 @@ def torch_eagle3_reference(sd, cfg, emb, hidden, positions):
     o = torch.einsum("hqk,khd->qhd", att, v).reshape(n, -1) @ t("midlayer.self_attn.o_proj.weight").T
     r = h + o
     m = rms(r, t("midlayer.post_attention_layernorm.weight"))
-    m = (torch.nn.functional.silu(m @ t("midlayer.mlp.gate_proj.weight").T) * (m @ t("midlayer.mlp.up_proj.weight").T)) @ t("midlayer.mlp.down_proj.weight").T
+    gate, up = m @ t("midlayer.mlp.gate_proj.weight").T, m @ t("midlayer.mlp.up_proj.weight").T
+    m = (torch.nn.functional.silu(gate) * up) @ t("midlayer.mlp.down_proj.weight").T
     logits = rms(m + r, t("norm.weight")) @ t("lm_head.weight").T
     return logits.numpy(), (np.arange(len(sd["d2t"])) + np.asarray(sd["d2t"], np.int64))
 

@@ -96,7 +96,6 @@ def test_ngram_greedy_equals_plain(tiny, draft, match, ps):
 def test_ngram_prompt_insertion_happens_while_the_device_runs(tiny, monkeypatch):
     """Prompts enter the trie during the prefill step's device time (between dispatch and the
     read of its outputs), so the first propose only matches; drafts stay lossless."""
-    from jaxspec.programs import Programs
     gen = Generator(tiny, None, drafter=SpecConfig(num_draft_tokens=8).build(tiny), max_batch=8, max_seq_len=128,
                     num_pages=300)
     drafter, sched = gen.scheduler.drafter, gen.scheduler
@@ -109,7 +108,8 @@ def test_ngram_prompt_insertion_happens_while_the_device_runs(tiny, monkeypatch)
         return out
     monkeypatch.setattr(sched.programs, "extend", extend)
     real_prepare = drafter.prepare
-    monkeypatch.setattr(drafter, "prepare", lambda reqs, busy=None: (real_prepare(reqs, busy), events.append(("prepared", set(drafter.cursors)))))
+    monkeypatch.setattr(drafter, "prepare", lambda reqs, busy=None: (
+        real_prepare(reqs, busy), events.append(("prepared", set(drafter.cursors)))))
     prompt = [5, 6, 7, 8] * 6
     req = gen.submit(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
     sched.step()  # prefill

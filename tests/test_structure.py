@@ -55,3 +55,17 @@ def test_every_module_imports_alone():
         r = subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True,
                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
         assert r.returncode == 0, f"{m}: {r.stderr[-500:]}"
+
+
+def test_no_module_over_400_lines():
+    long = {m: n for m, p in modules().items() if (n := len(open(p).read().splitlines())) > 400}
+    assert not long, f"modules over 400 lines: {long}"
+
+
+def test_no_machine_path_in_tracked_files():
+    repo = os.path.dirname(ROOT)
+    if not os.path.isdir(os.path.join(repo, ".git")):
+        return  # an installed copy: nothing tracked to check
+    r = subprocess.run(["git", "grep", "-n", "-I", "-E", r"/(work|root|home|Users|opt)/[A-Za-z]", "--", ".",
+                        ":!tests/test_structure.py"], cwd=repo, capture_output=True, text=True)
+    assert r.stdout == "", "absolute machine paths:\n" + r.stdout[:2000]

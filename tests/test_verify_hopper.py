@@ -136,7 +136,7 @@ def test_attention_dispatch_sends_verify_to_mosaic_and_decode_to_triton(monkeypa
 
 
 def test_verify_probe_cuts_still_apply_to_the_kernel():
-    """bench/verify_probe.py and verify_timeline.py time copies of this kernel with one part edited
+    """bench/probes/verify_probe.py and verify_timeline.py time copies of this kernel with one part edited
     out or undone; each edit must still find its text in the kernel's source, or the probe stops."""
     import os
     import sys

@@ -215,7 +215,8 @@ def load_head(directory: str, target_cfg: ModelConfig, target=None, dtype=jnp.fl
             kind=kind, hidden_size=H, num_heads=nh, num_kv_heads=hf.get("num_key_value_heads", nh),
             head_dim=hf.get("head_dim") or H // nh, intermediate_size=hf["intermediate_size"],
             vocab_size=hf.get("vocab_size", target_cfg.vocab_size),
-            draft_vocab_size=(hf.get("draft_vocab_size") or hf.get("vocab_size", target_cfg.vocab_size)) if kind == "eagle3" else target_cfg.vocab_size,
+            draft_vocab_size=((hf.get("draft_vocab_size") or hf.get("vocab_size", target_cfg.vocab_size))
+                              if kind == "eagle3" else target_cfg.vocab_size),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(hf.get("rope_theta", 10000.0)),
             rope_scaling=target_cfg.rope_scaling, fc_bias="fc.bias" in tensors,
             feature_layers=tuple(ids) if ids else (default_feature_layers(n) if kind == "eagle3" else ()))
@@ -243,7 +244,8 @@ def load_head(directory: str, target_cfg: ModelConfig, target=None, dtype=jnp.fl
             if "d2t" in tensors:
                 d2t = np.asarray(tensors["d2t"]).astype(np.int64)
                 if d2t.shape != (cfg.draft_vocab_size,):
-                    raise CheckpointError(f"draft model {directory}: d2t has shape {d2t.shape}, expected ({cfg.draft_vocab_size},)")
+                    raise CheckpointError(f"draft model {directory}: d2t has shape {d2t.shape}, "
+                                          f"expected ({cfg.draft_vocab_size},)")
                 var.value = jnp.asarray(np.arange(cfg.draft_vocab_size) + d2t, jnp.int32)
             else:
                 var.value = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32)

@@ -28,7 +28,8 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> "ModelConfig":
         arch = (cfg.get("architectures") or [""])[0]
         mt = cfg.get("model_type", "")
-        if mt not in ("llama", "qwen2", "qwen3", "mistral") and not arch.endswith(("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")):
+        known = arch.endswith(("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"))
+        if mt not in ("llama", "qwen2", "qwen3", "mistral") and not known:
             raise ValueError(f"config.json: unsupported model_type {mt!r} / architecture {arch!r}; "
                              "jaxspec loads Llama, Qwen2 and Qwen3 families")
         try:

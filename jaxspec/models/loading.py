@@ -66,7 +66,8 @@ def build_model(cfg: ModelConfig, weights: dict, dtype, source: str) -> Llama:
             raise CheckpointError(f"{source}: missing weights for {key!r}")
         arr = weights[key]
         if tuple(arr.shape) != tuple(var.get_value().shape):
-            raise CheckpointError(f"{source}: {key!r} has shape {tuple(arr.shape)}, config expects {tuple(var.get_value().shape)}")
+            raise CheckpointError(f"{source}: {key!r} has shape {tuple(arr.shape)}, "
+                                  f"config expects {tuple(var.get_value().shape)}")
         var.set_value(jnp.asarray(arr, dtype))
     nnx.update(model, nnx.from_flat_state(flat))
     return model

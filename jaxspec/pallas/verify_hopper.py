@@ -592,7 +592,7 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     against 198.4 at 16 tokens, 207.5 against 207.0 at 32).
     profile_dir, profile_space: Mosaic GPU's in-kernel profiler (GPU only), a trace of the named
     regions (scores, softmax, values, epilogue; the producer's waits), up to profile_space regions a
-    warpgroup, written as a Perfetto JSON file into profile_dir each call (bench/verify_timeline.py)."""
+    warpgroup, written as a Perfetto JSON file into profile_dir each call (bench/probes/verify_timeline.py)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     b, t, hq, d = q.shape
     n_layers, _, ps, hkv, _ = k_pages.shape
@@ -637,7 +637,8 @@ def verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, 
     def verify_tree_hopper_kernel(*refs):  # the name profilers show
         pl.run_scoped(
             lambda *scratch: _kernel(*refs, scratch, page_size=ps, block_kv=block_kv, half_kv=half_kv, stages=stages,
-                                     wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong, cluster=cluster,
+                                     wg_rows=wg_rows, group=g, scale=d ** -0.5 * LOG2E, overlap=overlap, pingpong=pingpong,
+                                     cluster=cluster,
                                      persistent=persistent, stage_in_ring=stage_in_ring, stale_max=stale_max,
                                      interpret=interpret),
             (plgpu.SMEM((q_bufs, 2, wg_rows, d), q.dtype, transforms=tiled),
