@@ -1,8 +1,9 @@
 """Plain decoding: the engine's decode step beside its memory floor and beside the PyTorch anchor.
 
-The step is the engine's own `extend` program (T = 1) on a paged cache holding `--context` tokens
-a request, with the engine's fixed page-table width (`--max-seq-len`), chained on the device as
-the engine runs it. floor = (weight bytes + K/V bytes read a step) / measured copy bandwidth.
+The step is the engine's own `decode` program (8 steps a call, each call chained on the last one's
+device outputs, as the engine runs steady decoding) on a paged cache holding `--context` tokens a
+request, with the engine's fixed page-table width (`--max-seq-len`); ms per step = a call's time / 8.
+floor = (weight bytes + K/V bytes read a step) / measured copy bandwidth.
 `bench/torch_anchor.py` then runs the same shapes in a fresh process (same device call); rows
 carry `vs_torch` = torch's ms / jaxspec's ms (above 1: jaxspec is faster).
     python bench/decode.py [--models llama3-8b,smollm2-135m] [--batches 1,8,64] [--context 1024]
@@ -25,12 +26,14 @@ from common import (LLAMA3_8B, SMOLLM2, copy_bandwidth, device_kernels, param_by
                     run_torch_anchor, write_results)
 from jaxspec.kv_cache import KVCache
 from jaxspec.models import ModelConfig
-from jaxspec.programs import Programs
+from jaxspec.programs import MAX_DECODE_STEPS, STOP_ID_SLOTS, Programs
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 
 
-def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl):
-    """A function running n chained decode steps (returns the last tokens), built and warmed."""
+def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl, per_call=MAX_DECODE_STEPS):
+    """A function running n decode steps as the engine runs them (the `decode` program, per_call
+    steps a call, each call chained on the last one's outputs), from `context` cached tokens a
+    request; built and warmed. Returns the last call's tokens."""
     cfg = model.cfg
     progs = Programs(model, attn_impl=attn_impl)
     pages_per = -(-(context + 200) // page_size)
@@ -40,18 +43,20 @@ def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl):
     pt = np.zeros((batch, width), np.int32)
     pt[:, :pages_per] = 1 + np.arange(batch * pages_per).reshape(batch, pages_per)
     flags = SamplerFlags.of([SamplingParams()])
-    sb = jax.device_put(SamplingBatch.build([SamplingParams()] * batch, [0] * batch, [0] * batch))
-    q_lens, nxt = jax.device_put((np.ones(batch, np.int32), np.full(batch, -1, np.int32)))
-    pt = jax.device_put(pt)
-    tok = [jax.device_put(np.ones((batch, 1), np.int32))]
+    pt, stop_ids, num_steps = jax.device_put((pt, np.full((batch, STOP_ID_SLOTS), -1, np.int32), np.int32(per_call)))
 
     def run(n):
-        for i in range(n):
-            kv = jax.device_put(np.full(batch, context + i % 100, np.int32))
-            *_, tok[0], cache[0] = progs.extend(cache[0], tok[0], nxt, pt, kv, q_lens, sb, flags=flags)
-        return tok[0]
+        # the carried inputs (donated by the program) start fresh: the context stays near `context`
+        carry = jax.device_put((np.ones((batch, 1), np.int32), np.full(batch, context, np.int32), np.full(batch, n, np.int32),
+                                SamplingBatch.build([SamplingParams()] * batch, [0] * batch, [0] * batch)))
+        tok, kv, budget, sb = carry
+        for _ in range(-(-n // per_call)):
+            out = progs.decode(cache[0], tok, pt, kv, budget, stop_ids, num_steps, sb, flags=flags)
+            cache[0] = out[-1]
+            tok, kv, sb, budget = out[6]
+        return tok
 
-    jax.block_until_ready(run(3))
+    jax.block_until_ready(run(3 * per_call))
     return run
 
 
@@ -63,7 +68,7 @@ def main():
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--impl", default="auto")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
@@ -85,7 +90,7 @@ def main():
                 jax.block_until_ready(run(args.steps))
                 times.append((time.perf_counter() - t0) / args.steps)
             t = float(np.median(times))
-            prof = device_kernels(lambda: jax.block_until_ready(run(10)), 10, tempfile.mkdtemp())
+            prof = device_kernels(lambda: jax.block_until_ready(run(16)), 16, tempfile.mkdtemp())
             rows.append(dict(model=name, batch=b, context=args.context, engine="jaxspec", algorithm="plain",
                              ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor, tokens_per_s=b / t,
                              kernels_per_step=prof and prof["kernels"], kernel_ms=prof and prof["kernel_ms"],

@@ -304,7 +304,9 @@ def train(args, target=None, tokenizer=None):
         rows = [json.loads(l) for l in open(metrics_path)]
         val = [r for r in rows if r["split"] == "val"]
         d = np.load(data_path)
-        card = dict(target=os.path.basename(args.model.rstrip(os.sep)), kind=args.kind,  # no machine path in a card sequences=int(len(tokens)), tokens=int(lengths.sum()),
+        # the card names the target without a machine path
+        card = dict(target=os.path.basename(args.model.rstrip(os.sep)), kind=args.kind,
+                    sequences=int(len(tokens)), tokens=int(lengths.sum()),
                     train_sequences=int(len(tr_tok)), draft_vocab=int(vd), draft_vocab_coverage=coverage,
                     steps=int(step), planned_steps=args.steps, batch=args.batch, seq_len=args.seq_len, ttt=args.ttt, lr=args.lr,
                     data_seconds=float(d["seconds"]) if "seconds" in d else None,

@@ -69,15 +69,31 @@ CUTS = [
 ]
 
 
+KERNEL_MODULES = ("jaxspec.pallas.verify_hopper_softmax", "jaxspec.pallas.verify_hopper_kernel",
+                  "jaxspec.pallas.verify_hopper")
+
+
 def patched(name, edits, path=None):
-    """verify_tree_hopper from the kernel's source (or the file at path) with edits [(old, new)]."""
-    src = open(path or verify_hopper.__file__).read()
+    """verify_tree_hopper from the kernel's sources with edits [(old, new)], each applied in the one
+    of its three modules that holds `old` (path: another version of verify_hopper.py, whole, as the
+    wrapper). The edited modules are executed in order under their own names, so each imports the
+    edited ones, then the real ones are put back."""
+    import importlib
+    srcs = {m: open(importlib.import_module(m).__file__).read() for m in KERNEL_MODULES}
+    if path:
+        srcs[KERNEL_MODULES[-1]] = open(path).read()
     for old, new in edits:
-        assert src.count(old) == 1, (name, old)
-        src = src.replace(old, new)
-    mod = types.ModuleType(f"verify_hopper_cut{abs(hash(name))}")
-    exec(compile(src, f"<{name}>", "exec"), mod.__dict__)
-    return mod.verify_tree_hopper
+        holders = [m for m, src in srcs.items() if src.count(old) == 1]
+        assert len(holders) == 1, (name, old)
+        srcs[holders[0]] = srcs[holders[0]].replace(old, new)
+    saved = {m: sys.modules[m] for m in KERNEL_MODULES}
+    try:
+        for m in KERNEL_MODULES:
+            mod = sys.modules[m] = types.ModuleType(m)
+            exec(compile(srcs[m], f"<{name}: {m}>", "exec"), mod.__dict__)
+        return mod.verify_tree_hopper
+    finally:
+        sys.modules.update(saved)
 
 
 def sm_clock_during(fn):

@@ -1,0 +1,79 @@
+"""Pages for requests: admission while pages allow, reservation for the next call, preemption (pages
+released, recomputed later mostly from the prefix cache) rather than the pool running dry.
+A mixin of Scheduler (core.py), which owns the state these methods read."""
+from __future__ import annotations
+
+
+import numpy as np
+
+from jaxspec.sampling import SamplingBatch
+
+
+class Admission:
+    def _pages_needed(self, req, extra):
+        """Pages for the request's tokens and `extra` slots past them; a row never holds more than
+        the page table's width (a request's writes stop at max_seq_len + the tree's slack)."""
+        return min(-(-(req.kv_len + req.todo + extra) // self.page_size), self.max_pages_per_seq)
+
+    def _admit(self):
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            toks = req.tokens
+            matched = self.pool.match_prefix(toks)
+            need = -(-(len(toks) + 1) // self.page_size) - len(matched)
+            # keep a page per running request in hand so admission does not starve decoding
+            if need + len(self.running) > self.pool.available:
+                self.pool.release(matched)
+                break
+            self.waiting.pop(0)
+            req.pages = matched + self.pool.alloc(need)
+            req.kv_len = len(matched) * self.page_size
+            self.running.append(req)
+
+    def _reserve(self, reqs, extra):
+        """Give every decoding request pages for `extra` more tokens, preempting the newest if short."""
+        out = []
+        for req in sorted(reqs, key=lambda r: r.arrival):
+            if req.finished or req not in self.running:
+                continue
+            need = self._pages_needed(req, extra - 1) - len(req.pages)
+            while need > self.pool.available:
+                victim = max((r for r in self.running if r is not req), key=lambda r: r.arrival, default=None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim in out:
+                    out.remove(victim)
+            if need > self.pool.available:
+                self._preempt(req)
+                continue
+            if need > 0:
+                req.pages += self.pool.alloc(need)
+            out.append(req)
+        return out
+
+    def _cached_tokens(self, req):
+        """The tokens whose pages may serve later requests as a prefix: with an EAGLE head, only
+        those the head's cache holds too."""
+        return req.tokens[:req.kv_len if req.head_len is None else min(req.kv_len, req.head_len)]
+
+    def _preempt(self, req):
+        self.pool.release(req.pages, self._cached_tokens(req))
+        req.pages, req.kv_len, req.draft, req.head_len = [], 0, None, None  # recomputed with the head
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.stats["preemptions"] += 1
+
+    def _page_table(self, reqs, rows):
+        pt = np.zeros((rows, self.max_pages_per_seq), np.int32)
+        for i, r in enumerate(reqs):
+            pt[i, :len(r.pages)] = r.pages
+        return pt
+
+    def _sampling(self, reqs, rows, flags):
+        hist = num_prompt = None
+        if flags.penalties:
+            hist = [r.tokens[:r.kv_len + r.todo] for r in reqs]
+            num_prompt = [len(r.prompt_ids) for r in reqs]
+        return SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
+                                   [len(r.output_ids) for r in reqs], hist, num_prompt, pad_to=rows)

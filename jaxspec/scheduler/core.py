@@ -1,0 +1,288 @@
+"""Host-side scheduler: continuous batching over the jitted programs.
+
+Each `step()`: admit waiting requests while pages allow; run one batch of prefill chunks; run one
+decode (or speculative verify) step over every request whose prompt is in the cache; append
+tokens, apply stop conditions, release finished requests' pages. A request that cannot get a page
+is preempted (pages released, recomputed later from prompt + output, mostly from the prefix cache)
+instead of the pool running dry.
+
+Overlap: in steady decoding (same requests, nothing to prefill or admit) the step for t+1 is
+launched from step t's outputs still on the device (the pending token, or EAGLE's next tree, and
+the kv lengths advanced by the accepted counts) before step t's tokens are read back. The host's
+reading, stop checks and streaming then run while the device computes, and the device never waits
+for the host between steps. A request that stops in step t wastes its row of step t+1, which is
+dropped; its K/V writes land past its committed tokens, in pages that later programs (dispatched
+after it, so ordered after it on the device) may reuse."""
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from jaxspec.draft_policy import DraftPolicy
+from jaxspec.kv_cache import KVCache
+from jaxspec.paging import PagePool
+from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
+from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
+                              enable_compilation_cache, prefill_shapes)
+from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
+from jaxspec.scheduler.admission import Admission
+from jaxspec.scheduler.dispatch import Dispatch
+from jaxspec.scheduler.outputs import Outputs
+from jaxspec.scheduler.request import InFlight, Request
+
+
+DEFAULT_SPEC_MIN_GAIN = 1.1  # see Scheduler.__init__ (tests set it to 0: drafting always pays)
+
+
+class Scheduler(Admission, Dispatch, Outputs):
+    clock = staticmethod(time.perf_counter)  # times steps for the drafting policy (tests drive it)
+
+    def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
+                 prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
+                 spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
+                 spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
+                 warmup_flags=None, compile_cache=None):
+        cfg = model.cfg
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.page_size, self.max_batch = page_size, max_batch
+        rows_max = bucket(max_batch, BATCH_BUCKETS)  # no prefill program wider than the batch can be
+        self.prefill_shapes = sorted({(min(r, rows_max), t) for r, t in prefill_shapes(prefill_chunk)})
+        self.max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
+        # a verify step writes a whole (padded) draft tree past the sequence's end
+        slack = bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1
+        self.max_pages_per_seq = -(-(self.max_seq_len + slack) // page_size)
+        if num_pages is None:
+            num_pages = max(self.max_pages_per_seq + 1, 1 + max_batch * 256 // page_size)
+        if num_pages - 1 < self.max_pages_per_seq:
+            raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len={self.max_seq_len} "
+                             f"({self.max_pages_per_seq} pages of {page_size}); raise num_pages or lower max_seq_len")
+        self.pool = PagePool(num_pages, page_size)
+        dtype = kv_dtype or model.embed[...].dtype
+        self.cache = KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        # a device drafter (EAGLE head) keeps its own one-layer cache in the same pages
+        self.device_drafter = getattr(drafter, "head", None) is not None
+        if self.device_drafter:
+            self.cache = (self.cache, drafter.create_cache(num_pages, page_size, dtype))
+        if jit:
+            enable_compilation_cache(compile_cache)
+        self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter)
+        # a device drafter's large-batch fallback: the target alone, no head catch-up
+        self.plain_programs = Programs(model, attn_impl=attn_impl, jit=jit) if self.device_drafter else None
+        self.drafter = drafter
+        # Large batches are compute-bound already: verifying big trees there costs more than it saves.
+        # The tree shrinks to fit spec_max_verify_tokens per step, and below spec_min_nodes the step
+        # falls back to plain decoding. A host drafter still sees every token; an EAGLE head is
+        # left behind (its catch-up made the fallback 5-11% slower than plain on the H100,
+        # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
+        self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
+        # A host drafter's steps cannot chain (it drafts from the tokens just emitted), so their host time adds to the
+        # device's: one costs about 1.5 plain steps on the H100 at batch 1, and more at larger batch, where NGRAM lost
+        # while EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*; 0.78x under DraftPolicy, spec-v17-b8). Its
+        # trees get a smaller budget, none from batch 8 by default, and a verify step must pay for itself:
+        # DraftPolicy (draft_policy.py) verifies while the accept length expected at the requests' match lengths
+        # x plain step / verify step >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an
+        # unchained step), and probes the match lengths that do not pay every spec_probe_every plain steps.
+        self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
+        min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
+        self.policy = (DraftPolicy(min_gain, spec_min_accept, spec_probe_every)
+                       if drafter is not None and not self.device_drafter else None)
+        self.overlap = overlap
+        # Plain decoding runs up to decode_steps steps a call while the batch is steady (see
+        # _decode_steps_now); 1 launches a call a step.
+        if not 1 <= decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps={decode_steps} must be in [1, {MAX_DECODE_STEPS}]")
+        self.decode_steps = decode_steps
+        self.inflight: InFlight | None = None
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
+        self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
+                          draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0)
+        if warmup:
+            self.warmup(warmup_flags, progress=warmup == "progress")
+
+    def program_specs(self, flag_sets=None) -> list:
+        """(programs, name, flags, cache, args) of every program this engine can launch with the
+        given sampler flags (default: greedy, and sampling with filters): prefill shapes, a decode
+        step per batch bucket, and a verify step per batch bucket that gets a tree. Penalties and
+        top logprobs add programs that are compiled when first asked for."""
+        flag_sets = flag_sets or (SamplerFlags(), SamplerFlags(sample=True, filter=True))
+        rows_all = [b for b in BATCH_BUCKETS if b <= bucket(self.max_batch, BATCH_BUCKETS)]
+        decode, target_cache = self.programs, self.cache
+        if self.device_drafter:
+            decode, target_cache = self.plain_programs, self.cache[0]
+        specs = []
+        for flags in flag_sets:
+            for rows, t in self.prefill_shapes:
+                specs.append((self.programs, "extend", flags, self.cache, self._dummy_inputs(rows, t)))
+            for rows in rows_all:
+                specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
+                if self.tree_size(rows) > 1:
+                    n = bucket(self.tree_size(rows), TREE_BUCKETS)
+                    specs.append((self.programs, self._verify_name, flags, self.cache, self._dummy_verify(rows, n)))
+        return specs
+
+    def _dummy_inputs(self, rows, t, tree=False):
+        """Zeros shaped as an extend call's inputs of rows x t tokens (or, with tree, a verify_tree
+        call's): what the programs are built for."""
+        z = lambda *shape: np.zeros(shape, np.int32)
+        second = z(rows, t) if tree else z(rows)  # parents, or next_tokens
+        return (z(rows, t), second, z(rows, self.max_pages_per_seq), z(rows), z(rows),
+                SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
+
+    @property
+    def _verify_name(self):
+        return "verify_steps" if self.device_drafter else "verify_tree"
+
+    def _dummy_verify(self, rows, n):
+        args = self._dummy_inputs(rows, n, tree=True)
+        if not self.device_drafter:
+            return args
+        z = lambda *shape: np.zeros(shape, np.int32)
+        return args[:5] + (z(rows), z(rows, STOP_ID_SLOTS), np.int32(1), np.int32(1)) + args[5:]
+
+    def _dummy_decode(self, rows):
+        z = lambda *shape: np.zeros(shape, np.int32)
+        return (z(rows, 1), z(rows, self.max_pages_per_seq), z(rows), z(rows), z(rows, STOP_ID_SLOTS), np.int32(1),
+                SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
+
+    def warmup(self, flag_sets=None, progress=False) -> dict:
+        """Compile the whole program set now (see program_specs); a compile after this is counted
+        in late_compiles. Returns {programs, seconds}."""
+        specs = self.program_specs(flag_sets)
+        groups = {id(p): p for p, *_ in specs}.values()
+        seconds = sum(progs.build([s[1:] for s in specs if s[0] is progs], progress=progress) for progs in groups)
+        return dict(programs=sum(len(p.table) for p in groups), seconds=seconds)
+
+    @property
+    def late_compiles(self) -> list:
+        """Programs compiled after warm-up: each made some request wait for a compile."""
+        return self.programs.late_compiles + (self.plain_programs.late_compiles if self.plain_programs else [])
+
+    def add(self, prompt_ids, params: SamplingParams, on_update=None) -> Request:
+        params.validate(self.cfg.vocab_size)
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"maximum sequence length {self.max_seq_len}")
+        rid = next(self._ids)
+        seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31))
+        req = Request(rid, prompt_ids, params, seed, on_update)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req: Request):
+        if req.finished:
+            return
+        req.aborted = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self):
+        if self.inflight is not None:
+            done, self.inflight = self.inflight, None
+            nxt = self._chain(done) if self._reserve_chain(done) else None
+            self._collect(done)
+            if nxt is not None:
+                self.inflight = nxt
+                self.stats["steps"] += 1
+                self.stats["chained_steps"] += 1
+                return
+        self._admit()
+        prefill = [r for r in self.running if r.todo > 1]
+        decode = [r for r in self.running if r.todo == 1]
+        if prefill:
+            self._run_prefill(prefill)
+        if decode:
+            nodes = self._nodes_for(decode)
+            rows = bucket(len(decode), BATCH_BUCKETS)  # the bucket whose tree size `nodes` is
+            # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
+            all_plain = nodes == 1 or all(r.head_len is not None for r in decode)
+            all_spec = nodes > 1 and all(r.head_len is None for r in decode)
+            steps = self._decode_steps_now(decode) if all_plain else self._verify_steps_now(decode) if all_spec else 1
+            decode = self._reserve(decode, self._span(nodes, steps) if all_spec else max(nodes, steps))
+            drafts = [nodes > 1 and r.head_len is None for r in decode]
+            spec = [r for r, d in zip(decode, drafts) if d]
+            plain = [r for r, d in zip(decode, drafts) if not d]
+            alone = not (spec and plain)  # one step in flight at a time: two groups are read back at once
+            if spec:
+                # rows of the whole decode batch's bucket: its tree size is that bucket's, and
+                # only (bucket, its tree) pairs are built at start-up
+                self._run_verify(spec, nodes, rows, steps if all_spec else 1, overlap=alone)
+            if plain:
+                self._run_decode(plain, steps, overlap=alone)
+        self.stats["steps"] += 1
+
+    def tree_size(self, batch: int) -> int:
+        """Nodes a step verifies at this batch size: by its batch bucket, so that each bucket has one
+        verify program."""
+        if self.drafter is None:
+            return 1
+        budget = self.spec_max_verify_tokens if self.device_drafter else self.spec_max_host_verify_tokens
+        nodes = min(self.drafter.num_nodes, budget // bucket(max(batch, 1), BATCH_BUCKETS))
+        return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
+
+    def _nodes_for(self, reqs) -> int:
+        """Nodes a step verifies now: the tree that fits, or 1 where a host drafter's policy says
+        the batch decodes plainly."""
+        nodes = self.tree_size(len(reqs))
+        if nodes > 1 and self.policy is not None and not self.policy.should_verify(self._match_keys(reqs, nodes),
+                                                                                   len(reqs)):
+            return 1
+        return nodes
+
+    def _decode_steps_now(self, reqs) -> int:
+        """Steps the next plain decode call runs: decode_steps while the batch is steady (every
+        running request decoding, none waiting that could be admitted, so that no newcomer waits
+        behind a long call), without penalties (their token histories are built on the host) and
+        without a host drafter (its policy decides step by step); 1 otherwise. Never more than the
+        most tokens a request may still emit."""
+        if (self.decode_steps == 1 or (self.drafter is not None and not self.device_drafter)
+                or len(reqs) != len(self.running) or (self.waiting and len(self.running) < self.max_batch)
+                or any(r.params.penalised for r in reqs)):
+            return 1
+        return max(1, min(self.decode_steps, max(r.params.max_tokens - len(r.output_ids) for r in reqs)))
+
+    def _verify_steps_now(self, reqs) -> int:
+        """Speculative steps the next verify call runs: a device drafter's steps chain on the
+        device, up to MAX_VERIFY_STEPS while the batch is steady (as _decode_steps_now)."""
+        if not self.device_drafter or self.decode_steps == 1:
+            return 1
+        return min(MAX_VERIFY_STEPS, self._decode_steps_now(reqs))
+
+    def _span(self, nodes, steps) -> int:
+        """Cache slots past a request's kv length that a call of `steps` verify steps may write:
+        every step but the last accepts at most the tree's depth + 1 tokens."""
+        depth = getattr(getattr(self.drafter, "tree", None), "steps", nodes)
+        return (steps - 1) * min(nodes, depth + 1) + nodes
+
+    def _stop_ids(self, req) -> list:
+        p = req.params
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
+
+    def _match_keys(self, reqs, nodes) -> list:
+        """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
+        host drafter matched), or 0 where it matched none. The tree size is part of the key because
+        the accept length learned with 8-node trees at batch 1 overstates 4-node trees' at batch 8."""
+        match_length = getattr(self.drafter, "match_length", None)
+        keys = [DraftPolicy.key(match_length(r)) if match_length else 1 for r in reqs]
+        return [(nodes, k) if k else 0 for k in keys]
+
+    def _time_step(self, kind, batch, now, prefill=False):
+        if self.policy is not None:  # only a host drafter's policy reads the step times
+            self.policy.timed(kind, batch, now, prefill)
+

@@ -1,0 +1,224 @@
+"""Launching the programs: prefill chunks, decode and verify calls, and the chained call launched
+from the last one's device outputs before the host reads them.
+A mixin of Scheduler (core.py), which owns the state these methods read."""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from jaxspec.programs import BATCH_BUCKETS, STOP_ID_SLOTS, TREE_BUCKETS, bucket
+from jaxspec.sampling import SamplerFlags
+from jaxspec.scheduler.request import InFlight
+
+
+class Dispatch:
+    def _host_work_while_device_runs(self, waits_for: InFlight):
+        """Dispatch is asynchronous: until the outputs the host waits for next are ready, it is free."""
+        prepare = getattr(self.drafter, "prepare", None)
+        # at a batch that decodes plainly no draft is needed: a host drafter's backlog (NGRAM's
+        # trie insertion) waits until trees come back, instead of taxing every plain step
+        if prepare is not None and self.tree_size(len(self.running)) > 1:
+            prepare(self.running, busy=lambda: not waits_for.outputs[0].is_ready())
+
+    def _run_prefill(self, reqs):
+        """One chunk of prefill in the prefill shape that takes the most prompt tokens now."""
+        best = None
+        for rows, t in self.prefill_shapes:
+            batch = [(r, min(r.todo, t)) for r in reqs[:rows]]
+            got = sum(n for _, n in batch)
+            if best is None or got > best[0]:
+                best = (got, rows, t, batch)
+        got, rows, t, batch = best
+        self.stats["prefill_tokens"] += got
+        self._run_extend(batch, rows, t, "prefill_time")
+
+    def _run_decode(self, reqs, steps, overlap=True):
+        """Up to `steps` plain decode steps over reqs in one call (by the target alone where a
+        device drafter falls back: its head is left behind)."""
+        t0 = time.perf_counter()
+        if self.device_drafter:
+            for r in reqs:
+                r.draft = None
+                if r.head_len is None:
+                    r.head_len = r.kv_len
+        rows = bucket(len(reqs), BATCH_BUCKETS)
+        tokens = np.zeros((rows, 1), np.int32)
+        kv_lens, budget = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
+        for i, r in enumerate(reqs):
+            tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
+            kv_lens[i], budget[i] = r.kv_len, r.params.max_tokens - len(r.output_ids)
+            ids = self._stop_ids(r)[:STOP_ID_SLOTS]
+            stop_ids[i, :len(ids)] = ids
+        flags = SamplerFlags.of([r.params for r in reqs])
+        sb = self._sampling(reqs, rows, flags)
+        pt = self._page_table(reqs, rows)
+        args = _to_device((tokens, pt, kv_lens, budget, stop_ids, np.int32(steps), sb))
+        outputs = self._call_decode(self.device_drafter, args, flags)
+        f = InFlight("decode", reqs, outputs, dict(pt=args[1], stop_ids=args[4], num_steps=args[5],
+                                                   pages=[len(r.pages) for r in reqs]),
+                     flags, steps=steps, plain=self.device_drafter, host_s=time.perf_counter() - t0)
+        self._host_work_while_device_runs(f)
+        if overlap and self._may_overlap(f):
+            self.inflight = f  # read back in the next step, after the call that follows it is launched
+        else:
+            self._collect(f)
+
+    def _call_decode(self, plain, args, flags):
+        """Launch a decode program (the target alone when plain); returns its outputs, cache aside."""
+        if plain:  # the target's cache alone
+            *outputs, tcache = self.plain_programs.decode(self.cache[0], *args, flags=flags)
+            self.cache = (tcache, self.cache[1])
+        else:
+            *outputs, self.cache = self.programs.decode(self.cache, *args, flags=flags)
+        return tuple(outputs)
+
+    def _run_extend(self, batch, rows, t, timer):
+        """Feed n new tokens per request (a [rows, t] program: a prefill chunk); a request whose
+        tokens are then all cached gets the sampled next token."""
+        t0 = time.perf_counter()
+        reqs = [r for r, _ in batch]
+        tokens = np.zeros((rows, t), np.int32)
+        kv_lens = np.zeros(rows, np.int32)
+        q_lens = np.zeros(rows, np.int32)
+        next_tokens = np.full(rows, -1, np.int32)  # the token after a chunk that does not end the prompt
+        for i, (r, n) in enumerate(batch):
+            tokens[i, :n] = r.token_slice(r.kv_len, r.kv_len + n)
+            kv_lens[i], q_lens[i] = r.kv_len, n
+            if r.todo > n:
+                next_tokens[i] = r.token_slice(r.kv_len + n, r.kv_len + n + 1)[0]
+        flags = SamplerFlags.of([r.params for r in reqs])
+        pt = self._page_table(reqs, rows)
+        sb = self._sampling(reqs, rows, flags)
+        args = _to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))  # one transfer
+        *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
+        f = InFlight("extend", reqs, tuple(outputs), {}, flags, host_s=time.perf_counter() - t0)
+        self._host_work_while_device_runs(f)
+        self._collect(f, [n for _, n in batch], timer)
+
+    def _run_verify(self, reqs, nodes, rows, steps=1, overlap=True):
+        t0 = time.perf_counter()
+        n = bucket(nodes, TREE_BUCKETS)
+        tokens = np.zeros((rows, n), np.int32)
+        parents = np.full((rows, n), -1, np.int32)
+        num_nodes = np.ones(rows, np.int32)
+        kv_lens = np.zeros(rows, np.int32)
+        for i, r in enumerate(reqs):
+            d_tok, d_par = self.drafter.propose(r, nodes)
+            m = 1 + len(d_tok)
+            tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
+            tokens[i, 1:m] = d_tok
+            parents[i, 1:m] = d_par
+            num_nodes[i], kv_lens[i] = m, r.kv_len
+        self.stats["draft_time"] += time.perf_counter() - t0
+        flags = SamplerFlags.of([r.params for r in reqs])
+        budget = np.zeros(rows, np.int32)
+        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
+        for i, r in enumerate(reqs):
+            budget[i] = r.params.max_tokens - len(r.output_ids)
+            ids = self._stop_ids(r)[:STOP_ID_SLOTS]
+            stop_ids[i, :len(ids)] = ids
+        f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
+                                self._sampling(reqs, rows, flags), budget=budget, stop_ids=stop_ids, steps=steps)
+        if self.policy is not None:
+            f.match_keys = self._match_keys(reqs, nodes)
+        self._host_work_while_device_runs(f)
+        f.host_s += time.perf_counter() - t0
+        if overlap and self._may_overlap(f):
+            self.inflight = f
+        else:
+            self._collect(f)
+
+    def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, pt=None, budget=None,
+                       stop_ids=None, steps=1, next_nodes=None):
+        """Launch a verify program: verify_tree for a host drafter's trees; a device drafter's
+        verify_steps, which also takes the token budgets, stop ids, its number of steps and the
+        size of the trees it drafts itself (given as device arrays by a chained call)."""
+        t0 = time.perf_counter()
+        pt = self._page_table(reqs, tokens.shape[0]) if pt is None else pt
+        if not self.device_drafter:
+            args = _to_device((tokens, parents, pt, kv_lens, num_nodes, sb))  # one transfer
+            *outputs, self.cache = self.programs.verify_tree(self.cache, *args, flags=flags)
+            return InFlight("verify", reqs, tuple(outputs), {}, flags, nodes=nodes, host_s=time.perf_counter() - t0)
+        if next_nodes is None:
+            next_nodes = np.int32(min(nodes, self.drafter.num_nodes))
+        args = _to_device((tokens, parents, pt, kv_lens, num_nodes, budget, stop_ids, np.int32(steps)
+                           if isinstance(steps, int) else steps, next_nodes, sb))
+        *outputs, self.cache = self.programs.verify_steps(self.cache, *args, flags=flags)
+        # a chained call reuses the page table, node counts, stop ids, steps (their buffers unchanged)
+        ins = dict(zip(("pt", "num_nodes", "stop_ids", "num_steps", "next_nodes"), args[2:3] + args[4:5] + args[6:9]))
+        return InFlight("verify", reqs, tuple(outputs), dict(ins, pages=[len(r.pages) for r in reqs]), flags,
+                        nodes=nodes, steps=int(steps), host_s=time.perf_counter() - t0)
+
+    def _may_overlap(self, f: InFlight) -> bool:
+        """Only steps whose successor needs nothing from the host but page-table rows: plain decode
+        steps (also a drafter's large-batch fallback) and device drafters' verify steps (a host
+        drafter such as NGRAM drafts from the emitted tokens); no penalties (their token histories
+        are built on the host)."""
+        if not self.overlap or f.flags.penalties:
+            return False
+        return f.kind == "decode" or (f.kind == "verify" and self.device_drafter)
+
+    def _reserve_chain(self, f: InFlight) -> bool:
+        """Whether the step after f may be launched from f's device outputs; if so, pages for both
+        steps' worst case are reserved here."""
+        if not self._may_overlap(f) or any(r.finished for r in f.reqs):
+            return False
+        if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
+            return False  # the batch changes: admissions, prefill chunks, preemptions
+        if self._nodes_for(f.reqs) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
+            return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
+        if f.steps != (self._decode_steps_now(f.reqs) if f.kind == "decode" else self._verify_steps_now(f.reqs)):
+            return False
+        # a request that may reach max_tokens in call t would waste call t + 1 (and may run past its
+        # pages' slack): end the chain there. A step emits at most the tree's depth + 1 tokens.
+        most = f.steps * (1 if f.kind == "decode" else min(f.nodes, self.drafter.tree.steps + 1))
+        if any(len(r.output_ids) + most >= r.params.max_tokens for r in f.reqs):
+            return False
+        # pages for both calls' worst case: every step accepting all it may
+        span = f.steps if f.kind == "decode" else self._span(f.nodes, f.steps)
+        need = [self._pages_needed(r, 2 * span - 1) - len(r.pages) for r in f.reqs]
+        if sum(max(0, x) for x in need) > self.pool.available:
+            return False
+        for r, x in zip(f.reqs, need):
+            if x > 0:
+                r.pages += self.pool.alloc(x)
+        return True
+
+    def _chain(self, f: InFlight) -> InFlight:
+        t0 = time.perf_counter()
+        reqs, ins = f.reqs, f.inputs
+        rows = f.outputs[1].shape[0]
+        # The page table again unless pages were added: an input whose buffer is unchanged keeps
+        # XLA's recorded command buffer as it is (the carried inputs reuse theirs: Programs donates them).
+        pages = [len(r.pages) for r in reqs]
+        pt = ins["pt"] if pages == ins["pages"] else jax.device_put(self._page_table(reqs, rows))
+        if f.kind == "decode":
+            tokens, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
+            args = (tokens, pt, kv_lens, budget, ins["stop_ids"], ins["num_steps"], sb)
+            outputs = self._call_decode(f.plain, args, f.flags)
+            g = InFlight("decode", reqs, outputs, dict(ins, pt=pt, pages=pages), f.flags, steps=f.steps,
+                         plain=f.plain)
+        else:
+            tokens, parents, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
+            num_nodes = ins.get("chained_nodes")  # the drafted trees', for every row (the budget stops padding)
+            if num_nodes is None:
+                num_nodes = np.full(rows, min(f.nodes, self.drafter.num_nodes), np.int32)
+            g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb, pt, budget,
+                                    ins["stop_ids"], ins["num_steps"], ins["next_nodes"])
+            g.inputs["chained_nodes"] = g.inputs["num_nodes"]
+        self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
+        g.host_s = time.perf_counter() - t0
+        return g
+
+
+def _to_device(tree):
+    """jax.device_put of a tree's numpy leaves in one call; device arrays (a chained step's inputs
+    are mostly the last step's outputs) pass as they are."""
+    leaves, treedef = jax.tree.flatten(tree)
+    host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
+    for i, x in zip(host, jax.device_put([leaves[i] for i in host])):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)

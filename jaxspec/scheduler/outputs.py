@@ -1,0 +1,127 @@
+"""Reading a call's outputs back and emitting tokens: stop ids, stop strings, max_tokens, and the
+release of a finished request's pages.
+A mixin of Scheduler (core.py), which owns the state these methods read."""
+from __future__ import annotations
+
+import time
+
+import jax
+
+from jaxspec.scheduler.request import DraftRow, InFlight, _OnDevice
+
+
+class Outputs:
+    def _collect(self, f: InFlight, chunk=None, timer=None):
+        """Read a step's outputs back (one transfer) and emit; rows of requests that finished since
+        it was launched are dropped."""
+        t0 = time.perf_counter()
+        jax.block_until_ready(f.outputs[:2])
+        arrived = self.clock()
+        self.stats["wait_time"] += time.perf_counter() - t0  # the host idle: a device-bound step
+        # read what the host needs: tokens and counts, logprobs only if asked for; the drafted trees
+        # stay on the device, where the next (chained) step takes them from
+        want_lp = any(r.params.logprobs is not None for r in f.reqs)
+        tree = f.outputs[5 if f.kind == "verify" else 4]
+        shared = None if tree is None else _OnDevice(tree)
+        if f.kind == "decode":
+            toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
+                                                            *f.outputs[3:5]))
+            for i, r in enumerate(f.reqs):
+                if r.finished:
+                    continue
+                c = int(count[i])
+                r.kv_len += c
+                self._emit(r, toks[i, :c].tolist(), None if lp is None else lp[i, :c].tolist(),
+                           None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
+            self._time_step("decode", len(f.reqs), arrived)
+            self.stats["decode_time"] += f.host_s + time.perf_counter() - t0
+            return
+        if f.kind == "extend":
+            nxt, lp, top_v, top_i = jax.device_get((f.outputs[0], f.outputs[1] if want_lp else None, *f.outputs[2:4]))
+            for i, r in enumerate(f.reqs):
+                if r.finished:
+                    continue
+                r.kv_len += 1 if chunk is None else chunk[i]
+                if r.todo == 0:
+                    r.draft = None if shared is None else DraftRow(shared, i)
+                    self._emit(r, [int(nxt[i])], None if lp is None else [float(lp[i])],
+                               None if top_i is None else [(top_v[i], top_i[i])])
+            self._time_step("decode", len(f.reqs), arrived, prefill=timer == "prefill_time")
+            self.stats[timer or "decode_time"] += f.host_s + time.perf_counter() - t0
+            return
+        toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
+                                                        *f.outputs[3:5]))
+        if self.policy is not None:
+            live = [i for i, r in enumerate(f.reqs) if not r.finished]
+            self.policy.verified([f.match_keys[i] for i in live], [int(count[i]) for i in live], len(f.reqs))
+        self._time_step("verify", len(f.reqs), arrived)
+        if toks.ndim == 2:  # verify_tree: one step; as verify_steps' [B, steps, N]
+            toks, count = toks[:, None], count[:, None]
+            lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
+        for i, r in enumerate(f.reqs):
+            if shared is not None and not r.finished:
+                r.draft = DraftRow(shared, i)
+            for s in range(count.shape[1]):
+                c = int(count[i, s])
+                if r.finished or c == 0:
+                    break
+                r.kv_len += c
+                r.accept_lengths.append(c)
+                self._emit(r, toks[i, s, :c].tolist(), None if lp is None else lp[i, s, :c].tolist(),
+                           None if top_i is None else [(top_v[i, s, j], top_i[i, s, j]) for j in range(c)])
+        self.stats["verify_steps"] += 1
+        self.stats["verify_time"] += f.host_s + time.perf_counter() - t0
+
+    def _emit(self, req, toks, lps, tops):
+        """Append tokens one by one; the first stop condition met ends the request there."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        p = req.params
+        new = []
+        for j, tok in enumerate(toks):
+            req.output_ids.append(tok)
+            new.append(tok)
+            if p.logprobs is not None:
+                req.logprobs.append(lps[j])
+                if p.logprobs > 0 and tops is not None:
+                    v, ids = tops[j]
+                    req.top_logprobs.append({int(a): float(b) for a, b in zip(ids[:p.logprobs], v[:p.logprobs])})
+            self.stats["emitted"] += 1
+            reason = None
+            if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+                reason = "stop"
+            elif p.stop and self._hits_stop_string(req):
+                reason = "stop"
+            elif len(req.output_ids) >= p.max_tokens:
+                reason = "length"
+            if reason:
+                if req.on_update:
+                    req.on_update(req, new)
+                self._finish(req, reason)
+                return
+        if req.on_update:
+            req.on_update(req, new)
+
+    def _hits_stop_string(self, req):
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        tail = max(len(s) for s in req.params.stop) + 16
+        start = max(0, len(req.text) - tail)
+        req.text = text
+        cut = [text.find(s, start) for s in req.params.stop]
+        cut = [c for c in cut if c >= 0]
+        if cut:
+            req.stop_text_len = min(cut)
+            return True
+        return False
+
+    def _finish(self, req, reason):
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+            self.pool.release(req.pages, self._cached_tokens(req))
+            req.pages = []
+        if self.drafter is not None:
+            self.drafter.finish(req)
+        if req.on_update:
+            req.on_update(req, [])
