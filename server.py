@@ -2,9 +2,10 @@
 
     python server.py --model smollm2-135m --speculative-algorithm NGRAM --port 8000
 
-One engine thread owns the scheduler (it is not thread-safe) and steps it while there is work; HTTP
-handlers talk to it through a command queue and get tokens back through per-request asyncio
-queues. A client that disconnects aborts its requests; a bad request gets a 4xx with a message.
+The routes and streaming are here; the request bodies and response pieces are
+jaxspec/openai_api.py, and the thread that owns the scheduler jaxspec/engine_thread.py (handlers
+reach it through a command queue and get tokens back through per-request asyncio queues). A
+client that disconnects aborts its requests; a bad request gets a 4xx with a message.
 """
 from __future__ import annotations
 
@@ -13,144 +14,21 @@ import asyncio
 import contextlib
 import gc
 import json
-import queue
 import threading
 import time
 import uuid
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
 
-from jaxspec.generator import Generator, _text_of, streamable_text
+from jaxspec.engine_thread import Engine
+from jaxspec.generator import Generator, streamable_text, text_of
+from jaxspec.openai_api import (APIError, ChatBody, CompletionBody, SamplingFields, choice, logprob_items,
+                                sampling_params)
 from jaxspec.sampling import SamplingParams
 
-
-class Engine:
-    """The scheduler in its own thread. submit/abort are safe to call from any thread."""
-
-    def __init__(self, gen: Generator):
-        self.gen, self.sched = gen, gen.scheduler
-        self.commands: queue.Queue = queue.Queue()
-        self.wake = threading.Event()
-        self.stopping = False
-        self.metrics = dict(requests=0, requests_failed=0, prompt_tokens=0, generation_tokens=0)
-        self.thread = threading.Thread(target=self._loop, name="jaxspec-engine", daemon=True)
-        self.thread.start()
-
-    def submit(self, prompt_ids, params, on_update) -> "Handle":
-        h = Handle()
-        self.commands.put(("add", prompt_ids, params, on_update, h))
-        self.wake.set()
-        if not h.ready.wait(timeout=60):
-            raise RuntimeError("engine did not answer")
-        if h.error:
-            raise ValueError(h.error)
-        return h
-
-    def abort(self, h: "Handle"):
-        self.commands.put(("abort", h))
-        self.wake.set()
-
-    def shutdown(self):
-        self.stopping = True
-        self.wake.set()
-        self.thread.join(timeout=30)
-
-    def _loop(self):
-        while not self.stopping:
-            while True:
-                try:
-                    cmd = self.commands.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd[0] == "add":
-                    _, ids, params, cb, h = cmd
-                    try:
-                        h.req = self.sched.add(ids, params, cb)
-                        self.metrics["requests"] += 1
-                        self.metrics["prompt_tokens"] += len(ids)
-                    except ValueError as e:
-                        h.error = str(e)
-                        self.metrics["requests_failed"] += 1
-                    h.ready.set()
-                elif cmd[0] == "abort" and cmd[1].req is not None:
-                    self.sched.abort(cmd[1].req)
-            if self.sched.has_work:
-                try:
-                    before = self.sched.stats["emitted"]
-                    self.sched.step()
-                    self.metrics["generation_tokens"] += self.sched.stats["emitted"] - before
-                except Exception as e:  # never let one bad step kill the server: fail what is running
-                    for r in list(self.sched.running) + list(self.sched.waiting):
-                        r.error = f"engine error: {type(e).__name__}: {e}"
-                        self.sched.abort(r)
-            else:
-                self.wake.wait(timeout=0.5)
-                self.wake.clear()
-        for r in list(self.sched.running) + list(self.sched.waiting):
-            self.sched.abort(r)
-
-
-class Handle:
-    def __init__(self):
-        self.ready = threading.Event()
-        self.req = None
-        self.error = None
-
-
-# -- request bodies --------------------------------------------------------------------------------
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: StrictInt = 0
-    min_p: float = 0.0
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    n: StrictInt = 1
-    stream: StrictBool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: StrictBool = False
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if not 1 <= v <= 16:
-            raise ValueError("n must be in [1, 16]")
-        return v
-
-
-class CompletionBody(_Common):
-    prompt: str | list[StrictInt]
-    logprobs: StrictInt | None = None
-    echo: StrictBool = False
-
-
-class Message(BaseModel):
-    role: str
-    content: str
-
-
-class ChatBody(_Common):
-    messages: list[Message]
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
-
-
-class APIError(Exception):
-    def __init__(self, status, message, kind="invalid_request_error"):
-        self.status, self.message, self.kind = status, message, kind
 
 
 def _error(status, message, kind="invalid_request_error"):
@@ -206,21 +84,8 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
         accept = acc if s['verify_steps'] else 0
         return PlainTextResponse(text + f"# TYPE jaxspec_accept_length gauge\njaxspec_accept_length {accept}\n")
 
-    def params_of(body: _Common, logprobs: int | None) -> SamplingParams:
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model {body.model!r} not found; this server serves {model_name!r}", "model_not_found")
-        mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        p = SamplingParams(max_tokens=16 if mt is None else mt, temperature=body.temperature, top_p=body.top_p,
-                           top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop,
-                           stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                           repetition_penalty=body.repetition_penalty, logprobs=logprobs)
-        try:
-            p.validate(gen.model.cfg.vocab_size)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        return p
+    def params_of(body: SamplingFields, logprobs: int | None) -> SamplingParams:
+        return sampling_params(body, logprobs, model_name, gen.model.cfg.vocab_size)
 
     async def run(request: Request, prompt_ids, params: SamplingParams, n: int, chat: bool, stream: bool):
         loop = asyncio.get_running_loop()
@@ -248,27 +113,7 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
         obj = "chat.completion" if chat else "text_completion"
         tok = gen.tokenizer
 
-        def logprob_items(req, start, end):
-            out = []
-            for j in range(start, end):
-                t = req.output_ids[j]
-                top = req.top_logprobs[j] if j < len(req.top_logprobs) else {}
-                out.append({"token": tok.decode([t]), "logprob": req.logprobs[j],
-                            "top_logprobs": [{"token": tok.decode([a]), "logprob": b} for a, b in top.items()]})
-            return out
-
-        def choice(i, req, text, delta, lp=None):
-            ch: dict[str, Any] = {"index": i, "finish_reason": req.finish_reason if req.finished else None}
-            if chat:
-                ch["delta" if delta else "message"] = {"role": "assistant", "content": text}
-                if params.logprobs is not None:
-                    ch["logprobs"] = {"content": lp}
-            else:
-                ch["text"] = text
-                if params.logprobs is not None:
-                    ch["logprobs"] = {"tokens": [x["token"] for x in lp], "token_logprobs": [x["logprob"] for x in lp],
-                                      "top_logprobs": [{y["token"]: y["logprob"] for y in x["top_logprobs"]} for x in lp]}
-            return ch
+        want_lp = params.logprobs is not None
 
         def usage():
             gen_toks = sum(len(h.req.output_ids) for h in handles)
@@ -292,8 +137,8 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
             for i, h in enumerate(handles):
                 if h.req.error:
                     raise APIError(500, h.req.error, "server_error")
-                lp = logprob_items(h.req, 0, len(h.req.logprobs)) if params.logprobs is not None else None
-                choices.append(choice(i, h.req, _text_of(tok, h.req), False, lp))
+                lp = logprob_items(tok, h.req, 0, len(h.req.logprobs)) if want_lp else None
+                choices.append(choice(chat, want_lp, i, h.req, text_of(tok, h.req), False, lp))
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name,
                                  "choices": choices, "usage": usage()})
 
@@ -321,13 +166,13 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
                     piece = text[sent_text[i]:end]
                     lp = None
                     if params.logprobs is not None:
-                        lp = logprob_items(req, sent_tok[i], len(req.logprobs))
+                        lp = logprob_items(tok, req, sent_tok[i], len(req.logprobs))
                         sent_tok[i] = len(req.logprobs)
                     if (piece or req.finished) and not closed[i]:
                         closed[i] = req.finished
                         sent_text[i] = max(sent_text[i], end)
                         chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                 "model": model_name, "choices": [choice(i, req, piece, True, lp)]}
+                                 "model": model_name, "choices": [choice(chat, want_lp, i, req, piece, True, lp)]}
                         yield f"data: {json.dumps(chunk)}\n\n"
                     if req.finished and finished:
                         done += 1

@@ -27,7 +27,7 @@ class Completion:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
 
 
-def _text_of(tokenizer, req: Request) -> str:
+def text_of(tokenizer, req: Request) -> str:
     if tokenizer is None:  # token-id-only use (tests, embedded models without a tokenizer)
         return ""
     text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
@@ -39,7 +39,7 @@ def _text_of(tokenizer, req: Request) -> str:
 def streamable_text(tokenizer, req: Request) -> str:
     """The part of the output text that can be sent now: while the request runs, hold back what a
     stop string could still cut and a trailing incomplete multi-byte character."""
-    text = _text_of(tokenizer, req)
+    text = text_of(tokenizer, req)
     if req.finished:
         return text
     hold = max((len(s) for s in req.params.stop), default=1) - 1
@@ -51,7 +51,7 @@ def streamable_text(tokenizer, req: Request) -> str:
 
 def _completion(tokenizer, req: Request) -> Completion:
     return Completion(
-        text=_text_of(tokenizer, req), token_ids=list(req.output_ids), prompt_token_ids=list(req.prompt_ids),
+        text=text_of(tokenizer, req), token_ids=list(req.output_ids), prompt_token_ids=list(req.prompt_ids),
         finish_reason=req.finish_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
         ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival,
