@@ -63,7 +63,17 @@ def spec() -> str:
     return "\n".join(out)
 
 
-TABLES = {"decode": decode, "startup": startup, "spec": spec}
+def rollout() -> str:
+    d = _load("rollout")
+    out = [f"`rollout-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
+           "| engine | algorithm | batch | tok/s | vs the Generator's plain decoding |", "| --- | --- | --- | --- | --- |"]
+    for r in d["rows"]:
+        vs = f"{r['vs_generator_plain']:.2f}x" if "vs_generator_plain" in r else ""
+        out.append(f"| {r['engine']} | {r['algorithm']} | {r['batch']} | {r['tokens_per_s']:.0f} | {vs} |")
+    return "\n".join(out)
+
+
+TABLES = {"decode": decode, "startup": startup, "spec": spec, "rollout": rollout}
 
 
 def _cell(v):
