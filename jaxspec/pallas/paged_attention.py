@@ -54,7 +54,7 @@ def _exp2(x, approx):
 
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
-            group, page_size, block_rows, pages_per_block, pages_per_split, scale, causal, softcap, grid_order,
+            group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
             exp2_approx):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
@@ -76,8 +76,12 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         rw0 = jnp.sum(jnp.where(onehot, w0[None, :], 0), axis=1)
         rw1 = jnp.sum(jnp.where(onehot, w1[None, :], 0), axis=1)
     block = pages_per_block * page_size
+    # the request's pages shared evenly among the splits (whole blocks each): every split works on
+    # a long sequence whatever the table's width, and the grid stays the same for every length
+    used = (kv_len + q_len + page_size - 1) // page_size
+    pages_per_split = (used + splits * pages_per_block - 1) // (splits * pages_per_block) * pages_per_block
     first = split * pages_per_split
-    last = jnp.minimum(first + pages_per_split, (kv_len + q_len + page_size - 1) // page_size)
+    last = jnp.minimum(first + pages_per_split, used)
     num_blocks = (jnp.maximum(last - first, 0) + pages_per_block - 1) // pages_per_block
 
     def tile(i, carry, masked):
@@ -146,15 +150,18 @@ def combine_splits(acc, m, l):
     return (acc * w[..., None]).sum(axis=-3) / jnp.maximum(l_all, 1e-30)[..., None]
 
 
+MAX_SPLITS = 16  # the combine reads every split's partial result, empty or not
+
+
 def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
     """(pages_per_block, splits): 64-key tiles (best of 16/64/128 on the H100 at batch 64 x 2k,
     bench/results/kernels-*.json); split-K only while the grid is short of two programs per
-    multiprocessor, and never into splits of less than one tile."""
+    multiprocessor, at most MAX_SPLITS, and never more splits than the table has tiles."""
     ppb = max(1, min(64 // page_size, table_pages))
     ppb = 1 << (ppb.bit_length() - 1)
     programs = batch * kv_heads * q_blocks
     splits = 1
-    while programs * splits < 2 * SMS and (splits * 2) * ppb <= table_pages:
+    while programs * splits < 2 * SMS and (splits * 2) * ppb <= table_pages and splits < MAX_SPLITS:
         splits *= 2
     return ppb, splits
 
@@ -183,8 +190,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     ppb = pages_per_block or auto_ppb
     splits = splits or auto_splits
     grid_order = grid_order or ("qhbs" if q_blocks > 1 else "bhqs")
-    pages_per_split = -(-page_table.shape[1] // (splits * ppb)) * ppb
-    page_table = jnp.pad(page_table, ((0, 0), (0, splits * pages_per_split - page_table.shape[1])))
+    # a split's last block may run up to a block past the request's pages: padding (page 0), masked
+    page_table = jnp.pad(page_table, ((0, 0), (0, ppb)))
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     causal = tree_mask is None
@@ -198,7 +205,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     k_rows = k_pages.reshape(k_pages.shape[0], -1, *k_pages.shape[3:])
     v_rows = v_pages.reshape(v_pages.shape[0], -1, *v_pages.shape[3:])
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
-                               pages_per_split=pages_per_split, scale=d ** -0.5, causal=causal, softcap=softcap,
+                               splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
                                grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
