@@ -6,6 +6,7 @@ from typing import Iterator, Sequence
 
 from jaxspec.models.loading import load
 from jaxspec.programs import enable_compilation_cache
+from jaxspec.speculative import SpecConfig
 from jaxspec.sampling import SamplingParams
 from jaxspec.scheduler import Request, Scheduler
 
@@ -65,7 +66,8 @@ class Generator:
         self.scheduler = Scheduler(model, tokenizer, **scheduler_kwargs)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype=None, speculative=None, **scheduler_kwargs):
+    def from_pretrained(cls, name_or_path: str, *, dtype=None, speculative: SpecConfig | None = None,
+                        **scheduler_kwargs) -> Generator:
         """name_or_path: a short name of an embedded model (e.g. 'smollm2-135m'), a .gguf file, or an
         HF directory. speculative: a `jaxspec.SpecConfig` (None = plain decoding)."""
         if scheduler_kwargs.get("jit", True):  # before anything compiles: JAX looks at it once
@@ -75,7 +77,7 @@ class Generator:
         return cls(model, tokenizer, drafter=drafter, **scheduler_kwargs)
 
     # -- prompts -------------------------------------------------------------------------------
-    def encode(self, prompt) -> list:
+    def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """A string, a list of token ids, or chat messages [{'role', 'content'}, ...]."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)

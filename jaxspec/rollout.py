@@ -39,7 +39,8 @@ def lookup_draft(buf, length, ngram: int, num_draft: int):
     return jnp.where(start[:, None] >= 0, draft, 0)
 
 
-def rollout(graphdef, state, prompts, prompt_lens, seeds, *, max_new_tokens: int, num_draft: int = 4,
+def rollout(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, prompt_lens: jax.Array, seeds: jax.Array,
+            *, max_new_tokens: int, num_draft: int = 4,
             ngram: int = 2, temperature: float = 0.0, eos_id: int = -1, page_size: int = 16):
     """prompts [B, P] (right-padded), prompt_lens [B], seeds [B] -> (tokens [B, max_new_tokens], counts [B]).
 
@@ -105,7 +106,7 @@ def rollout(graphdef, state, prompts, prompt_lens, seeds, *, max_new_tokens: int
     return out[:, :max_new_tokens], n_out
 
 
-def jit_rollout(model, **static):
+def jit_rollout(model: nnx.Module, **static) -> tuple:
     """Convenience: (state, prompts, prompt_lens, seeds) -> (tokens, counts), jitted."""
     graphdef, state = nnx.split(model)
     fn = jax.jit(functools.partial(rollout, graphdef, **static))

@@ -7,7 +7,7 @@ import time
 
 import jax
 
-from jaxspec.scheduler.request import DraftRow, InFlight, _OnDevice
+from jaxspec.scheduler.request import DraftRow, InFlight, DraftsOnDevice
 
 
 class Outputs:
@@ -22,7 +22,7 @@ class Outputs:
         # stay on the device, where the next (chained) step takes them from
         want_lp = any(r.params.logprobs is not None for r in f.reqs)
         tree = f.outputs[5 if f.kind == "verify" else 4]
-        shared = None if tree is None else _OnDevice(tree)
+        shared = None if tree is None else DraftsOnDevice(tree)
         if f.kind == "decode":
             toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
                                                             *f.outputs[3:5]))

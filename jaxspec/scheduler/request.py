@@ -69,7 +69,7 @@ class InFlight:
     match_keys: list | None = None  # a host drafter's: DraftPolicy keys its requests drafted at
 
 
-class _OnDevice:
+class DraftsOnDevice:
     """A step's drafted trees, copied to the host only when a step that is not chained asks."""
     __slots__ = ("arrays", "host")
 
