@@ -270,10 +270,6 @@ class Scheduler(Admission, Dispatch, Outputs):
         depth = getattr(getattr(self.drafter, "tree", None), "steps", nodes)
         return (steps - 1) * min(nodes, depth + 1) + nodes
 
-    def _stop_ids(self, req) -> list:
-        p = req.params
-        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
-
     def _match_keys(self, reqs, nodes) -> list:
         """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
         host drafter matched), or 0 where it matched none. The tree size is part of the key because

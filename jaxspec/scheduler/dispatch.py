@@ -22,6 +22,19 @@ class Dispatch:
         if prepare is not None and self.tree_size(len(self.running)) > 1:
             prepare(self.running, busy=lambda: not waits_for.outputs[0].is_ready())
 
+    def _budgets_and_stops(self, reqs, rows):
+        """What a multi-step call checks on the device: each row's tokens left before max_tokens
+        (0: padding, which then does nothing), and its stop ids (-1 padded; past STOP_ID_SLOTS
+        only the host stops on them, after the call)."""
+        budget = np.zeros(rows, np.int32)
+        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
+        for i, r in enumerate(reqs):
+            budget[i] = r.params.max_tokens - len(r.output_ids)
+            p = r.params
+            ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))[:STOP_ID_SLOTS]
+            stop_ids[i, :len(ids)] = ids
+        return budget, stop_ids
+
     def _run_prefill(self, reqs):
         """One chunk of prefill in the prefill shape that takes the most prompt tokens now."""
         best = None
@@ -45,13 +58,11 @@ class Dispatch:
                     r.head_len = r.kv_len
         rows = bucket(len(reqs), BATCH_BUCKETS)
         tokens = np.zeros((rows, 1), np.int32)
-        kv_lens, budget = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
+        kv_lens = np.zeros(rows, np.int32)
         for i, r in enumerate(reqs):
             tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
-            kv_lens[i], budget[i] = r.kv_len, r.params.max_tokens - len(r.output_ids)
-            ids = self._stop_ids(r)[:STOP_ID_SLOTS]
-            stop_ids[i, :len(ids)] = ids
+            kv_lens[i] = r.kv_len
+        budget, stop_ids = self._budgets_and_stops(reqs, rows)
         flags = SamplerFlags.of([r.params for r in reqs])
         sb = self._sampling(reqs, rows, flags)
         pt = self._page_table(reqs, rows)
@@ -114,12 +125,7 @@ class Dispatch:
             num_nodes[i], kv_lens[i] = m, r.kv_len
         self.stats["draft_time"] += time.perf_counter() - t0
         flags = SamplerFlags.of([r.params for r in reqs])
-        budget = np.zeros(rows, np.int32)
-        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
-        for i, r in enumerate(reqs):
-            budget[i] = r.params.max_tokens - len(r.output_ids)
-            ids = self._stop_ids(r)[:STOP_ID_SLOTS]
-            stop_ids[i, :len(ids)] = ids
+        budget, stop_ids = self._budgets_and_stops(reqs, rows)
         f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
                                 self._sampling(reqs, rows, flags), budget=budget, stop_ids=stop_ids, steps=steps)
         if self.policy is not None:
