@@ -7,6 +7,7 @@ also run through jax.experimental.pallas.ops.gpu.paged_attention at the same sha
 from __future__ import annotations
 
 import os
+import tempfile
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -57,7 +58,7 @@ def device_time(f, *args, calls=10):
     own time, without the 30-100 us a call that the queued wall-clock timing adds (verify_probe-d3ad3f1:
     a 261 us kernel timed at 307 us). None off the GPU."""
     trace = device_kernels(lambda: jax.block_until_ready([f(*args) for _ in range(calls)]), calls,
-                           f"/tmp/kernels_trace_{os.getpid()}")
+                           tempfile.mkdtemp(prefix="kernels_trace_"))
     if trace is None:
         return None, None
     return trace["kernel_ms"] / 1e3, trace["top"][0][1] / 1e6

@@ -20,12 +20,17 @@ def _load(name):
     return json.load(open(os.path.join(RESULTS, f"{name}-{DEVICE}.json")))
 
 
+def _table(name, columns):
+    """A results file and its table's first lines: where it came from, then the header."""
+    d = _load(name)
+    return d, [f"`{name}-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
+               "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
 def decode() -> str:
-    d = _load("decode")
+    d, out = _table("decode", ["model", "batch", "jaxspec ms (floor ratio)", "torch.compile ms (floor ratio)",
+                               "jaxspec vs torch", "kernels a step"])
     rows = {(r["model"], r["batch"], r["engine"]): r for r in d["rows"]}
-    out = [f"`decode-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
-           "| model | batch | jaxspec ms (floor ratio) | torch.compile ms (floor ratio) | jaxspec vs torch | kernels a step |",
-           "| --- | --- | --- | --- | --- | --- |"]
     for (model, batch, engine), j in rows.items():
         t = rows.get((model, batch, "torch-compile"))
         if engine != "jaxspec" or t is None:
@@ -36,9 +41,7 @@ def decode() -> str:
 
 
 def startup() -> str:
-    d = _load("startup")
-    out = [f"`startup-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
-           "| algorithm | cache | programs | warm-up s | process start to first token s |", "| --- | --- | --- | --- | --- |"]
+    d, out = _table("startup", ["algorithm", "cache", "programs", "warm-up s", "process start to first token s"])
     for r in d["rows"]:
         if "cache" in r and "run" not in r:
             out.append(f"| {r['algorithm']} | {r['cache']} | {r['programs']} | {r['warmup_s']:.1f} | {r['first_token_s']:.1f} |")
@@ -50,10 +53,8 @@ def startup() -> str:
 
 
 def spec() -> str:
-    d = _load("spec")
-    out = [f"`spec-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
-           "| algorithm | batch | tok/s | vs plain (median of rounds) | accept length | vs torch.compile plain |",
-           "| --- | --- | --- | --- | --- | --- |"]
+    d, out = _table("spec", ["algorithm", "batch", "tok/s", "vs plain (median of rounds)", "accept length",
+                             "vs torch.compile plain"])
     for r in d["rows"]:
         if r["config"] == "torch-compile":
             continue
@@ -64,9 +65,7 @@ def spec() -> str:
 
 
 def rollout() -> str:
-    d = _load("rollout")
-    out = [f"`rollout-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
-           "| engine | algorithm | batch | tok/s | vs the Generator's plain decoding |", "| --- | --- | --- | --- | --- |"]
+    d, out = _table("rollout", ["engine", "algorithm", "batch", "tok/s", "vs the Generator's plain decoding"])
     for r in d["rows"]:
         vs = f"{r['vs_generator_plain']:.2f}x" if "vs_generator_plain" in r else ""
         out.append(f"| {r['engine']} | {r['algorithm']} | {r['batch']} | {r['tokens_per_s']:.0f} | {vs} |")

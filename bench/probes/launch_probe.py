@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from common import SMOLLM2, device_kernels, print_table, random_model, write_results
+from decode import decode_steps
 from jaxspec.kv_cache import KVCache
 from jaxspec.models import ModelConfig
 from jaxspec.programs import Programs
@@ -88,31 +89,14 @@ def probe(model, batch, context, max_seq_len, impl, loop_n):
             return cache, tok
         return jax.lax.fori_loop(0, loop_n, body, (cache, tok))
 
-    # the engine's decode program: N steps a call, chained on the device (inputs from outputs)
-    from jaxspec.programs import STOP_ID_SLOTS
-    stop_ids = jax.device_put(np.full((batch, STOP_ID_SLOTS), -1, np.int32))
+    # the engine's decode program: N steps a call, chained on the device (bench/decode.py's loop)
     for n in (1, 8):
-        num = jax.device_put(np.int32(n))
-        # the decode program donates its carried inputs: give it copies
-        carry = list(jax.device_put((np.ones((batch, 1), np.int32), np.full(batch, context, np.int32),
-                                     SamplingBatch.build([SamplingParams()] * batch, [0] * batch, [0] * batch),
-                                     np.full(batch, 1 << 30, np.int32))))
-
-        def call():
-            tok, kv_, sb_, budget = carry
-            res = progs.decode(state[0], tok, pt, kv_, budget, stop_ids, num, sb_, flags=flags)
-            state[0] = res[-1]
-            carry[:] = res[6]
-            return res[0]
-        for _ in range(3):
-            jax.block_until_ready(call())
+        run = decode_steps(model, batch, context, max_seq_len, ps, impl, per_call=n)
         ts = []
         for _ in range(5):
             t0 = time.perf_counter()
-            for _ in range(max(1, 48 // n)):
-                call()
-            jax.block_until_ready(carry[0])
-            ts.append((time.perf_counter() - t0) / (max(1, 48 // n) * n))
+            jax.block_until_ready(run(48))
+            ts.append((time.perf_counter() - t0) / 48)
         out[f"decode{n}_ms"] = 1e3 * float(np.median(ts))
 
     c, t = loop(progs.state, state[0], state[1])

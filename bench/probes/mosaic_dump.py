@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import tempfile
 import re
 import shutil
 import sys
@@ -53,7 +54,7 @@ def wgmma_order(sass: str) -> list[str]:
 
 
 def main():
-    out_root = os.path.join(os.environ.get("BENCH_OUT", "/tmp"), "mosaic_dump")
+    out_root = os.path.join(os.environ.get("BENCH_OUT") or tempfile.gettempdir(), "mosaic_dump")
     q, k, v, pt, kv_lens, q_lens = setup(64, 64, 2048)
     mask, _ = tree_attention_mask(random_tree(64, 64), q_lens)
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--variants=")), None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 import sys
 import time
 
@@ -69,7 +70,7 @@ def main():
         rows.append(dict(attn_impl=impl, tokens_per_s=sum(len(c.token_ids) for c in res) / dt,
                          accept_length=float(np.mean([c.mean_accept_length for c in res]))))
         if not smoke:  # the same generation again under the profiler: the GPU's own time
-            trace = device_kernels(lambda: gen.generate(prompts, params), 1, f"/tmp/engine_check_{len(rows)}", top=40)
+            trace = device_kernels(lambda: gen.generate(prompts, params), 1, tempfile.mkdtemp(prefix="engine_check_"), top=40)
             if trace:
                 attn = [(n, t, c) for n, t, c in trace["top"] if n.startswith(ATTENTION_KERNELS)]
                 rows[-1].update(gpu_kernel_ms=trace["kernel_ms"], gpu_span_ms=trace["span_ms"],

@@ -12,6 +12,7 @@ means the part is not on the critical path.
 from __future__ import annotations
 
 import os
+import tempfile
 import subprocess
 import sys
 import time
@@ -98,7 +99,7 @@ def patched(name, edits, path=None):
 
 def sm_clock_during(fn):
     """fn() while nvidia-smi samples the SM clock (MHz) every 100 ms -> (fn's result, clocks)."""
-    log = "/tmp/verify_probe_clocks.csv"
+    log = os.path.join(tempfile.mkdtemp(), "verify_probe_clocks.csv")
     p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                           "-lms", "100", "-f", log])
     try:
@@ -163,7 +164,7 @@ def main():
     for name, f, args in (("verify pers", fns["pers"], (q, k, v)), ("decode (Triton, engine's choice)", decode, (qd, kd, vd))):
         jax.block_until_ready(f(*args))
         traces[name] = device_kernels(lambda f=f, args=args: jax.block_until_ready([f(*args) for _ in range(20)]), 20,
-                                      f"/tmp/verify_probe_trace{len(traces)}")
+                                      tempfile.mkdtemp(prefix="verify_probe_trace"))
         print(name, traces[name])
     clock = dict(sm_clock_MHz_median=float(np.median(clocks)) if clocks else None,
                  sm_clock_MHz_min=min(clocks, default=None), power_W_median=float(np.median(power)) if power else None,

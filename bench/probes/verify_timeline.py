@@ -35,6 +35,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import tempfile
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
@@ -190,7 +191,8 @@ def main():
     for name, fn, kw, profiled in variants:
         if not profiled:
             continue
-        d = f"/tmp/verify_timeline/{name.replace(' ', '_').replace(',', '').replace(':', '')}"
+        d = os.path.join(tempfile.gettempdir(), "verify_timeline",
+                         name.replace(' ', '_').replace(',', '').replace(':', ''))
         os.makedirs(d, exist_ok=True)
         try:
             jax.block_until_ready(fn(qs, ks, vs, 0, pts, kvs, qls, masks, persistent=n_sm, profile_dir=d,

@@ -45,7 +45,7 @@ class Dispatch:
                 best = (got, rows, t, batch)
         got, rows, t, batch = best
         self.stats["prefill_tokens"] += got
-        self._run_extend(batch, rows, t, "prefill_time")
+        self._run_extend(batch, rows, t)
 
     def _run_decode(self, reqs, steps, overlap=True):
         """Up to `steps` plain decode steps over reqs in one call (by the target alone where a
@@ -86,7 +86,7 @@ class Dispatch:
             *outputs, self.cache = self.programs.decode(self.cache, *args, flags=flags)
         return tuple(outputs)
 
-    def _run_extend(self, batch, rows, t, timer):
+    def _run_extend(self, batch, rows, t):
         """Feed n new tokens per request (a [rows, t] program: a prefill chunk); a request whose
         tokens are then all cached gets the sampled next token."""
         t0 = time.perf_counter()
@@ -107,7 +107,7 @@ class Dispatch:
         *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
         f = InFlight("extend", reqs, tuple(outputs), {}, flags, host_s=time.perf_counter() - t0)
         self._host_work_while_device_runs(f)
-        self._collect(f, [n for _, n in batch], timer)
+        self._collect(f, [n for _, n in batch])
 
     def _run_verify(self, reqs, nodes, rows, steps=1, overlap=True):
         t0 = time.perf_counter()
@@ -138,10 +138,11 @@ class Dispatch:
             self._collect(f)
 
     def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, pt=None, budget=None,
-                       stop_ids=None, steps=1, next_nodes=None):
+                       stop_ids=None, steps=1, num_steps=None, next_nodes=None):
         """Launch a verify program: verify_tree for a host drafter's trees; a device drafter's
         verify_steps, which also takes the token budgets, stop ids, its number of steps and the
-        size of the trees it drafts itself (given as device arrays by a chained call)."""
+        size of the trees it drafts itself (a chained call passes the last call's device arrays
+        for these: num_steps holds `steps`)."""
         t0 = time.perf_counter()
         pt = self._page_table(reqs, tokens.shape[0]) if pt is None else pt
         if not self.device_drafter:
@@ -150,13 +151,13 @@ class Dispatch:
             return InFlight("verify", reqs, tuple(outputs), {}, flags, nodes=nodes, host_s=time.perf_counter() - t0)
         if next_nodes is None:
             next_nodes = np.int32(min(nodes, self.drafter.num_nodes))
-        args = _to_device((tokens, parents, pt, kv_lens, num_nodes, budget, stop_ids, np.int32(steps)
-                           if isinstance(steps, int) else steps, next_nodes, sb))
+        num_steps = np.int32(steps) if num_steps is None else num_steps
+        args = _to_device((tokens, parents, pt, kv_lens, num_nodes, budget, stop_ids, num_steps, next_nodes, sb))
         *outputs, self.cache = self.programs.verify_steps(self.cache, *args, flags=flags)
         # a chained call reuses the page table, node counts, stop ids, steps (their buffers unchanged)
         ins = dict(zip(("pt", "num_nodes", "stop_ids", "num_steps", "next_nodes"), args[2:3] + args[4:5] + args[6:9]))
         return InFlight("verify", reqs, tuple(outputs), dict(ins, pages=[len(r.pages) for r in reqs]), flags,
-                        nodes=nodes, steps=int(steps), host_s=time.perf_counter() - t0)
+                        nodes=nodes, steps=steps, host_s=time.perf_counter() - t0)
 
     def _may_overlap(self, f: InFlight) -> bool:
         """Only steps whose successor needs nothing from the host but page-table rows: plain decode
@@ -213,7 +214,7 @@ class Dispatch:
             if num_nodes is None:
                 num_nodes = np.full(rows, min(f.nodes, self.drafter.num_nodes), np.int32)
             g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb, pt, budget,
-                                    ins["stop_ids"], ins["num_steps"], ins["next_nodes"])
+                                    ins["stop_ids"], f.steps, ins["num_steps"], ins["next_nodes"])
             g.inputs["chained_nodes"] = g.inputs["num_nodes"]
         self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
         g.host_s = time.perf_counter() - t0

@@ -11,9 +11,9 @@ from jaxspec.scheduler.request import DraftRow, InFlight, DraftsOnDevice
 
 
 class Outputs:
-    def _collect(self, f: InFlight, chunk=None, timer=None):
-        """Read a step's outputs back (one transfer) and emit; rows of requests that finished since
-        it was launched are dropped."""
+    def _collect(self, f: InFlight, chunk=None):
+        """Read a call's outputs back (one transfer) and emit; rows of requests that finished since
+        it was launched are dropped. chunk: a prefill call's tokens fed a row."""
         t0 = time.perf_counter()
         jax.block_until_ready(f.outputs[:2])
         arrived = self.clock()
@@ -41,13 +41,13 @@ class Outputs:
             for i, r in enumerate(f.reqs):
                 if r.finished:
                     continue
-                r.kv_len += 1 if chunk is None else chunk[i]
+                r.kv_len += chunk[i]
                 if r.todo == 0:
                     r.draft = None if shared is None else DraftRow(shared, i)
                     self._emit(r, [int(nxt[i])], None if lp is None else [float(lp[i])],
                                None if top_i is None else [(top_v[i], top_i[i])])
-            self._time_step("decode", len(f.reqs), arrived, prefill=timer == "prefill_time")
-            self.stats[timer or "decode_time"] += f.host_s + time.perf_counter() - t0
+            self._time_step("decode", len(f.reqs), arrived, prefill=True)
+            self.stats["prefill_time"] += f.host_s + time.perf_counter() - t0
             return
         toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
                                                         *f.outputs[3:5]))
