@@ -31,6 +31,9 @@ def child(algo, cache_dir, started, mixed, out):
     from jaxspec import Generator, SamplingParams
     import jax
     from jaxspec.programs import compile_count
+    imported_s = time.time() - started  # the interpreter's start and the imports
+    jax.devices()
+    backend_s = time.time() - started - imported_s
     events = {}
     jax.monitoring.register_event_listener(lambda e, **_: events.__setitem__(e, events.get(e, 0) + 1))
     t0 = time.perf_counter()
@@ -51,10 +54,11 @@ def child(algo, cache_dir, started, mixed, out):
     info = gen.scheduler.warmup()
     gen.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
     row = dict(model="smollm2-135m", weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf",
-               algorithm=algo, programs=info["programs"], load_s=load_s,
+               algorithm=algo, programs=info["programs"], imported_s=imported_s, backend_s=backend_s, load_s=load_s,
                warmup_s=info["seconds"], first_token_s=time.time() - started,
                lower_s=sum(p.build_seconds["lower"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
                compile_s=sum(p.build_seconds["compile"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
+               store_reads=sum(p.store_reads for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
                cache_hits=events.get("/jax/compilation_cache/cache_hits", 0),
                cache_misses=events.get("/jax/compilation_cache/cache_misses", 0))
     rows = [row]
@@ -109,8 +113,9 @@ def main():
             print_table(got, ["algorithm", "cache", "workload", "passno", "programs", "warmup_s", "first_token_s",
                               "tokens_per_s", "compiles"])
     print()
-    print_table(rows, ["algorithm", "cache", "workload", "passno", "programs", "load_s", "warmup_s", "lower_s", "compile_s",
-                       "cache_hits", "cache_misses", "first_token_s",
+    print_table(rows, ["algorithm", "cache", "workload", "passno", "programs", "imported_s", "backend_s", "load_s", "warmup_s",
+                       "lower_s", "compile_s",
+                       "store_reads", "cache_hits", "cache_misses", "first_token_s",
                        "tokens_per_s", "compiles", "late_compiles"])
     print(write_results("startup", rows))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import inspect
 import os
 import time
 
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec import sampling
+from jaxspec import program_store, sampling
 from jaxspec.verify import verify_and_accept
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -104,9 +105,13 @@ _CARRIED_DEVICE_DRAFTER = {"verify_steps": ("tokens", "parents", "kv_lens", "bud
 class Programs:
     """One model's (and drafter's) step functions and the executables built for them, by shape."""
 
-    def __init__(self, model, attn_impl: str = "auto", jit: bool = True, drafter=None):
-        self.jit = jit
+    def __init__(self, model, attn_impl: str = "auto", jit: bool = True, drafter=None, store: str | None = None):
+        """store: a folder for exported programs (program_store.py), or None to trace every one."""
+        self.jit, self.store = jit, store
         head = getattr(drafter, "head", None)
+        # what the programs' code depends on beyond their argument shapes (an exported entry's name)
+        self.config_key = (repr(model.cfg), repr(getattr(head, "cfg", None)), repr(getattr(drafter, "tree", None)),
+                           attn_impl)
         if head is None:
             graphdef, state = nnx.split(model)
             fns = {"extend": functools.partial(_extend, graphdef, attn_impl),
@@ -127,6 +132,7 @@ class Programs:
         self.fns = {name: _with_state(treedef, fn) for name, fn in fns.items()}
         self.table: dict[tuple, object] = {}
         self.build_seconds = {"lower": 0.0, "compile": 0.0}  # of build(): tracing + lowering, then compiling
+        self.store_reads = 0  # programs read back from the store rather than traced
         self.warm = False  # set once the start-up set is built: compiles after it are late
         self.late_compiles: list[tuple] = []
 
@@ -156,9 +162,18 @@ class Programs:
         return exe(self.state, cache, *args)
 
     def _lower(self, name, flags, cache, args):
-        fn = jax.jit(self.fns[name], static_argnames=("flags",),
-                     donate_argnames=("cache",) + self.carried.get(name, ()))
-        return fn.lower(self.state, cache, *args, flags=flags)
+        donated = ("cache",) + self.carried.get(name, ())
+        if self.store is None:
+            fn = jax.jit(self.fns[name], static_argnames=("flags",), donate_argnames=donated)
+            return fn.lower(self.state, cache, *args, flags=flags)
+        entry = program_store.entry_name(self.config_key, name, flags, _signature((self.state, cache, args)),
+                                         str(jax.tree.structure((cache, args))))
+        fn = jax.jit(self.fns[name], static_argnames=("flags",))
+        exp, read = program_store.exported(self.store, entry, fn, (self.state, cache) + tuple(args), {"flags": flags})
+        self.store_reads += read
+        params = list(inspect.signature(self.fns[name]).parameters)
+        call = jax.jit(exp.call, donate_argnums=tuple(i for i, p in enumerate(params) if p in donated))
+        return call.lower(self.state, cache, *args)
 
     def build(self, specs, progress: bool = False, threads: int | None = None) -> float:
         """Compile every (name, flags, cache, args) of specs (arrays or jax.ShapeDtypeStructs) not

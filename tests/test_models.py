@@ -124,5 +124,9 @@ def test_checkpoint_errors_name_the_file(tmp_path):
     gg.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     with pytest.raises(CheckpointError, match="broken.gguf: not a readable GGUF"):
         load(str(gg))
+    with open(resolve("smollm2-135m"), "rb") as f:
+        gg.write_bytes(f.read(4 << 20))  # the metadata whole, the tensors cut short
+    with pytest.raises(CheckpointError, match="broken.gguf: not a readable GGUF file .* past the end of the file"):
+        load(str(gg))
     with pytest.raises(CheckpointError, match="not a known short name"):
         load("smollm9-1t")

@@ -58,3 +58,31 @@ def test_eagle_engine_compiles_nothing_after_warmup_with_mixed_groups(tiny):
         sched.step()
     assert all(r.finished for r in reqs) and sched.stats["verify_steps"] > 0
     assert sched.late_compiles == [] and compile_count() == before
+
+
+def test_a_second_start_reads_its_programs_back_from_the_store(tiny, tmp_path):
+    """Programs exported by one engine are read back (not traced) by the next engine of the same
+    model and drafter; a damaged entry is rebuilt; outputs equal those of programs traced anew."""
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    kw = dict(max_batch=2, max_seq_len=128, prefill_chunk=32)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=9, temperature=0.9, seed=4)]
+
+    def engine(store):
+        gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), **kw)
+        for progs in (gen.scheduler.programs, gen.scheduler.plain_programs):
+            progs.store = store
+        info = gen.scheduler.warmup()
+        reads = gen.scheduler.programs.store_reads + gen.scheduler.plain_programs.store_reads
+        return gen, info["programs"], reads
+
+    traced, n, _ = engine(None)
+    first, n1, reads1 = engine(str(tmp_path))
+    entries = sorted(tmp_path.iterdir())
+    assert n1 == n and reads1 == 0 and len(entries) == n
+    entries[0].write_bytes(b"not an exported program")
+    second, n2, reads2 = engine(str(tmp_path))
+    assert n2 == n and reads2 == n - 1
+    expect = [o.token_ids for o in traced.generate(prompts, params)]
+    assert [o.token_ids for o in second.generate(prompts, params)] == expect
+    assert second.scheduler.late_compiles == []

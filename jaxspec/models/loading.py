@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -105,35 +106,25 @@ def _unpermute(w, n_heads):
 
 
 def load_gguf(path: str, dtype):
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    from jaxspec.models.gguf_file import GGUFFile
 
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the reader raises assorted errors on truncated files
+        gguf = GGUFFile(path)
+    except (ValueError, struct.error, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    fields = {k: f for k, f in reader.fields.items()}
-
-    def field(key, default=None):
-        f = fields.get(key)
-        return default if f is None else f.contents()
+    fields, tensors = gguf.metadata, gguf.tensors
+    field = fields.get
 
     arch = field("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (expected 'llama')")
     p = f"{arch}."
     n_heads, hidden = field(p + "attention.head_count"), field(p + "embedding_length")
-    tensors = {t.name: t for t in reader.tensors}
-
-    def tensor(name):
-        t = tensors.get(name)
-        if t is None:
-            return None
-        return np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(tuple(reversed([int(x) for x in t.shape])))
+    tensor = gguf.tensor
 
     n_kv = field(p + "attention.head_count_kv", n_heads)
     cfg = ModelConfig(
-        vocab_size=len(fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        vocab_size=len(fields["tokenizer.ggml.tokens"]), hidden_size=hidden,
         intermediate_size=field(p + "feed_forward_length"), num_layers=field(p + "block_count"),
         num_heads=n_heads, num_kv_heads=n_kv, head_dim=field(p + "rope.dimension_count", hidden // n_heads),
         rms_norm_eps=float(field(p + "attention.layer_norm_rms_epsilon", 1e-5)),
@@ -164,14 +155,14 @@ def gguf_tokenizer(fields, path):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    if fields["tokenizer.ggml.model"].contents() != "gpt2":
+    if fields.get("tokenizer.ggml.model") != "gpt2":
         raise CheckpointError(f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported")
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    types = fields["tokenizer.ggml.token_type"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    tokens = fields["tokenizer.ggml.tokens"]
+    types = fields["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
     pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if fields.get("tokenizer.ggml.pre") and fields["tokenizer.ggml.pre"].contents() == "smollm":
+    if fields.get("tokenizer.ggml.pre") == "smollm":
         pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
     tok.decoder = decoders.ByteLevel()
@@ -179,10 +170,9 @@ def gguf_tokenizer(fields, path):
 
     def special(key):
         f = fields.get(f"tokenizer.ggml.{key}_token_id")
-        return None if f is None else tokens[f.contents()]
+        return None if f is None else tokens[f]
 
-    tmpl = fields.get("tokenizer.chat_template")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=tmpl.contents() if tmpl else None,
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=fields.get("tokenizer.chat_template"),
                                    bos_token=special("bos"), eos_token=special("eos"),
                                    unk_token=special("unknown"), pad_token=special("padding"))
 

@@ -16,6 +16,7 @@ after it, so ordered after it on the device) may reuse."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import numpy as np
@@ -65,11 +66,11 @@ class Scheduler(Admission, Dispatch, Outputs):
         self.device_drafter = getattr(drafter, "head", None) is not None
         if self.device_drafter:
             self.cache = (self.cache, drafter.create_cache(num_pages, page_size, dtype))
-        if jit:
-            enable_compilation_cache(compile_cache)
-        self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter)
+        folder = enable_compilation_cache(compile_cache) if jit else None
+        store = folder and os.path.join(folder, "jaxspec-programs")  # exported programs beside XLA's entries
+        self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter, store=store)
         # a device drafter's large-batch fallback: the target alone, no head catch-up
-        self.plain_programs = Programs(model, attn_impl=attn_impl, jit=jit) if self.device_drafter else None
+        self.plain_programs = Programs(model, attn_impl=attn_impl, jit=jit, store=store) if self.device_drafter else None
         self.drafter = drafter
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.
         # The tree shrinks to fit spec_max_verify_tokens per step, and below spec_min_nodes the step
