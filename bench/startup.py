@@ -2,10 +2,12 @@
 with the persistent compilation cache empty (cold) and filled by the run before (warm); then a
 mixed workload after warm-up, twice, with the compiles it caused.
 
-    python bench/startup.py [--algos plain,eagle3] [--mixed-requests 48]
+    python bench/startup.py [--algos plain,eagle3] [--model PATH.gguf] [--no-mixed]
 
-Each (algorithm, cache) row is its own process (`--child`): Generator.from_pretrained("smollm2-135m",
-warmup=True) and one request of one token. first_token_s counts from the process's start.
+Each (algorithm, cache) row is its own process (`--child`): Generator.from_pretrained(model) (the
+embedded SmolLM2 GGUF, or a copy of it at --model), the program set built, and one request of one
+token. first_token_s counts from the process's start. A cold row starts with an empty compilation
+cache and program store; the warm row after it finds what the cold one left.
 """
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def spec_of(algo):
     from jaxspec import SpecConfig
-    return None if algo == "plain" else SpecConfig("EAGLE3", num_steps=6, eagle_topk=4, num_draft_tokens=24)
+    from jaxspec.speculative import DEFAULT_HEADS
+    return None if algo == "plain" else SpecConfig("EAGLE3", num_steps=6, eagle_topk=4, num_draft_tokens=24,
+                                                   draft_model_path=DEFAULT_HEADS["smollm2-135m"])
 
 
-def child(algo, cache_dir, started, mixed, out):
+def child(model_path, algo, cache_dir, started, mixed, out):
     import numpy as np
     from jaxspec import Generator, SamplingParams
     import jax
@@ -37,7 +41,7 @@ def child(algo, cache_dir, started, mixed, out):
     events = {}
     jax.monitoring.register_event_listener(lambda e, **_: events.__setitem__(e, events.get(e, 0) + 1))
     t0 = time.perf_counter()
-    if os.environ.get("STARTUP_RANDOM_WEIGHTS"):  # the GGUF cannot travel to the GPU machine: same shapes
+    if os.environ.get("STARTUP_RANDOM_WEIGHTS"):  # SmolLM2's shapes, weights made on the device
         import jax.numpy as jnp
         from common import SMOLLM2, random_model
         from jaxspec.models import ModelConfig
@@ -48,7 +52,7 @@ def child(algo, cache_dir, started, mixed, out):
         gen = Generator(model, None, drafter=spec and spec.build(model, "smollm2-135m"), compile_cache=cache_dir,
                         max_batch=64, max_seq_len=2048)
     else:
-        gen = Generator.from_pretrained("smollm2-135m", speculative=spec_of(algo), compile_cache=cache_dir,
+        gen = Generator.from_pretrained(model_path, speculative=spec_of(algo), compile_cache=cache_dir,
                                         max_batch=64, max_seq_len=2048)
     load_s = time.perf_counter() - t0
     info = gen.scheduler.warmup()
@@ -89,13 +93,14 @@ def child(algo, cache_dir, started, mixed, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--algos", default="plain,eagle3")
+    ap.add_argument("--model", default="smollm2-135m", help="the embedded name, or a path to SmolLM2's GGUF")
     ap.add_argument("--child", nargs=4, metavar=("ALGO", "CACHE", "STARTED", "MIXED"))
     ap.add_argument("--out", default="")
     ap.add_argument("--no-mixed", action="store_true", help="start-up rows only")
     args = ap.parse_args()
     if args.child:
         algo, cache, started, mixed = args.child
-        return child(algo, cache, float(started), mixed == "1", args.out)
+        return child(args.model, algo, cache, float(started), mixed == "1", args.out)
     from common import print_table, write_results
     rows = []
     for algo in args.algos.split(","):
@@ -104,7 +109,7 @@ def main():
             out = os.path.join(tempfile.mkdtemp(), "rows.json")
             started = time.time()
             env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-            subprocess.run([sys.executable, __file__, "--child", algo, cache, str(started),
+            subprocess.run([sys.executable, __file__, "--model", args.model, "--child", algo, cache, str(started),
                             "1" if kind == "warm" and not args.no_mixed else "0",
                             "--out", out], check=True, env=env)
             got = json.load(open(out))

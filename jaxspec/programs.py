@@ -118,6 +118,7 @@ class Programs:
                    "decode": functools.partial(_decode, graphdef, attn_impl),
                    "verify_tree": functools.partial(_verify_tree, graphdef, attn_impl)}
             self.carried = _CARRIED
+            graphs = (graphdef,)
         else:
             from jaxspec.drafters import eagle_step
             (g_target, s_target), (g_head, s_head) = nnx.split(model), nnx.split(head)
@@ -126,6 +127,9 @@ class Programs:
             fns = {"extend": functools.partial(eagle_step.extend, graphs, drafter.tree, attn_impl),
                    "verify_steps": functools.partial(eagle_step.verify_steps, graphs, drafter.tree, attn_impl)}
             self.carried = _CARRIED_DEVICE_DRAFTER
+        # what a worker process needs to build these programs (program_workers.py): no weights
+        self._recipe = (graphs, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
+                        getattr(drafter, "tree", None), attn_impl)
         # the weights as a flat list: flattening the module state's tree on every call cost the
         # host ~0.4 ms a call (SmolLM2, H100: host_probe-*.json, before_flat_weights)
         self.state, treedef = jax.tree.flatten(state)
@@ -135,6 +139,11 @@ class Programs:
         self.store_reads = 0  # programs read back from the store rather than traced
         self.warm = False  # set once the start-up set is built: compiles after it are late
         self.late_compiles: list[tuple] = []
+
+    @property
+    def recipe(self) -> tuple:
+        """(graph definitions, weight shapes, draft tree, attention impl, store): see program_workers."""
+        return self._recipe + (self.store,)
 
     def extend(self, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, *, flags):
         return self.run("extend", flags, cache, (tokens, next_tokens, page_table, kv_lens, q_lens, sb))
@@ -161,13 +170,17 @@ class Programs:
                 self.late_compiles.append(key)
         return exe(self.state, cache, *args)
 
+    def entry(self, name, flags, cache, args) -> str:
+        """The file name of this program in the store."""
+        return program_store.entry_name(self.config_key, name, flags, _signature((self.state, cache, args)),
+                                        str(jax.tree.structure((cache, args))))
+
     def _lower(self, name, flags, cache, args):
         donated = ("cache",) + self.carried.get(name, ())
         if self.store is None:
             fn = jax.jit(self.fns[name], static_argnames=("flags",), donate_argnames=donated)
             return fn.lower(self.state, cache, *args, flags=flags)
-        entry = program_store.entry_name(self.config_key, name, flags, _signature((self.state, cache, args)),
-                                         str(jax.tree.structure((cache, args))))
+        entry = self.entry(name, flags, cache, args)
         fn = jax.jit(self.fns[name], static_argnames=("flags",))
         exp, read = program_store.exported(self.store, entry, fn, (self.state, cache) + tuple(args), {"flags": flags})
         self.store_reads += read

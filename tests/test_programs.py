@@ -86,3 +86,27 @@ def test_a_second_start_reads_its_programs_back_from_the_store(tiny, tmp_path):
     expect = [o.token_ids for o in traced.generate(prompts, params)]
     assert [o.token_ids for o in second.generate(prompts, params)] == expect
     assert second.scheduler.late_compiles == []
+
+
+def test_a_cold_start_builds_its_programs_in_worker_processes(tiny, tmp_path):
+    """Worker processes export and compile the missing programs from shapes alone; the engine
+    then reads every one back and finds every executable in the compilation cache."""
+    import jax
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), max_batch=2, max_seq_len=128,
+                    prefill_chunk=32, build_workers=2)
+    groups = (gen.scheduler.programs, gen.scheduler.plain_programs)
+    for progs in groups:
+        progs.store = str(tmp_path)
+    events = []
+    jax.monitoring.register_event_listener(lambda e, **_: events.append(e))
+    info = gen.scheduler.warmup()
+    assert len(list(tmp_path.glob("*.jaxexport"))) == info["programs"]
+    assert sum(p.store_reads for p in groups) == info["programs"], "the engine traced a program itself"
+    assert "/jax/compilation_cache/cache_misses" not in events
+    traced = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), max_batch=2, max_seq_len=128,
+                       prefill_chunk=32)
+    for progs in (traced.scheduler.programs, traced.scheduler.plain_programs):
+        progs.store = None
+    prompts, params = [[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True)
+    assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in traced.generate(prompts, params)]

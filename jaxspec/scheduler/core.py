@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
+from jaxspec import program_workers
 from jaxspec.paging import PagePool
 from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
 from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
@@ -44,7 +45,7 @@ class Scheduler(Admission, Dispatch, Outputs):
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
                  spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
-                 warmup_flags=None, compile_cache=None):
+                 warmup_flags=None, compile_cache=None, build_workers=None):
         cfg = model.cfg
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch = page_size, max_batch
@@ -72,6 +73,7 @@ class Scheduler(Admission, Dispatch, Outputs):
         # a device drafter's large-batch fallback: the target alone, no head catch-up
         self.plain_programs = Programs(model, attn_impl=attn_impl, jit=jit, store=store) if self.device_drafter else None
         self.drafter = drafter
+        self.build_workers = build_workers  # processes for a cold start's programs (None: program_workers decides)
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.
         # The tree shrinks to fit spec_max_verify_tokens per step, and below spec_min_nodes the step
         # falls back to plain decoding. A host drafter still sees every token; an EAGLE head is
@@ -153,11 +155,23 @@ class Scheduler(Admission, Dispatch, Outputs):
 
     def warmup(self, flag_sets=None, progress=False) -> dict:
         """Compile the whole program set now (see program_specs); a compile after this is counted
-        in late_compiles. Returns {programs, seconds}."""
+        in late_compiles. Programs the store lacks are first built by worker processes, when
+        there are enough of them (program_workers.py). Returns {programs, seconds}."""
+        t0 = time.perf_counter()
         specs = self.program_specs(flag_sets)
-        groups = {id(p): p for p, *_ in specs}.values()
-        seconds = sum(progs.build([s[1:] for s in specs if s[0] is progs], progress=progress) for progs in groups)
-        return dict(programs=sum(len(p.table) for p in groups), seconds=seconds)
+        groups = list({id(p): p for p, *_ in specs}.values())
+        if groups[0].jit and groups[0].store:
+            missing = {}
+            for progs, *spec in specs:
+                entry = progs.entry(*spec)
+                if not os.path.exists(os.path.join(progs.store, entry)):
+                    missing[entry] = (groups.index(progs), *spec)
+            workers = program_workers.default_workers(len(missing)) if self.build_workers is None else self.build_workers
+            if workers and missing:
+                program_workers.build(groups, list(missing.values()), workers)
+        for progs in groups:
+            progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
+        return dict(programs=sum(len(p.table) for p in groups), seconds=time.perf_counter() - t0)
 
     @property
     def late_compiles(self) -> list:
