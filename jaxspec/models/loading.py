@@ -61,6 +61,7 @@ def build_model(cfg: ModelConfig, weights: dict, dtype, source: str) -> Llama:
     in [in, out] layout."""
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    host = []
     for path, var in flat.items():
         key = "/".join(map(str, path))
         if key not in weights:
@@ -69,7 +70,9 @@ def build_model(cfg: ModelConfig, weights: dict, dtype, source: str) -> Llama:
         if tuple(arr.shape) != tuple(var.get_value().shape):
             raise CheckpointError(f"{source}: {key!r} has shape {tuple(arr.shape)}, "
                                   f"config expects {tuple(var.get_value().shape)}")
-        var.set_value(jnp.asarray(arr, dtype))
+        host.append(np.ascontiguousarray(arr, np.dtype(dtype)))  # cast here: no convert program per shape
+    for var, value in zip(flat.values(), jax.device_put(host)):  # one transfer for all
+        var.set_value(value)
     nnx.update(model, nnx.from_flat_state(flat))
     return model
 
