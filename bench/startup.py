@@ -41,24 +41,26 @@ def child(model_path, algo, cache_dir, started, mixed, out):
     events = {}
     jax.monitoring.register_event_listener(lambda e, **_: events.__setitem__(e, events.get(e, 0) + 1))
     t0 = time.perf_counter()
+    from jaxspec.programs import enable_compilation_cache
+    enable_compilation_cache(cache_dir)  # as Generator.from_pretrained does, whose steps are timed here
     if os.environ.get("STARTUP_RANDOM_WEIGHTS"):  # SmolLM2's shapes, weights made on the device
         import jax.numpy as jnp
         from common import SMOLLM2, random_model
         from jaxspec.models import ModelConfig
-        from jaxspec.programs import enable_compilation_cache
-        enable_compilation_cache(cache_dir)
-        model = random_model(ModelConfig(**SMOLLM2, max_position=8192), jnp.bfloat16)
-        spec = spec_of(algo)
-        gen = Generator(model, None, drafter=spec and spec.build(model, "smollm2-135m"), compile_cache=cache_dir,
-                        max_batch=64, max_seq_len=2048)
+        model, tokenizer = random_model(ModelConfig(**SMOLLM2, max_position=8192), jnp.bfloat16), None
     else:
-        gen = Generator.from_pretrained(model_path, speculative=spec_of(algo), compile_cache=cache_dir,
-                                        max_batch=64, max_seq_len=2048)
+        from jaxspec.models.loading import load
+        model, tokenizer = load(model_path)
+    weights_s = time.perf_counter() - t0
+    spec = spec_of(algo)
+    gen = Generator(model, tokenizer, drafter=spec and spec.build(model), compile_cache=cache_dir,
+                    max_batch=64, max_seq_len=2048)
     load_s = time.perf_counter() - t0
     info = gen.scheduler.warmup()
     gen.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
     row = dict(model="smollm2-135m", weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf",
-               algorithm=algo, programs=info["programs"], imported_s=imported_s, backend_s=backend_s, load_s=load_s,
+               algorithm=algo, programs=info["programs"], imported_s=imported_s, backend_s=backend_s,
+               weights_s=weights_s, load_s=load_s,
                warmup_s=info["seconds"], first_token_s=time.time() - started,
                lower_s=sum(p.build_seconds["lower"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
                compile_s=sum(p.build_seconds["compile"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
@@ -118,8 +120,8 @@ def main():
             print_table(got, ["algorithm", "cache", "workload", "passno", "programs", "warmup_s", "first_token_s",
                               "tokens_per_s", "compiles"])
     print()
-    print_table(rows, ["algorithm", "cache", "workload", "passno", "programs", "imported_s", "backend_s", "load_s", "warmup_s",
-                       "lower_s", "compile_s",
+    print_table(rows, ["algorithm", "cache", "workload", "passno", "programs", "imported_s", "backend_s", "weights_s",
+                       "load_s", "warmup_s", "lower_s", "compile_s",
                        "store_reads", "cache_hits", "cache_misses", "first_token_s",
                        "tokens_per_s", "compiles", "late_compiles"])
     print(write_results("startup", rows))
