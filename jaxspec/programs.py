@@ -14,9 +14,10 @@ donated to every program; none syncs with the host.
 Shapes: the page table always has the engine's maximum width (the kernels stop at each
 request's length), a batch is padded to a bucket of BATCH_BUCKETS, a prefill chunk to one of
 three (rows, tokens) shapes and a tree to the size its batch bucket gets. So an engine has a few
-dozen programs at most; `Programs.build` compiles them before the first request (in threads,
-from JAX's persistent cache where a previous start left them), and a program compiled after that
-is counted in `late_compiles` (tests fail on one; the server exports it).
+dozen programs at most; `Programs.build` compiles them before the first request (in threads;
+read back from the program store and JAX's persistent cache where a previous start left them:
+program_store.py, program_workers.py), and a program compiled after that is counted in
+`late_compiles` (tests fail on one; the server exports it).
 """
 from __future__ import annotations
 

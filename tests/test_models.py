@@ -50,6 +50,25 @@ def test_smollm_logits_and_tokenizer_match_hf(smollm, hf_smollm):
         np.testing.assert_allclose(run_contiguous(model, ids), ref, atol=2e-3, rtol=1e-3)
 
 
+def test_gguf_tokenizer_renders_and_decodes_as_transformers(smollm, hf_smollm):
+    """jaxspec's GGUF tokenizer does without transformers: its chat template, encode and decode
+    (special tokens kept or skipped) equal transformers' on the same GGUF."""
+    _, tok = smollm
+    _, htok = hf_smollm
+    convos = [[{"role": "user", "content": "hi"}],
+              [{"role": "system", "content": "Be brief. Ünïcödé → ok"}, {"role": "user", "content": "2+2?"},
+               {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]]
+    for msgs in convos:
+        for gen in (False, True):
+            text = tok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+            assert text == htok.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+            ids = tok.encode(text, add_special_tokens=False)
+            assert ids == htok.encode(text, add_special_tokens=False)
+            for skip in (False, True):
+                assert tok.decode(ids, skip_special_tokens=skip) == htok.decode(ids, skip_special_tokens=skip)
+    assert tok.eos_token_id == htok.eos_token_id
+
+
 def test_smollm_greedy_matches_hf(smollm, hf_smollm):
     from jaxspec import Generator, SamplingParams
     model, tok = smollm

@@ -156,7 +156,8 @@ def load_gguf(path: str, dtype):
 def gguf_tokenizer(fields, path):
     """A byte-level BPE tokenizer from the GGUF vocabulary, wrapped for chat templates."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    from jaxspec.tokenizer import ChatTokenizer
 
     if fields.get("tokenizer.ggml.model") != "gpt2":
         raise CheckpointError(f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported")
@@ -175,9 +176,8 @@ def gguf_tokenizer(fields, path):
         f = fields.get(f"tokenizer.ggml.{key}_token_id")
         return None if f is None else tokens[f]
 
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=fields.get("tokenizer.chat_template"),
-                                   bos_token=special("bos"), eos_token=special("eos"),
-                                   unk_token=special("unknown"), pad_token=special("padding"))
+    return ChatTokenizer(tok, chat_template=fields.get("tokenizer.chat_template"), bos_token=special("bos"),
+                         eos_token=special("eos"), unk_token=special("unknown"), pad_token=special("padding"))
 
 
 # -- HF directories ----------------------------------------------------------------------------
