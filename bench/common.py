@@ -137,27 +137,20 @@ def run_torch_anchor(models: str, batches: str, context: int) -> list:
 
 
 def random_model(cfg, dtype, seed=0):
-    """A model of cfg's shape with random weights created on the device (no host copy), by one
-    jitted function: one op a weight took a start-up bench 4.5 s."""
+    """A model of cfg's shape with random weights created on the device (no host copy), one op a
+    weight (one jitted function for them all took 62 s to compile on the H100)."""
     from flax import nnx
     from jaxspec.models import Llama
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    shapes = [(path, var.get_value().shape) for path, var in flat.items()]
-
-    @jax.jit
-    def init(key):
-        out = []
-        for i, (path, shape) in enumerate(shapes):
-            if "norm" in str(path[-1]):
-                out.append(jnp.ones(shape, dtype))
-            else:
-                fan_in = shape[-2] if len(shape) >= 2 and path[-1] != "embed" else 1
-                out.append((jax.random.normal(jax.random.fold_in(key, i), shape, dtype) / np.sqrt(fan_in)).astype(dtype))
-        return out
-
-    for var, value in zip(flat.values(), init(jax.random.key(seed))):
-        var.set_value(value)
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(flat.items()):
+        shape = var.get_value().shape
+        if "norm" in str(path[-1]):
+            var.set_value(jnp.ones(shape, dtype))
+        else:
+            fan_in = shape[-2] if len(shape) >= 2 and path[-1] != "embed" else 1
+            var.set_value((jax.random.normal(jax.random.fold_in(key, i), shape, dtype) / np.sqrt(fan_in)).astype(dtype))
     nnx.update(model, nnx.from_flat_state(flat))
     return model
 

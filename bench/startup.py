@@ -53,12 +53,14 @@ def child(model_path, algo, cache_dir, started, mixed, out):
         model, tokenizer = load(model_path)
     weights_s = time.perf_counter() - t0
     spec = spec_of(algo)
+    workers = os.environ.get("STARTUP_BUILD_WORKERS")  # program_workers' choice unless set
     gen = Generator(model, tokenizer, drafter=spec and spec.build(model), compile_cache=cache_dir,
-                    max_batch=64, max_seq_len=2048)
+                    max_batch=64, max_seq_len=2048, build_workers=None if workers is None else int(workers))
     load_s = time.perf_counter() - t0
     info = gen.scheduler.warmup()
     gen.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
-    row = dict(model="smollm2-135m", weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf",
+    row = dict(model="smollm2-135m", build_workers=os.environ.get("STARTUP_BUILD_WORKERS", "auto"),
+               weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf",
                algorithm=algo, programs=info["programs"], imported_s=imported_s, backend_s=backend_s,
                weights_s=weights_s, load_s=load_s,
                warmup_s=info["seconds"], first_token_s=time.time() - started,
