@@ -9,9 +9,11 @@ program back as on a warm start.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import types
 import warnings
 
@@ -29,35 +31,43 @@ def default_workers(missing: int) -> int:
 
 def build(groups, specs, workers: int) -> int:
     """groups: the engine's Programs; specs: (group index, name, flags, cache, args). Builds the
-    specs in `workers` processes; returns how many were built (0 if the workers failed: the
-    engine then builds them itself)."""
+    specs in `workers` processes; returns how many were built (0 if a worker failed: the engine
+    then builds what is missing itself)."""
     shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
     jobs = [[] for _ in range(workers)]
     for i, (g, name, flags, cache, args) in enumerate(specs):
         jobs[i % workers].append((g, name, flags, shapes(cache), shapes(args)))
     recipes = [g.recipe for g in groups]
-    ctx = multiprocessing.get_context("spawn")  # a forked child would share the parent's GPU context
-    try:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start,
-                                                    initargs=(jax.config.jax_compilation_cache_dir,)) as pool:
-            return sum(pool.map(_build, [recipes] * workers, jobs))
-    except Exception as e:  # noqa: BLE001 - a worker that died (memory, a signal) costs time, not correctness
-        warnings.warn(f"building programs in worker processes failed ({type(e).__name__}: {e}); "
-                      "building them in this process")
+    # Fresh interpreters (`python -m`), not multiprocessing: a spawned child would re-run the
+    # caller's script, and a forked one would share this process's GPU context.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",  # the engine holds most of the memory
+               JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(jax.config.jax_persistent_cache_min_compile_time_secs),
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=str(jax.config.jax_persistent_cache_min_entry_size_bytes))
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i, job in enumerate(jobs):
+            path = os.path.join(tmp, f"job{i}.pkl")
+            with open(path, "wb") as f:
+                pickle.dump((recipes, job), f)
+            with open(path + ".err", "wb") as err:  # a file, not a pipe: a chatty child cannot block on it
+                procs.append((subprocess.Popen([sys.executable, "-m", "jaxspec.program_workers", path], env=env,
+                                               stdout=subprocess.DEVNULL, stderr=err), path + ".err"))
+        done = [(p.wait(), err) for p, err in procs]
+        failed = [(rc, open(err, errors="replace").read()) for rc, err in done if rc != 0]
+    if failed:
+        rc, err = failed[0]
+        warnings.warn(f"{len(failed)} of {workers} program workers failed (exit {rc}: {err.strip()[-500:]}); "
+                      "this process builds what they left")
         return 0
+    return len(specs)
 
 
-def _start(cache_dir):
-    # the engine's process holds most of the GPU's memory: a worker takes only what it uses
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    from jaxspec.programs import enable_compilation_cache
-    enable_compilation_cache(cache_dir)
-
-
-def _build(recipes, job) -> int:
+def _build(recipes, job):
     from flax import nnx
 
-    from jaxspec.programs import Programs
+    from jaxspec.programs import Programs, enable_compilation_cache
+    enable_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR") or "off")
     groups = []
     for graphs, abstract, tree, attn_impl, store in recipes:
         if len(graphs) == 1:
@@ -68,4 +78,8 @@ def _build(recipes, job) -> int:
         groups.append(Programs(model, attn_impl=attn_impl, drafter=drafter, store=store))
     for i, g in enumerate(groups):
         g.build([spec[1:] for spec in job if spec[0] == i])
-    return len(job)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "rb") as f:
+        _build(*pickle.load(f))

@@ -110,3 +110,16 @@ def test_a_cold_start_builds_its_programs_in_worker_processes(tiny, tmp_path):
         progs.store = None
     prompts, params = [[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_tokens=12, ignore_eos=True)
     assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in traced.generate(prompts, params)]
+
+
+def test_failed_program_workers_leave_the_build_to_the_engine(tiny, tmp_path, monkeypatch):
+    import sys
+
+    import pytest
+    gen = Generator(tiny, None, max_batch=2, max_seq_len=128, prefill_chunk=32, build_workers=2)
+    gen.scheduler.programs.store = str(tmp_path)
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # every worker exits 1 at once
+    with pytest.warns(UserWarning, match="2 of 2 program workers failed"):
+        info = gen.scheduler.warmup()
+    assert gen.scheduler.programs.store_reads == 0 and info["programs"] == len(list(tmp_path.glob("*.jaxexport")))
+    assert gen.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
