@@ -245,6 +245,7 @@ def build_app(argv=None):
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--speculative-algorithm", default="NONE", help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE or NONE")
     ap.add_argument("--speculative-draft-model-path", help="EAGLE head directory (default: the shipped one)")
+    ap.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
     ap.add_argument("--speculative-num-steps", type=int)
     ap.add_argument("--speculative-eagle-topk", type=int, default=4)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=8)
@@ -263,7 +264,8 @@ def build_app(argv=None):
         spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
                           ngram_max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
                           ngram_match_type=args.speculative_ngram_match_type,
-                          draft_model_path=args.speculative_draft_model_path, num_steps=args.speculative_num_steps,
+                          draft_model_path=args.speculative_draft_model_path,
+                          token_map=args.speculative_token_map, num_steps=args.speculative_num_steps,
                           eagle_topk=args.speculative_eagle_topk)
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
                                     max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,

@@ -23,6 +23,7 @@ def main(argv=None):
     g.add_argument("--speculative-algorithm", default="NGRAM", help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE or NONE")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=8)
     g.add_argument("--speculative-draft-model-path", help="EAGLE head directory (default: the one shipped for the model)")
+    g.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
     g.add_argument("--speculative-num-steps", type=int)
     g.add_argument("--speculative-eagle-topk", type=int, default=4)
     g.add_argument("--max-batch", type=int, default=32)
@@ -48,7 +49,8 @@ def main(argv=None):
     spec = None
     if args.speculative_algorithm.upper() != "NONE":
         spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
-                          draft_model_path=args.speculative_draft_model_path, num_steps=args.speculative_num_steps,
+                          draft_model_path=args.speculative_draft_model_path,
+                          token_map=args.speculative_token_map, num_steps=args.speculative_num_steps,
                           eagle_topk=args.speculative_eagle_topk)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -121,12 +121,17 @@ class DraftHead(nnx.Module):
     def logits(self, target, out):
         """Draft logits [..., Vd] (float32) from the layer output."""
         if self.cfg.kind == "eagle":
-            return target.logits(out)
+            if self.cfg.draft_vocab_size == self.cfg.vocab_size:
+                return target.logits(out)
+            # a token map (token_map.py): the target's projection, cut to the map's columns
+            return jnp.einsum("...h,hv->...v", out, self.lm_head[...], preferred_element_type=jnp.float32)
         h = rms_norm(out, self.norm[...], self.cfg.rms_norm_eps)
         return jnp.einsum("...h,hv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def to_target(self, draft_ids):
-        return draft_ids if self.cfg.kind == "eagle" else self.draft_to_target[...][draft_ids]
+        if self.cfg.draft_vocab_size == self.cfg.vocab_size and self.cfg.kind == "eagle":
+            return draft_ids
+        return self.draft_to_target[...][draft_ids]
 
     # -- the layer, split around its attention ---------------------------------------------------
     def qkv(self, emb, hidden, positions):

@@ -59,7 +59,7 @@ class _Unpickler(pickle.Unpickler):
         return np.frombuffer(raw, dtype=stype.dtype)
 
 
-def read_torch_zip(path: str) -> dict:
+def _unpickle(path: str):
     from jaxspec.models.loading import CheckpointError
     try:
         with zipfile.ZipFile(path) as zf:
@@ -68,11 +68,25 @@ def read_torch_zip(path: str) -> dict:
                 raise CheckpointError(f"{path}: not a torch.save zip archive (no data.pkl)")
             prefix = pkl[0][:-len("/data.pkl")]
             with zf.open(pkl[0]) as fh:
-                state = _Unpickler(fh, zf, prefix).load()
+                return _Unpickler(fh, zf, prefix).load()
     except zipfile.BadZipFile:
         raise CheckpointError(f"{path}: not a zip archive; legacy (pre-1.6) torch files are not supported") from None
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def read_torch_zip(path: str) -> dict:
+    from jaxspec.models.loading import CheckpointError
+    state = _unpickle(path)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict")
     return {k: (v.astype(np.float32) if v.dtype == ml_dtypes.bfloat16 else v) for k, v in state.items()}
+
+
+def read_torch_tensor(path: str) -> np.ndarray:
+    """A file written by `torch.save(tensor)` (SGLang's token maps), as numpy."""
+    from jaxspec.models.loading import CheckpointError
+    value = _unpickle(path)
+    if not isinstance(value, np.ndarray):
+        raise CheckpointError(f"{path}: holds a {type(value).__name__}, not a tensor")
+    return value

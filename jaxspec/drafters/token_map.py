@@ -1,0 +1,75 @@
+"""FR-Spec's small draft vocabulary (`--speculative-token-map`, seed 002).
+
+A draft head with few layers spends most of a draft step in its vocabulary projection: SmolLM2's
+tied 49152 x 576 embedding is three times the shipped EAGLE-3 head. A token map lists the K
+target ids the head may propose (the most frequent ones); the head's projection is cut to those
+K columns and its draft ids map back through the list. Verification still reads the target's
+full distribution, so outputs do not change: only which tokens can be drafted.
+
+Maps come as SGLang writes them (`torch.save` of a 1-D tensor, read here without torch), as a
+.npy array, or as a JSON list of ids.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.models.loading import CheckpointError
+
+
+def load_token_map(path: str, vocab_size: int) -> np.ndarray:
+    """The map's ids as int32, checked against the target's vocabulary."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"token map {path!r}: no such file")
+    try:
+        if path.endswith(".npy"):
+            ids = np.load(path, allow_pickle=False)
+        elif path.endswith(".json"):
+            with open(path) as f:
+                ids = np.asarray(json.load(f))
+        else:
+            from jaxspec.models.torch_zip import read_torch_tensor
+            ids = read_torch_tensor(path)
+    except (ValueError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"token map {path}: unreadable ({e})") from None
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise CheckpointError(f"token map {path}: expected a non-empty 1-D list of integer token ids, "
+                              f"got shape {ids.shape} of {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise CheckpointError(f"token map {path}: id {int(bad[0])} is outside the target's vocabulary "
+                              f"[0, {vocab_size}) (a map built for another model?)")
+    uniq, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise CheckpointError(f"token map {path}: id {int(uniq[counts > 1][0])} is listed more than once")
+    return ids.astype(np.int32)
+
+
+def apply_token_map(head, target, ids: np.ndarray):
+    """Cut `head`'s vocabulary projection to the target ids `ids` (in place; returns the head).
+    An EAGLE head borrows the target's projection: it gets its own, the target's columns for
+    ids. A head with a draft vocabulary already (EAGLE-3's d2t) keeps the columns of the ids it
+    has; an id outside it is an error."""
+    cfg = head.cfg
+    if cfg.kind == "eagle":
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            raise ValueError("this EAGLE head has a token map already")
+        w = target.embed[...].T if target.cfg.tie_word_embeddings else target.lm_head[...]
+        cols = ids
+    else:
+        d2t = np.asarray(head.draft_to_target[...])
+        where = {int(t): j for j, t in enumerate(d2t)}
+        missing = [int(t) for t in ids if int(t) not in where]
+        if missing:
+            raise CheckpointError(f"token map: {len(missing)} ids (first {missing[0]}) are outside the head's "
+                                  f"{len(d2t)}-token draft vocabulary")
+        w, cols = head.lm_head[...], np.array([where[int(t)] for t in ids])
+    head.lm_head = nnx.Param(w[:, jnp.asarray(cols)])
+    head.draft_to_target = nnx.Variable(jnp.asarray(ids, jnp.int32))
+    head.cfg = dataclasses.replace(cfg, draft_vocab_size=len(ids))
+    return head

@@ -1,0 +1,68 @@
+"""FR-Spec token maps: the head drafts only the listed ids, outputs stay the target's, and bad
+maps are refused with the reason."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import TINY
+from jaxspec import Generator, SamplingParams, SpecConfig
+from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.drafters.token_map import apply_token_map, load_token_map
+from jaxspec.models.loading import CheckpointError
+
+KW = dict(max_batch=8, max_seq_len=128, num_pages=300)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_token_map_cuts_the_draft_vocabulary_and_keeps_outputs(tiny, kind):
+    ids = np.random.default_rng(0).permutation(48)[:20].astype(np.int32)
+    head = DraftHead(HeadConfig.for_target(TINY, kind, draft_vocab_size=48 if kind == "eagle3" else None),
+                     rngs=nnx.Rngs(5))
+    full_logits = np.asarray(head.logits(tiny, jnp.ones((1, TINY.hidden_size))))
+    apply_token_map(head, tiny, ids)
+    assert head.cfg.draft_vocab_size == 20
+    np.testing.assert_array_equal(np.asarray(head.to_target(jnp.arange(20))), ids)
+    # the cut projection is the full one's columns for the listed ids
+    # (the eagle3 head's d2t is the identity here, so its columns are the ids too)
+    np.testing.assert_allclose(np.asarray(head.logits(tiny, jnp.ones((1, TINY.hidden_size)))), full_logits[:, ids],
+                               rtol=1e-5, atol=1e-5)
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(5)]
+    for params in (SamplingParams(max_tokens=16, ignore_eos=True),
+                   [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]):
+        plain = Generator(tiny, None, **KW).generate(prompts, params)
+        spec = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), **KW).generate(prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_token_map_files_in_each_format_and_their_errors(tmp_path, tiny):
+    torch = pytest.importorskip("torch")
+    ids = [5, 1, 9, 33]
+    torch.save(torch.tensor(ids), tmp_path / "map.pt")  # SGLang's format
+    np.save(tmp_path / "map.npy", np.array(ids))
+    (tmp_path / "map.json").write_text(json.dumps(ids))
+    for name in ("map.pt", "map.npy", "map.json"):
+        assert load_token_map(str(tmp_path / name), 64).tolist() == ids
+    cases = {"far.json": ([1, 64], r"id 64 is outside the target's vocabulary \[0, 64\)"),
+             "dup.json": ([1, 2, 1], "id 1 is listed more than once"),
+             "flat.json": ([[1, 2]], "expected a non-empty 1-D list of integer token ids"),
+             "empty.json": ([], "expected a non-empty 1-D list")}
+    for name, (value, message) in cases.items():
+        (tmp_path / name).write_text(json.dumps(value))
+        with pytest.raises(CheckpointError, match=f"token map .*{name}: {message}"):
+            load_token_map(str(tmp_path / name), 64)
+    with pytest.raises(CheckpointError, match="no such file"):
+        load_token_map(str(tmp_path / "absent.pt"), 64)
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match="junk.pt: not a zip archive"):
+        load_token_map(str(tmp_path / "junk.pt"), 64)
+    # an EAGLE-3 head drafts from its own vocabulary: a map may only narrow it
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3", draft_vocab_size=8), rngs=nnx.Rngs(5))
+    with pytest.raises(CheckpointError, match="1 ids .first 33. are outside the head's 8-token draft vocabulary"):
+        apply_token_map(head, tiny, np.array([1, 2, 33]))
+    with pytest.raises(ValueError, match="a token map restricts an EAGLE head's draft vocabulary; NGRAM has no head"):
+        SpecConfig("NGRAM", token_map=str(tmp_path / "map.pt")).build(tiny)
