@@ -66,3 +66,26 @@ def test_token_map_files_in_each_format_and_their_errors(tmp_path, tiny):
         apply_token_map(head, tiny, np.array([1, 2, 33]))
     with pytest.raises(ValueError, match="a token map restricts an EAGLE head's draft vocabulary; NGRAM has no head"):
         SpecConfig("NGRAM", token_map=str(tmp_path / "map.pt")).build(tiny)
+
+
+def test_the_builder_counts_what_the_target_emits(tiny, smollm, tmp_path):
+    from jaxspec import token_map
+    counts = token_map.count_emitted(tiny, None, None, max_new_tokens=12, seed=0, batch=32, num_prompts=32)
+    assert counts.sum() > 32 * 6  # most answers run to the token budget
+    ids = token_map.top_ids(counts, 16)
+    assert counts[ids].min() >= np.delete(counts, ids).max()  # no id left out counts more than one kept
+    cov = token_map.coverage(counts, (4, 8, 16, 32))
+    assert list(cov) == [4, 8, 16, 32] and all(a <= b for a, b in zip(cov.values(), list(cov.values())[1:]))
+    assert cov[16] == pytest.approx(counts[ids].sum() / counts.sum())
+    for name in ("map.npy", "map.json"):
+        token_map.write_map(ids, str(tmp_path / name))
+        assert load_token_map(str(tmp_path / name), TINY.vocab_size).tolist() == ids.tolist()
+    # a user's prompts, chat-templated by the model's tokenizer
+    _, tok = smollm
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')
+    got = token_map.read_prompts(str(tmp_path / "p.jsonl"), tok)
+    assert got[0] == tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert len(got) == 2
+    (tmp_path / "bad.jsonl").write_text('{"text": "no"}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1: a line needs a 'prompt' or 'messages' field"):
+        token_map.read_prompts(str(tmp_path / "bad.jsonl"), tok)
