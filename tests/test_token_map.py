@@ -1,5 +1,6 @@
 """FR-Spec token maps: the head drafts only the listed ids, outputs stay the target's, and bad
 maps are refused with the reason."""
+import functools
 import json
 
 import jax.numpy as jnp
@@ -30,13 +31,21 @@ def test_a_token_map_cuts_the_draft_vocabulary_and_keeps_outputs(tiny, kind):
     # (the eagle3 head's d2t is the identity here, so its columns are the ids too)
     np.testing.assert_allclose(np.asarray(head.logits(tiny, jnp.ones((1, TINY.hidden_size)))), full_logits[:, ids],
                                rtol=1e-5, atol=1e-5)
-    rng = np.random.default_rng(1)
-    prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(5)]
-    for params in (SamplingParams(max_tokens=16, ignore_eos=True),
-                   [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]):
-        plain = Generator(tiny, None, **KW).generate(prompts, params)
-        spec = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), **KW).generate(prompts, params)
-        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    spec = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), **KW)
+    for params, plain in plain_outputs(tiny):
+        assert [o.token_ids for o in spec.generate(PROMPTS, params)] == plain
+
+
+PROMPTS = [list(map(int, np.random.default_rng(1).integers(0, 62, n))) for n in (3, 9, 14, 19, 5)]
+
+
+@functools.cache
+def plain_outputs(model):
+    """(params, plain decoding's tokens): greedy, then seeded sampling."""
+    gen = Generator(model, None, **KW)
+    sets = (SamplingParams(max_tokens=16, ignore_eos=True),
+            [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)])
+    return [(p, [o.token_ids for o in gen.generate(PROMPTS, p)]) for p in sets]
 
 
 def test_token_map_files_in_each_format_and_their_errors(tmp_path, tiny):
