@@ -59,14 +59,15 @@ def child(model_path, algo, cache_dir, started, mixed, out):
     load_s = time.perf_counter() - t0
     info = gen.scheduler.warmup()
     gen.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+    groups = [p for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p]
     row = dict(model="smollm2-135m", build_workers=os.environ.get("STARTUP_BUILD_WORKERS", "auto"),
                weights="random" if os.environ.get("STARTUP_RANDOM_WEIGHTS") else "gguf",
                algorithm=algo, programs=info["programs"], imported_s=imported_s, backend_s=backend_s,
                weights_s=weights_s, load_s=load_s,
                warmup_s=info["seconds"], first_token_s=time.time() - started,
-               lower_s=sum(p.build_seconds["lower"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
-               compile_s=sum(p.build_seconds["compile"] for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
-               store_reads=sum(p.store_reads for p in (gen.scheduler.programs, gen.scheduler.plain_programs) if p),
+               lower_s=sum(p.build_seconds["lower"] for p in groups),
+               compile_s=sum(p.build_seconds["compile"] for p in groups),
+               store_reads=sum(p.store_reads for p in groups),
                cache_hits=events.get("/jax/compilation_cache/cache_hits", 0),
                cache_misses=events.get("/jax/compilation_cache/cache_misses", 0))
     rows = [row]

@@ -1,7 +1,7 @@
 """A cold start's program set built by several processes at once.
 
 Tracing and lowering a program is Python work that threads cannot share (the GIL): on the H100
-the EAGLE-3 engine's 32 programs lowered for 74 s of a 124 s cold warm-up (startup-*.json). So
+the EAGLE-3 engine's 32 programs lowered for 69 s of a 105 s cold warm-up (startup-*.json at 80c2c98). So
 when the store (program_store.py) lacks many of an engine's programs, worker processes each
 export and compile a share of them from the programs' recipe (graph definitions and weight
 shapes, no weights) into the store and JAX's compilation cache; the engine then reads every

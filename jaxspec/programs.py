@@ -171,6 +171,10 @@ class Programs:
                 self.late_compiles.append(key)
         return exe(self.state, cache, *args)
 
+    def stored(self, name, flags, cache, args) -> bool:
+        """Whether the store holds this program (exported by an earlier start or a worker)."""
+        return os.path.exists(os.path.join(self.store, self.entry(name, flags, cache, args)))
+
     def entry(self, name, flags, cache, args) -> str:
         """The file name of this program in the store."""
         return program_store.entry_name(self.config_key, name, flags, _signature((self.state, cache, args)),

@@ -118,20 +118,22 @@ class DraftHead(nnx.Module):
         fused = jnp.concatenate(list(target_layers), axis=-1)  # [B, T, 3H], low/mid/high
         return (fused @ self.fc[...]).astype(target_final.dtype)
 
+    @property
+    def borrows_target_head(self) -> bool:
+        """An EAGLE head without a token map drafts through the target's own projection."""
+        return self.cfg.kind == "eagle" and self.cfg.draft_vocab_size == self.cfg.vocab_size
+
     def logits(self, target, out):
         """Draft logits [..., Vd] (float32) from the layer output."""
-        if self.cfg.kind == "eagle":
-            if self.cfg.draft_vocab_size == self.cfg.vocab_size:
-                return target.logits(out)
-            # a token map (token_map.py): the target's projection, cut to the map's columns
+        if self.borrows_target_head:
+            return target.logits(out)
+        if self.cfg.kind == "eagle":  # a token map (token_map.py): the target's projection, cut to its columns
             return jnp.einsum("...h,hv->...v", out, self.lm_head[...], preferred_element_type=jnp.float32)
         h = rms_norm(out, self.norm[...], self.cfg.rms_norm_eps)
         return jnp.einsum("...h,hv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def to_target(self, draft_ids):
-        if self.cfg.draft_vocab_size == self.cfg.vocab_size and self.cfg.kind == "eagle":
-            return draft_ids
-        return self.draft_to_target[...][draft_ids]
+        return draft_ids if self.borrows_target_head else self.draft_to_target[...][draft_ids]
 
     # -- the layer, split around its attention ---------------------------------------------------
     def qkv(self, emb, hidden, positions):

@@ -1,7 +1,7 @@
 """A GGUF file's metadata and tensors, read in one pass over the bytes.
 
-gguf's GGUFReader builds a memmap view per field part: SmolLM2's 49152 tokens and 48900 merges
-made its constructor take 4 s, and its row-grouped dequantize 1.6 s more. Here the metadata is
+gguf's GGUFReader builds a memmap view per field part, so SmolLM2's 49152 tokens and 48900
+merges made its constructor take seconds, and it dequantizes a few rows at a time. Here the metadata is
 parsed with struct from one read of the file, and each tensor is dequantized whole by gguf's
 block decoders.
 """

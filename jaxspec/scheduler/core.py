@@ -161,11 +161,8 @@ class Scheduler(Admission, Dispatch, Outputs):
         specs = self.program_specs(flag_sets)
         groups = list({id(p): p for p, *_ in specs}.values())
         if groups[0].jit and groups[0].store:
-            missing = {}
-            for progs, *spec in specs:
-                entry = progs.entry(*spec)
-                if not os.path.exists(os.path.join(progs.store, entry)):
-                    missing[entry] = (groups.index(progs), *spec)
+            missing = {progs.entry(*spec): (groups.index(progs), *spec)
+                       for progs, *spec in specs if not progs.stored(*spec)}
             workers = program_workers.default_workers(len(missing)) if self.build_workers is None else self.build_workers
             if workers and missing:
                 program_workers.build(groups, list(missing.values()), workers)
