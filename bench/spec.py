@@ -1,8 +1,9 @@
 """Speculative vs plain decoding through the real engine (Generator), side by side in one run.
 
     python bench/spec.py --model smollm2-135m [--datasets humaneval,mt-bench] [--batches 1,8,64]
-        [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16]   (eagle3:steps:topk:tokens;
-        a suffix @pallas / @mosaic / @ref picks the attention, default auto)
+        [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16,eagle:6:4:24/map4096,dflash:16]
+        (eagle3|eagle:steps:topk:tokens; dflash[:tokens]; /mapK restricts the head to the first K
+        ids of --token-map (FR-Spec); a suffix @pallas / @mosaic / @ref picks the attention)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, run_torch_anchor, write_results
 from jaxspec import SamplingParams, SpecConfig
-from jaxspec.speculative import DEFAULT_HEADS
+from jaxspec.speculative import shipped_drafter
 from jaxspec.generator import Generator
 from jaxspec.models.loading import load
 
@@ -83,6 +84,21 @@ def timed_run(gen, prompts, batch, max_tokens):
                 host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0)
 
 
+def map_prefix(path, size: int) -> str:
+    """The first `size` ids of the ranked map at `path`, as a temporary .npy."""
+    import tempfile
+
+    from jaxspec.drafters.token_map import load_token_map
+    if not path:
+        raise SystemExit("an algorithm with /mapK needs --token-map")
+    ids = load_token_map(path, 1 << 31)
+    if len(ids) < size:
+        raise SystemExit(f"--token-map {path} lists {len(ids)} ids, fewer than {size}")
+    out = os.path.join(tempfile.mkdtemp(), f"map{size}.npy")
+    np.save(out, ids[:size])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -92,7 +108,13 @@ def main():
     ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = batch * this (batch 1: 8)")
     ap.add_argument("--algos", default="plain,ngram:8",
                     help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>")
-    ap.add_argument("--draft-model", default=None, help="EAGLE head directory (default: the shipped one)")
+    ap.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (default: the shipped one)")
+    ap.add_argument("--eagle-model", default=None, help="EAGLE head directory (default: the shipped one)")
+    ap.add_argument("--dflash-model", default=None, help="DFLASH drafter directory (default: the shipped one)")
+    ap.add_argument("--token-map", help="token ids by frequency (.npy/.json/.pt), cut to K by an algorithm's /mapK")
+    ap.add_argument("--max-batch", type=int, default=64, help="the engines' largest batch (fewer programs below 64)")
+    ap.add_argument("--lazy", action="store_true",
+                    help="no start-up build of the engines' program sets: the warm-up passes compile what they meet")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bf16 on GPU")
     ap.add_argument("--repeats", type=int, default=1, help="timed rounds (median reported)")
     ap.add_argument("--min-seconds", type=float, default=0.0,
@@ -106,8 +128,10 @@ def main():
                     help="scheduler's tree budget per step over the batch (default: the scheduler's)")
     args = ap.parse_args()
     import jax.numpy as jnp
-    if args.draft_model is None and "smol" in args.model.lower():  # a SmolLM2 GGUF path: the shipped head
-        args.draft_model = DEFAULT_HEADS["smollm2-135m"]
+    if "smol" in args.model.lower():  # a SmolLM2 GGUF path: the shipped drafters
+        args.draft_model = args.draft_model or shipped_drafter("smollm2-135m", "EAGLE3")
+        args.eagle_model = args.eagle_model or shipped_drafter("smollm2-135m", "EAGLE")
+        args.dflash_model = args.dflash_model or shipped_drafter("smollm2-135m", "DFLASH")
     model, tok = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
     gens = {}
     for a in args.algos.split(","):
@@ -115,6 +139,7 @@ def main():
         while any(lab == label for _, lab in gens):
             label += "#2"  # the same algorithm again: a control for the noise between rounds
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
+        a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
         name, *nums = a.split(":")
         nums = [int(x) for x in nums]
         if name == "plain":
@@ -123,14 +148,17 @@ def main():
             spec = SpecConfig("NGRAM", num_draft_tokens=nums[0] if nums else 8)
         elif name == "naive_eagle":
             spec = SpecConfig("NAIVE_EAGLE", draft_model_path=args.draft_model, num_steps=nums[0] if nums else 1)
+        elif name == "dflash":
+            spec = SpecConfig("DFLASH", draft_model_path=args.dflash_model, num_draft_tokens=nums[0] if nums else None)
         else:
-            spec = SpecConfig(name.upper(), draft_model_path=args.draft_model, num_steps=nums[0], eagle_topk=nums[1],
-                              num_draft_tokens=nums[2])
+            spec = SpecConfig(name.upper(), draft_model_path=args.eagle_model if name == "eagle" else args.draft_model,
+                              num_steps=nums[0], eagle_topk=nums[1], num_draft_tokens=nums[2],
+                              token_map=map_prefix(args.token_map, int(map_size)) if map_size else None)
         drafter = spec.build(model, args.model) if spec else None
         kw = {} if args.spec_max_verify_tokens is None else dict(spec_max_verify_tokens=args.spec_max_verify_tokens)
         kw["attn_impl"] = attn_impl or "auto"
-        gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=64, max_seq_len=1024, page_size=16,
-                                        warmup=True, **kw)
+        gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
+                                        page_size=16, warmup=not args.lazy, **kw)
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":
@@ -172,6 +200,8 @@ def main():
                 outs = runs[0]["outs"]
                 row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
                            algorithm=name, config=label, dataset=ds, batch=b,
+                           token_map=(label.split("/map")[1].split("@")[0] if "/map" in label
+                                      else ("none" if name in ("eagle", "eagle3", "naive_eagle") else None)),
                            draft_tokens=getattr(gen.scheduler.drafter, "num_nodes", None),
                            tokens_per_s=float(np.median(tps)), tokens_per_s_runs=tps, requests=len(ps),
                            tokens=runs[0]["tokens"], compiles_in_timed_run=sum(r["compiles"] for r in runs),

@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def spec_of(algo):
     from jaxspec import SpecConfig
-    from jaxspec.speculative import DEFAULT_HEADS
+    from jaxspec.speculative import shipped_drafter
     return None if algo == "plain" else SpecConfig("EAGLE3", num_steps=6, eagle_topk=4, num_draft_tokens=24,
-                                                   draft_model_path=DEFAULT_HEADS["smollm2-135m"])
+                                                   draft_model_path=shipped_drafter("smollm2-135m", "EAGLE3"))
 
 
 def child(model_path, algo, cache_dir, started, mixed, out):

@@ -14,7 +14,6 @@ import pickle
 import subprocess
 import sys
 import tempfile
-import types
 import warnings
 
 import jax
@@ -69,12 +68,13 @@ def _build(recipes, job):
     from jaxspec.programs import Programs, enable_compilation_cache
     enable_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR") or "off")
     groups = []
-    for graphs, abstract, tree, attn_impl, store in recipes:
+    for graphs, abstract, drafter_of, attn_impl, store in recipes:
         if len(graphs) == 1:
             model, drafter = nnx.merge(graphs[0], abstract), None
         else:
             model = nnx.merge(graphs[0], abstract[0])
-            drafter = types.SimpleNamespace(head=nnx.merge(graphs[1], abstract[1]), tree=tree)
+            cls, tree = drafter_of
+            drafter = cls(nnx.merge(graphs[1], abstract[1]), tree)
         groups.append(Programs(model, attn_impl=attn_impl, drafter=drafter, store=store))
     for i, g in enumerate(groups):
         g.build([spec[1:] for spec in job if spec[0] == i])

@@ -6,10 +6,11 @@ device at a stop id or its token budget: the host launches and reads back once p
 small batch, where launching a step costs the host about as long as the GPU takes to run it, the
 GPU no longer waits for the host between steps. `verify_tree` runs a host-drafted tree through
 the target, accepts the longest matching root path, compacts the accepted K/V and returns the
-emitted tokens. With a device drafter (EAGLE heads) `extend` and `verify_steps` come from the
-drafter's step module (drafters/eagle_step.py): they also keep the head in step and draft the
-next tree, and `verify_steps` runs up to MAX_VERIFY_STEPS speculative steps a call. The cache is
-donated to every program; none syncs with the host.
+emitted tokens. With a device drafter (EAGLE heads, DFLASH) `extend` and `verify_steps` come
+from the drafter's step module (drafters/eagle_step.py, dflash_step.py): they also keep the
+drafter's cache in step and draft the next tree, and `verify_steps` runs up to
+MAX_VERIFY_STEPS speculative steps a call. The cache is donated to every program; none syncs
+with the host.
 
 Shapes: the page table always has the engine's maximum width (the kernels stop at each
 request's length), a batch is padded to a bucket of BATCH_BUCKETS, a prefill chunk to one of
@@ -121,16 +122,14 @@ class Programs:
             self.carried = _CARRIED
             graphs = (graphdef,)
         else:
-            from jaxspec.drafters import eagle_step
             (g_target, s_target), (g_head, s_head) = nnx.split(model), nnx.split(head)
             state = (s_target, s_head)
             graphs = (g_target, g_head)
-            fns = {"extend": functools.partial(eagle_step.extend, graphs, drafter.tree, attn_impl),
-                   "verify_steps": functools.partial(eagle_step.verify_steps, graphs, drafter.tree, attn_impl)}
+            fns = drafter.step_functions(graphs, attn_impl)
             self.carried = _CARRIED_DEVICE_DRAFTER
         # what a worker process needs to build these programs (program_workers.py): no weights
         self._recipe = (graphs, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
-                        getattr(drafter, "tree", None), attn_impl)
+                        None if head is None else (type(drafter), drafter.tree), attn_impl)
         # the weights as a flat list: flattening the module state's tree on every call cost the
         # host ~0.4 ms a call (SmolLM2, H100: host_probe-*.json, before_flat_weights)
         self.state, treedef = jax.tree.flatten(state)

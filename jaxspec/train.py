@@ -1,4 +1,5 @@
-"""Train an EAGLE or EAGLE-3 head for a target model on data the target writes itself.
+"""Train an EAGLE or EAGLE-3 head, or a DFLASH drafter, for a target model on data the target
+writes itself.
 
     python -m jaxspec.train --model smollm2-135m --kind eagle3 --run runs/smollm2-eagle3 \\
         --export jaxspec/drafters/weights/smollm2-135m-eagle3
@@ -11,7 +12,8 @@
    vocabulary are recomputed each step, nothing large is stored); the head is unrolled `--ttt`
    steps on its own outputs (EAGLE-3's training-time test) and learns the target's distribution
    at every step. optax AdamW; orbax checkpoints every `--save-every` steps and when
-   `--max-minutes` runs out, so a run stops and resumes cleanly.
+   `--max-minutes` runs out, so a run stops and resumes cleanly. `--drafter dflash` trains a
+   DFLASH block drafter instead (its loss: train_dflash.py), on the same data.
 3. export: safetensors in SGLang's EAGLE-3 (or SafeAILab's EAGLE) layout, loss/accuracy curves as
    PNG, and a training card (card.json).
 """
@@ -113,7 +115,7 @@ def make_train_step(target, head_graph, head_rest, tx, hot, head_cfg: HeadConfig
         return ttt_loss(head, target, feats, final, tokens, lengths, target_logp, ttt)
 
     @jax.jit
-    def step(params, opt_state, t_state, tokens, lengths):
+    def step(params, opt_state, t_state, tokens, lengths, _step):
         (loss, (losses, accs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
@@ -165,7 +167,7 @@ def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
         else:
             for j in range(len(train[0]["acc"])):
                 src = val or train
-                ax.plot([r["step"] for r in src], [r["acc"][j] for r in src], label=f"draft step {j + 1}")
+                ax.plot([r["step"] for r in src], [r["acc"][j] for r in src], label=f"draft token {j + 1}")
         ax.set_xlabel("training step")
         ax.set_ylabel(ylabel)
         ax.legend()
@@ -181,7 +183,7 @@ def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jaxspec.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--kind", choices=["eagle3", "eagle"], default="eagle3")
+    ap.add_argument("--kind", "--drafter", dest="kind", choices=["eagle3", "eagle", "dflash"], default="eagle3")
     ap.add_argument("--run", required=True, help="run directory: data, checkpoints, metrics, curves")
     ap.add_argument("--export", help="write the trained head here when training completes")
     ap.add_argument("--num-prompts", type=int, default=4000)
@@ -203,6 +205,11 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-only", action="store_true", help="generate the run's data.npz and stop")
     ap.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, float32 on CPU)")
+    ap.add_argument("--block-size", type=int, default=16, help="DFLASH: tokens a draft pass proposes, the root included")
+    ap.add_argument("--draft-layers", type=int, default=3, help="DFLASH: drafter layers (and target feature layers)")
+    ap.add_argument("--feature-layers", type=int, default=None,
+                    help="DFLASH: target layers feeding the context, evenly spaced (default: --draft-layers)")
+    ap.add_argument("--anchors", type=int, default=8, help="DFLASH: blocks trained per sequence")
     return ap.parse_args(argv)
 
 
@@ -237,14 +244,26 @@ def train(args, target=None, tokenizer=None):
     val_tok, val_len = tokens[:n_val], lengths[:n_val]
     tr_tok, tr_len = tokens[n_val:], lengths[n_val:]
     vd = min(args.draft_vocab, target.cfg.vocab_size) if args.kind == "eagle3" else target.cfg.vocab_size
-    hot, coverage = draft_vocabulary(tr_tok, tr_len, target.cfg.vocab_size, vd)
-    cfg = HeadConfig.for_target(target.cfg, args.kind, draft_vocab_size=vd, intermediate_size=args.intermediate_size)
-    head = init_head(target, cfg, hot, args.seed)
-    graph, params, rest = nnx.split(head, nnx.Param, ...)
     sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1), args.steps, args.lr * 0.05)
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(sched, b2=0.95, weight_decay=0.0))
+    if args.kind == "dflash":
+        from jaxspec import train_dflash
+        from jaxspec.drafters.dflash import DFlashConfig, build_target_layer_ids
+        mask = train_dflash.mask_token_for(tokens, lengths, target.cfg.vocab_size, target.cfg.eos_token_ids)
+        ids = build_target_layer_ids(target.cfg.num_layers, args.feature_layers or args.draft_layers)
+        cfg = DFlashConfig.for_target(target.cfg, args.draft_layers, args.block_size, mask, ids,
+                                      intermediate_size=args.intermediate_size)
+        head = train_dflash.init_drafter(target, cfg, args.seed)
+        graph, params, rest = nnx.split(head, nnx.Param, ...)
+        step_fn, eval_fn, t_state = train_dflash.make_train_step(target, graph, rest, tx, cfg, args.anchors, args.seed)
+        coverage = None
+    else:
+        hot, coverage = draft_vocabulary(tr_tok, tr_len, target.cfg.vocab_size, vd)
+        cfg = HeadConfig.for_target(target.cfg, args.kind, draft_vocab_size=vd, intermediate_size=args.intermediate_size)
+        head = init_head(target, cfg, hot, args.seed)
+        graph, params, rest = nnx.split(head, nnx.Param, ...)
+        step_fn, eval_fn, t_state = make_train_step(target, graph, rest, tx, jnp.asarray(hot), cfg, args.ttt)
     opt_state = tx.init(params)
-    step_fn, eval_fn, t_state = make_train_step(target, graph, rest, tx, jnp.asarray(hot), cfg, args.ttt)
 
     ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(args.run, "checkpoints")),
                                  options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -265,7 +284,7 @@ def train(args, target=None, tokenizer=None):
             epoch, k = divmod(step, per_epoch)
             order = np.random.default_rng(args.seed + epoch).permutation(len(tr_tok))
             idx = order[k * args.batch:(k + 1) * args.batch]
-            params, opt_state, loss, accs = step_fn(params, opt_state, t_state, tr_tok[idx], tr_len[idx])
+            params, opt_state, loss, accs = step_fn(params, opt_state, t_state, tr_tok[idx], tr_len[idx], step)
             step += 1
             bar.update(1)
             loss_sum, acc_sum, n_sum = loss_sum + loss, acc_sum + accs, n_sum + 1
@@ -300,15 +319,22 @@ def train(args, target=None, tokenizer=None):
             dt = getattr(jnp, args.export_dtype)
             g, st = nnx.split(head)
             out = nnx.merge(g, jax.tree.map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, st))
-        export_head(out, args.export, target.cfg)
+        if args.kind == "dflash":
+            from jaxspec.drafters.dflash import export_dflash
+            export_dflash(out, args.export, target.cfg)
+        else:
+            export_head(out, args.export, target.cfg)
         rows = [json.loads(l) for l in open(metrics_path)]
         val = [r for r in rows if r["split"] == "val"]
         d = np.load(data_path)
         # the card names the target without a machine path
         card = dict(target=os.path.basename(args.model.rstrip(os.sep)), kind=args.kind,
                     sequences=int(len(tokens)), tokens=int(lengths.sum()),
-                    train_sequences=int(len(tr_tok)), draft_vocab=int(vd), draft_vocab_coverage=coverage,
-                    steps=int(step), planned_steps=args.steps, batch=args.batch, seq_len=args.seq_len, ttt=args.ttt, lr=args.lr,
+                    train_sequences=int(len(tr_tok)), steps=int(step), planned_steps=args.steps, batch=args.batch,
+                    seq_len=args.seq_len, lr=args.lr,
+                    **(dict(block_size=cfg.block_size, draft_layers=cfg.num_layers, anchors=args.anchors,
+                            target_layer_ids=list(cfg.target_layer_ids), mask_token=cfg.mask_token)
+                       if args.kind == "dflash" else dict(draft_vocab=int(vd), draft_vocab_coverage=coverage, ttt=args.ttt)),
                     data_seconds=float(d["seconds"]) if "seconds" in d else None,
                     final_val_acc=val[-1]["acc"] if val else None, final_val_loss=val[-1]["loss"] if val else None,
                     train_seconds=clock["train_seconds"], device=jax.devices()[0].device_kind,

@@ -18,6 +18,7 @@ drafting (see eagle_step.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.drafters.device import DeviceDrafter
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import apply_rope, rms_norm, rope_frequencies
 from jaxspec.models.loading import CheckpointError
@@ -307,25 +309,15 @@ def export_head(head: DraftHead, directory: str, target_cfg: ModelConfig, extra_
         json.dump(hf, f, indent=1)
 
 
-class EagleDrafter:
-    """The host's view of an EAGLE head: the head and tree shape the programs are built from, and
-    the tree each request's last step drafted (kept on the request) handed to the next verify."""
+class EagleDrafter(DeviceDrafter):
+    """An EAGLE or EAGLE-3 head and the tree shape it drafts (see eagle_step.py)."""
 
-    def __init__(self, head: DraftHead, tree):
-        self.head, self.tree = head, tree
-        self.num_nodes = tree.num_draft_tokens
-
-    def create_cache(self, num_pages, page_size, dtype):
-        from jaxspec.kv_cache import KVCache
+    def cache_shape(self):
         c = self.head.cfg
-        return KVCache.create(1, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype)
+        return 1, c.num_kv_heads, c.head_dim
 
-    def propose(self, req, max_nodes):
-        if req.draft is None:  # e.g. the whole prompt came from the prefix cache: verify the root alone
-            return [], []
-        tokens, parents = req.draft
-        m = min(max_nodes, len(tokens))  # nodes are parent-first, so any prefix is a tree
-        return tokens[1:m], parents[1:m]
-
-    def finish(self, req):
-        req.draft = None
+    def step_functions(self, graphs, attn_impl):
+        from jaxspec.drafters import eagle_step
+        verify = functools.partial(eagle_step.verify, graphs, self.tree, attn_impl)
+        return {"extend": functools.partial(eagle_step.extend, graphs, self.tree, attn_impl),
+                "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree)}

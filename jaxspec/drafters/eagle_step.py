@@ -199,10 +199,12 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
 MAX_VERIFY_STEPS = 4  # a verify_steps call's most steps (its outputs' width)
 
 
-def verify_steps(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes,
+def verify_steps(verify_step, tree: TreeShape, state, cache, tokens, parents, page_table, kv_lens, num_nodes,
                  budget, stop_ids, num_steps, next_nodes, sb, flags):
     """Up to num_steps (<= MAX_VERIFY_STEPS, a device scalar) verify steps in one call, each one
-    drafting the next step's tree: the host launches and reads back once per call.
+    drafting the next step's tree: the host launches and reads back once per call. verify_step:
+    a device drafter's one-step function (`verify` here, or dflash_step.verify) with its graphs,
+    tree and attention bound, taking (state, cache, ...) as `verify` does.
 
     The first step verifies the given trees (num_nodes [B]); the later ones their own drafts, of
     next_nodes nodes. Row b stops once it has emitted budget[b] tokens or emitted a token of
@@ -211,7 +213,7 @@ def verify_steps(graphs, tree: TreeShape, attn_impl, state, cache, tokens, paren
     values and ids [B, M, N, n] or None, the last step's drafted tree, the next call's (tokens,
     parents, kv lengths, sampling batch, budget) in this call's donated buffers, caches)."""
     b, n, m, k = tokens.shape[0], tokens.shape[1], MAX_VERIFY_STEPS, flags.top_logprobs
-    step = functools.partial(verify, graphs, tree, attn_impl, state)
+    step = functools.partial(verify_step, state)
     width = min(n, tree.num_draft_tokens)
     tree0 = (jnp.zeros((b, tree.num_draft_tokens), jnp.int32), jnp.full((b, tree.num_draft_tokens), -1, jnp.int32))
     outs = dict(tokens=jnp.zeros((b, m, n), jnp.int32), counts=jnp.zeros((b, m), jnp.int32),

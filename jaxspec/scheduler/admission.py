@@ -20,7 +20,7 @@ class Admission:
             req = self.waiting[0]
             toks = req.tokens
             matched = self.pool.match_prefix(toks)
-            need = -(-(len(toks) + 1) // self.page_size) - len(matched)
+            need = min(-(-(len(toks) + 1 + self.draft_slots) // self.page_size), self.max_pages_per_seq) - len(matched)
             # keep a page per running request in hand so admission does not starve decoding
             if need + len(self.running) > self.pool.available:
                 self.pool.release(matched)

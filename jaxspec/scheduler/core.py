@@ -52,8 +52,10 @@ class Scheduler(Admission, Dispatch, Outputs):
         rows_max = bucket(max_batch, BATCH_BUCKETS)  # no prefill program wider than the batch can be
         self.prefill_shapes = sorted({(min(r, rows_max), t) for r, t in prefill_shapes(prefill_chunk)})
         self.max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
-        # a verify step writes a whole (padded) draft tree past the sequence's end
-        slack = bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1
+        # a verify step writes a whole (padded) draft tree past the sequence's end, and DFLASH's
+        # draft its block after the accepted tokens
+        self.draft_slots = getattr(drafter, "draft_slots", 0)
+        slack = (bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1) + self.draft_slots
         self.max_pages_per_seq = -(-(self.max_seq_len + slack) // page_size)
         if num_pages is None:
             num_pages = max(self.max_pages_per_seq + 1, 1 + max_batch * 256 // page_size)
@@ -280,7 +282,7 @@ class Scheduler(Admission, Dispatch, Outputs):
         """Cache slots past a request's kv length that a call of `steps` verify steps may write:
         every step but the last accepts at most the tree's depth + 1 tokens."""
         depth = getattr(getattr(self.drafter, "tree", None), "steps", nodes)
-        return (steps - 1) * min(nodes, depth + 1) + nodes
+        return (steps - 1) * min(nodes, depth + 1) + nodes + self.draft_slots
 
     def _match_keys(self, reqs, nodes) -> list:
         """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the

@@ -1,0 +1,36 @@
+"""What the scheduler sees of a drafter that runs on the device inside the fused step (EAGLE,
+EAGLE-3, DFLASH): the module and draft shape its programs are built from, its cache, and the
+draft each request's last step produced (kept on the request) handed to the next verify."""
+from __future__ import annotations
+
+from jaxspec.kv_cache import KVCache
+
+
+class DeviceDrafter:
+    draft_slots = 0  # cache slots past the verified tokens that drafting writes (DFLASH's block)
+
+    def __init__(self, head, tree):
+        self.head, self.tree = head, tree
+        self.num_nodes = tree.num_draft_tokens
+
+    def cache_shape(self) -> tuple:
+        """(layers, kv heads, head dim) of the drafter's own paged cache."""
+        raise NotImplementedError
+
+    def step_functions(self, graphs, attn_impl) -> dict:
+        """{'extend': ..., 'verify_steps': ...}: the fused programs' functions (see programs.py)."""
+        raise NotImplementedError
+
+    def create_cache(self, num_pages, page_size, dtype):
+        layers, kv_heads, head_dim = self.cache_shape()
+        return KVCache.create(layers, num_pages, page_size, kv_heads, head_dim, dtype)
+
+    def propose(self, req, max_nodes):
+        if req.draft is None:  # e.g. the whole prompt came from the prefix cache: verify the root alone
+            return [], []
+        tokens, parents = req.draft
+        m = min(max_nodes, len(tokens))  # nodes are parent-first, so any prefix is a tree
+        return tokens[1:m], parents[1:m]
+
+    def finish(self, req):
+        req.draft = None

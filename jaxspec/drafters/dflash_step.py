@@ -1,0 +1,101 @@
+"""DFLASH's fused step: target verify of the drafted block -> accept -> the drafter's context K/V
+for the accepted positions -> the next block drafted in one pass, one jitted program with both
+caches donated (SGLang's DFLASH worker runs these as separate forwards; seed 003).
+
+The draft is a chain: the block [root, d_1 .. d_{n-1}] is verified as a tree whose node i has
+parent i - 1, by the same verify_and_accept as every drafter (so sampling stays lossless: drafts
+are the drafter's argmax, and the target's own sample decides each position).
+
+The drafter's cache, per drafter layer, in the target's pages: slot p < kv_len holds K/V
+projected from the target's features at position p. A draft pass writes the block's own K/V at
+slots P .. P + n - 1 (P = the committed length) and attends over slots [0, P + n) with the block
+fully visible to itself; the next step's context K/V overwrite those slots as positions commit.
+Only accepted positions get context K/V (seed 004's skip of dead positions, here for free).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec import attention, sampling
+from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
+from jaxspec.models.llama import rope_frequencies, rope_table
+from jaxspec.verify import verify_and_accept
+
+
+def write_context(head, dcache: KVCache, features, page_table, kv_lens, q_lens):
+    """Context K/V for positions kv_len .. kv_len + q_len - 1 of each row, from the target's
+    selected layer outputs there (features [len(ids), B, T, H]), into every drafter layer."""
+    t = features.shape[2]
+    ctx = head.context(features)
+    rope = rope_table(kv_lens[:, None] + jnp.arange(t)[None], rope_frequencies(head.cfg))
+    page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, dcache.page_size)
+    kp, vp = dcache.k, dcache.v
+    for li, layer in enumerate(head.layers):
+        k, v = layer.kv(ctx, rope)
+        kp, vp = write_layer(kp, li, k, page, offset), write_layer(vp, li, v, page, offset)
+    return KVCache(kp, vp)
+
+
+def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, live, width: int, attn_impl):
+    """The next chain of `width` nodes: root [B] (the pending token, at position prefix_len) and
+    the drafter's argmax at the block's other positions. Rows not live write nothing.
+    Returns ((tokens [B, width], parents [B, width]), cache)."""
+    b = root.shape[0]
+    tokens = jnp.concatenate([root[:, None].astype(jnp.int32), jnp.full((b, width - 1), head.cfg.mask_token, jnp.int32)], 1)
+    q_lens = jnp.where(live, width, 0).astype(jnp.int32)
+    rope = rope_table(prefix_len[:, None] + jnp.arange(width)[None], rope_frequencies(head.cfg))
+    page, offset = slot_coordinates(page_table, prefix_len, q_lens, width, dcache.page_size)
+    everything = jnp.ones((b, width, width), bool)  # non-causal inside the block
+    kp, vp = dcache.k, dcache.v
+    x = target.embed_tokens(tokens)
+    for li, layer in enumerate(head.layers):
+        q, k, v = layer.qkv(x, rope)
+        kp, vp = write_layer(kp, li, k, page, offset), write_layer(vp, li, v, page, offset)
+        o = attention.paged_attention(q, kp, vp, li, page_table, prefix_len, q_lens, everything, impl=attn_impl)
+        x = layer.finish(x, o)
+    drafted = jnp.argmax(head.logits(target, x[:, 1:]), axis=-1).astype(jnp.int32)
+    parents = jnp.broadcast_to(jnp.arange(-1, width - 1, dtype=jnp.int32), (b, width))
+    return (tokens.at[:, 1:].set(drafted), parents), KVCache(kp, vp)
+
+
+def extend(graphs, tree, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, flags):
+    """A prefill chunk with the drafter's context written for it and the next block drafted (used
+    by the rows whose prompt this chunk ends). Returns what eagle_step.extend returns."""
+    target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
+    tcache, dcache = cache
+    t = tokens.shape[1]
+    positions = kv_lens[:, None] + jnp.arange(t)[None]
+    h, tcache, layers = target(tokens, positions, tcache, page_table, kv_lens, q_lens,
+                               hidden_layers=head.cfg.target_layer_ids, attn_impl=attn_impl)
+    logits = target.logits(jnp.take_along_axis(h, jnp.maximum(q_lens - 1, 0)[:, None, None], axis=1))
+    nxt = sampling.sample(logits, sb, flags)[:, 0]
+    lp, top_v, top_i = sampling.logprobs_of(logits, nxt[:, None], flags.top_logprobs)
+    follow = jnp.where(next_tokens >= 0, next_tokens, nxt)
+    dcache = write_context(head, dcache, layers, page_table, kv_lens, q_lens)
+    tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + q_lens, follow, q_lens > 0,
+                                   tree.num_draft_tokens, attn_impl)
+    squeeze = (lambda x: None if x is None else x[:, 0])
+    return nxt, lp[:, 0], squeeze(top_v), squeeze(top_i), tree_out, nxt[:, None], (tcache, dcache)
+
+
+def verify(graphs, tree, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):
+    """Verify the drafted block, accept, write the accepted positions' context K/V and draft the
+    next block. Returns what eagle_step.verify returns (the chained call's inputs included)."""
+    target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
+    tcache, dcache = cache
+    out, count, lp, top_v, top_i, path, _, layers, tcache = verify_and_accept(
+        target, tcache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
+        hidden_layers=head.cfg.target_layer_ids)
+    count = jnp.where(num_nodes > 0, count, 0)  # a row with no nodes (stopped in verify_steps) emits nothing
+    accepted = jnp.take_along_axis(layers, path[None, :, :, None], axis=2)
+    dcache = write_context(head, dcache, accepted, page_table, kv_lens, count)
+    rows = jnp.arange(tokens.shape[0])
+    root = out[rows, jnp.maximum(count - 1, 0)]
+    tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + count, root, count > 0,
+                                   tree.num_draft_tokens, attn_impl)
+    take = jnp.minimum(jnp.arange(tokens.shape[1]), tree_out[0].shape[1] - 1)
+    chained = (tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, dataclasses.replace(sb, step=sb.step + count))
+    return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)

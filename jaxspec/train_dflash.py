@@ -1,0 +1,137 @@
+"""Training a DFLASH drafter (`python -m jaxspec.train --drafter dflash`): the loss, the warm start
+and the dense block forward that the engine's paged one is tested against.
+
+Each training sequence gets `anchors` random block starts a. Block k is [token a, mask x (n-1)]
+at positions a .. a+n-1; it sees the context (the drafter's projection of the target's features)
+at positions < a and the whole of its own block, nothing of other blocks. Position i of the block
+learns the target's distribution for token a+i (cross-entropy to the target's soft labels, as
+the EAGLE heads learn), weighted exp(-(i-1)/gamma): the early positions decide acceptance.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxspec.drafters.dflash import DFlashConfig, DFlashHead
+from jaxspec.kv_cache import KVCache
+from jaxspec.models.llama import rope_frequencies, rope_table
+from jaxspec.sampling import NEG_INF
+
+
+def block_forward(head, target, features, anchors, block_tokens):
+    """Dense DFLASH forward of many blocks over one context. features [len(ids), B, T, H] (the
+    target's layer outputs at positions 0..T-1); anchors [B, K]; block_tokens [B, K, n].
+    Returns the drafter's output [B, K, n, H] (before its final norm)."""
+    _, b, t, _ = features.shape
+    k_blocks, n = block_tokens.shape[1:]
+    cfg = head.cfg
+    inv = rope_frequencies(cfg)
+    ctx = head.context(features)
+    rope_ctx = rope_table(jnp.broadcast_to(jnp.arange(t)[None], (b, t)), inv)
+    rope_blk = rope_table((anchors[:, :, None] + jnp.arange(n)).reshape(b, k_blocks * n), inv)
+    x = target.embed_tokens(block_tokens).reshape(b, k_blocks * n, -1).astype(ctx.dtype)
+    blk = jnp.repeat(jnp.arange(k_blocks), n)
+    ctx_ok = jnp.repeat(jnp.arange(t)[None, None, :] < anchors[:, :, None], n, axis=1)  # [B, K*n, T]
+    blk_ok = jnp.broadcast_to(blk[:, None] == blk[None, :], (b, k_blocks * n, k_blocks * n))
+    ok = jnp.concatenate([ctx_ok, blk_ok], axis=-1)[:, None, None]  # [B, 1, 1, Q, S]
+    hkv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    for layer in head.layers:
+        kc, vc = layer.kv(ctx, rope_ctx)
+        q, kb, vb = layer.qkv(x, rope_blk)
+        keys, values = jnp.concatenate([kc, kb], axis=1), jnp.concatenate([vc, vb], axis=1)
+        qg = q.reshape(b, k_blocks * n, hkv, g, d)
+        s = jnp.einsum("bqhgd,bshd->bhgqs", qg, keys, preferred_element_type=jnp.float32) * d ** -0.5
+        p = jax.nn.softmax(jnp.where(ok, s, NEG_INF), axis=-1)
+        o = jnp.einsum("bhgqs,bshd->bqhgd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        x = layer.finish(x, o.reshape(b, k_blocks * n, cfg.num_heads, d).astype(x.dtype))
+    return x.reshape(b, k_blocks, n, -1)
+
+
+def target_features(target, tokens, lengths, layer_ids):
+    """The target over whole sequences: final-normed hidden [B, T, H] and the layer outputs
+    [len(ids), B, T, H] the drafter's context is made of."""
+    cfg = target.cfg
+    b, t = tokens.shape
+    cache = KVCache.create(cfg.num_layers, b + 1, t, cfg.num_kv_heads, cfg.head_dim, target.dtype)
+    pt = (1 + jnp.arange(b, dtype=jnp.int32))[:, None]
+    h, _, layers = target(tokens, jnp.broadcast_to(jnp.arange(t)[None], (b, t)), cache, pt, jnp.zeros(b, jnp.int32),
+                          lengths, hidden_layers=layer_ids, attn_impl="ref")
+    return h, layers
+
+
+def dflash_loss(head, target, h, layers, tokens, lengths, key, anchors: int):
+    """(weighted loss, (per-position losses [n-1], per-position top-1 agreement [n-1]))."""
+    cfg = head.cfg
+    b, t = tokens.shape
+    n = cfg.block_size
+    a = jax.random.randint(key, (b, anchors), 0, jnp.maximum(lengths - 1, 1)[:, None])  # a + 1 < length
+    blocks = jnp.full((b, anchors, n), cfg.mask_token, jnp.int32)
+    blocks = blocks.at[:, :, 0].set(jnp.take_along_axis(tokens, a, axis=1))
+    out = block_forward(head, target, layers, a, blocks)[:, :, 1:]  # predicts tokens a+1 .. a+n-1
+    src = a[:, :, None] + jnp.arange(n - 1)  # the target's prediction for token a+i sits at a+i-1
+    valid = (src + 1 < lengths[:, None, None]).astype(jnp.float32)
+    src = jnp.minimum(src, t - 1).reshape(b, -1)
+    want = jax.nn.log_softmax(target.logits(jnp.take_along_axis(h, src[:, :, None], axis=1))).reshape(out.shape[:3] + (-1,))
+    logp = jax.nn.log_softmax(head.logits(target, out))
+    ce = -(jnp.exp(want) * logp).sum(-1)  # [B, K, n-1]
+    denom = jnp.maximum(valid.sum((0, 1)), 1.0)
+    per_pos = (ce * valid).sum((0, 1)) / denom
+    acc = ((jnp.argmax(logp, -1) == jnp.argmax(want, -1)) * valid).sum((0, 1)) / denom
+    gamma = max(1.0, (n - 1) / 2)
+    w = jnp.exp(-jnp.arange(n - 1) / gamma)
+    return (per_pos * w).sum() / w.sum(), (per_pos, acc)
+
+
+def make_train_step(target, head_graph, head_rest, tx, cfg: DFlashConfig, anchors: int, seed: int):
+    t_graph, t_state = nnx.split(target)
+
+    def loss_fn(params, t_state, tokens, lengths, step):
+        target = nnx.merge(t_graph, t_state)
+        h, layers = jax.lax.stop_gradient(target_features(target, tokens, lengths, cfg.target_layer_ids))
+        head = nnx.merge(head_graph, params, head_rest)
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+        return dflash_loss(head, target, h, layers, tokens, lengths, key, anchors)
+
+    @jax.jit
+    def step_fn(params, opt_state, t_state, tokens, lengths, step):
+        (loss, (_, accs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths, step)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, accs
+
+    @jax.jit
+    def evaluate(params, t_state, tokens, lengths):
+        return loss_fn(params, t_state, tokens, lengths, 2**31 - 1)  # fixed anchors, apart from training's
+
+    return step_fn, evaluate, t_state
+
+
+def mask_token_for(tokens, lengths, vocab_size: int, avoid=()) -> int:
+    """The id the training data holds least often (never, in a real vocabulary), not one of
+    `avoid` (EOS): its embedding marks the block's unknown positions without meaning much else."""
+    counts = np.zeros(vocab_size, np.int64)
+    for row, n in zip(tokens, lengths):
+        np.add.at(counts, row[:n], 1)
+    counts[list(avoid)] = np.iinfo(np.int64).max
+    return int(np.argmin(counts))
+
+
+def init_drafter(target, cfg: DFlashConfig, seed: int) -> DFlashHead:
+    """Random fc; each drafter layer starts as one of the target's last layers (norms, attention,
+    MLP) and the final norm as the target's: a warm start, as the EAGLE heads get."""
+    head = DFlashHead(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    tc = target.cfg
+    if cfg.intermediate_size != tc.intermediate_size or cfg.num_heads != tc.num_heads or cfg.num_kv_heads != tc.num_kv_heads:
+        return head
+    f32 = lambda x: jnp.asarray(x[...], jnp.float32)
+    hq = tc.num_heads * tc.head_dim
+    for layer, src in zip(head.layers, list(target.layers)[-cfg.num_layers:]):
+        layer.input_norm[...], layer.post_norm[...] = f32(src.attn_norm), f32(src.mlp_norm)
+        layer.wq[...], layer.wkv[...] = f32(src.wqkv)[:, :hq], f32(src.wqkv)[:, hq:]
+        layer.wo[...], layer.w_gate_up[...], layer.w_down[...] = f32(src.wo), f32(src.w_gate_up), f32(src.w_down)
+        if tc.qk_norm:
+            layer.q_norm[...], layer.k_norm[...] = f32(src.q_norm), f32(src.k_norm)
+    head.norm[...] = f32(target.final_norm)
+    return head
