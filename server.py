@@ -248,6 +248,8 @@ def build_app(argv=None):
     ap.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
     ap.add_argument("--speculative-num-steps", type=int)
     ap.add_argument("--speculative-eagle-topk", type=int, default=4)
+    ap.add_argument("--speculative-dflash-block-size", type=int,
+                      help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
     ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
     ap.add_argument("--speculative-ngram-match-type", default="BFS")
@@ -266,7 +268,8 @@ def build_app(argv=None):
                           ngram_match_type=args.speculative_ngram_match_type,
                           draft_model_path=args.speculative_draft_model_path,
                           token_map=args.speculative_token_map, num_steps=args.speculative_num_steps,
-                          eagle_topk=args.speculative_eagle_topk)
+                          eagle_topk=args.speculative_eagle_topk,
+                          dflash_block_size=args.speculative_dflash_block_size)
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
                                     max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,
                                     warmup=False if args.skip_warmup else "progress")  # before the port opens

@@ -26,6 +26,8 @@ def main(argv=None):
     g.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
     g.add_argument("--speculative-num-steps", type=int)
     g.add_argument("--speculative-eagle-topk", type=int, default=4)
+    g.add_argument("--speculative-dflash-block-size", type=int,
+                     help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     g.add_argument("--max-batch", type=int, default=32)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-seq-len", type=int, default=2048)
@@ -51,7 +53,8 @@ def main(argv=None):
         spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
                           draft_model_path=args.speculative_draft_model_path,
                           token_map=args.speculative_token_map, num_steps=args.speculative_num_steps,
-                          eagle_topk=args.speculative_eagle_topk)
+                          eagle_topk=args.speculative_eagle_topk,
+                          dflash_block_size=args.speculative_dflash_block_size)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)

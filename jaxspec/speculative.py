@@ -30,6 +30,9 @@ class SpecConfig:
     token_map: str | None = None  # FR-Spec: the ids the head may draft (.pt as SGLang writes it, .npy, .json)
     num_steps: int | None = None  # default 3, NAIVE_EAGLE 1 (seed 000's setting)
     eagle_topk: int = 4
+    # DFLASH: tokens a draft pass proposes, the root included (SGLang's --speculative-dflash-block-size);
+    # None: num_draft_tokens if given, else the drafter's trained block size
+    dflash_block_size: int | None = None
     # NGRAM
     ngram_min_match_window_size: int = 1
     ngram_max_match_window_size: int = 12
@@ -63,7 +66,9 @@ class SpecConfig:
         if algo == "DFLASH":
             from jaxspec.drafters.dflash import DFlashDrafter, load_dflash
             head = load_dflash(path, model.cfg, dtype=dtype)
-            n = self.num_draft_tokens or head.cfg.block_size
+            n = self.dflash_block_size or self.num_draft_tokens or head.cfg.block_size
+            if n < 2 or n > 64:
+                raise ValueError(f"DFLASH block size {n} must be in [2, 64] (the root plus at least one draft)")
             return DFlashDrafter(head, TreeShape(steps=n - 1, topk=1, num_draft_tokens=n))
         from jaxspec.drafters.eagle import EagleDrafter, load_head
         head = load_head(path, model.cfg, model, dtype=dtype)

@@ -259,5 +259,8 @@ def test_spec_config_builds_the_drafter_with_its_block_size(tmp_path, tiny, tiny
     drafter = SpecConfig("DFLASH", draft_model_path=str(tiny_dflash / "drafter")).build(tiny)
     assert isinstance(drafter, DFlashDrafter) and drafter.num_nodes == 4 and drafter.draft_slots == 4
     assert SpecConfig("dflash", draft_model_path=str(tiny_dflash / "drafter"), num_draft_tokens=3).build(tiny).num_nodes == 3
+    assert SpecConfig("DFLASH", draft_model_path=str(tiny_dflash / "drafter"), dflash_block_size=2).build(tiny).num_nodes == 2
+    with pytest.raises(ValueError, match="DFLASH block size 65 must be in"):
+        SpecConfig("DFLASH", draft_model_path=str(tiny_dflash / "drafter"), dflash_block_size=65).build(tiny)
     head = DFlashHead(DFlashConfig.for_target(TINY, num_layers=1, block_size=4, mask_token=62), rngs=nnx.Rngs(0))
     assert head.cfg.target_layer_ids == (TINY.num_layers // 2,)
