@@ -246,6 +246,8 @@ def build_app(argv=None):
     ap.add_argument("--speculative-algorithm", default="NONE", help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH or NONE")
     ap.add_argument("--speculative-draft-model-path", help="EAGLE head or DFLASH drafter directory (default: the shipped one)")
     ap.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
+    ap.add_argument("--speculative-token-map-refresh", type=int, default=0,
+                    help="refresh the token map from the emitted tokens every N of them (0: never)")
     ap.add_argument("--speculative-num-steps", type=int)
     ap.add_argument("--speculative-eagle-topk", type=int, default=4)
     ap.add_argument("--speculative-dflash-block-size", type=int,
@@ -267,7 +269,8 @@ def build_app(argv=None):
                           ngram_max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
                           ngram_match_type=args.speculative_ngram_match_type,
                           draft_model_path=args.speculative_draft_model_path,
-                          token_map=args.speculative_token_map, num_steps=args.speculative_num_steps,
+                          token_map=args.speculative_token_map,
+                          token_map_refresh=args.speculative_token_map_refresh, num_steps=args.speculative_num_steps,
                           eagle_topk=args.speculative_eagle_topk,
                           dflash_block_size=args.speculative_dflash_block_size)
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,

@@ -3,7 +3,8 @@
     python bench/spec.py --model smollm2-135m [--datasets humaneval,mt-bench] [--batches 1,8,64]
         [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16,eagle:6:4:24/map4096,dflash:16]
         (eagle3|eagle:steps:topk:tokens; dflash[:tokens]; /mapK restricts the head to the first K
-        ids of --token-map (FR-Spec); a suffix @pallas / @mosaic / @ref picks the attention)
+        ids of --token-map (FR-Spec), /mapK/refreshN refreshes that map from the emitted tokens every
+        N of them, from the start of each pass; a suffix @pallas / @mosaic / @ref picks the attention)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -140,6 +141,7 @@ def main():
             label += "#2"  # the same algorithm again: a control for the noise between rounds
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
+        map_size, _, refresh = map_size.partition("/refresh")  # ".../map4096/refresh256": adaptive, every 256 tokens
         name, *nums = a.split(":")
         nums = [int(x) for x in nums]
         if name == "plain":
@@ -153,7 +155,8 @@ def main():
         else:
             spec = SpecConfig(name.upper(), draft_model_path=args.eagle_model if name == "eagle" else args.draft_model,
                               num_steps=nums[0], eagle_topk=nums[1], num_draft_tokens=nums[2],
-                              token_map=map_prefix(args.token_map, int(map_size)) if map_size else None)
+                              token_map=map_prefix(args.token_map, int(map_size)) if map_size else None,
+                              token_map_refresh=int(refresh or 0))
         drafter = spec.build(model, args.model) if spec else None
         kw = {} if args.spec_max_verify_tokens is None else dict(spec_max_verify_tokens=args.spec_max_verify_tokens)
         kw["attn_impl"] = attn_impl or "auto"
@@ -200,8 +203,9 @@ def main():
                 outs = runs[0]["outs"]
                 row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
                            algorithm=name, config=label, dataset=ds, batch=b,
-                           token_map=(label.split("/map")[1].split("@")[0] if "/map" in label
+                           token_map=(label.split("/map")[1].split("@")[0].split("/")[0] if "/map" in label
                                       else ("none" if name in ("eagle", "eagle3", "naive_eagle") else None)),
+                           token_map_refresh=int(label.split("/refresh")[1].split("@")[0]) if "/refresh" in label else None,
                            draft_tokens=getattr(gen.scheduler.drafter, "num_nodes", None),
                            tokens_per_s=float(np.median(tps)), tokens_per_s_runs=tps, requests=len(ps),
                            tokens=runs[0]["tokens"], compiles_in_timed_run=sum(r["compiles"] for r in runs),

@@ -24,6 +24,8 @@ def main(argv=None):
     g.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
     g.add_argument("--speculative-draft-model-path", help="EAGLE head or DFLASH drafter directory (default: the shipped one)")
     g.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
+    g.add_argument("--speculative-token-map-refresh", type=int, default=0,
+                    help="refresh the token map from the emitted tokens every N of them (0: never)")
     g.add_argument("--speculative-num-steps", type=int)
     g.add_argument("--speculative-eagle-topk", type=int, default=4)
     g.add_argument("--speculative-dflash-block-size", type=int,
@@ -52,7 +54,8 @@ def main(argv=None):
     if args.speculative_algorithm.upper() != "NONE":
         spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
                           draft_model_path=args.speculative_draft_model_path,
-                          token_map=args.speculative_token_map, num_steps=args.speculative_num_steps,
+                          token_map=args.speculative_token_map,
+                          token_map_refresh=args.speculative_token_map_refresh, num_steps=args.speculative_num_steps,
                           eagle_topk=args.speculative_eagle_topk,
                           dflash_block_size=args.speculative_dflash_block_size)
     try:

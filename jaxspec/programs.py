@@ -133,6 +133,7 @@ class Programs:
         # the weights as a flat list: flattening the module state's tree on every call cost the
         # host ~0.4 ms a call (SmolLM2, H100: host_probe-*.json, before_flat_weights)
         self.state, treedef = jax.tree.flatten(state)
+        self._target_leaves = len(jax.tree.leaves(state[0])) if head is not None else len(self.state)
         self.fns = {name: _with_state(treedef, fn) for name, fn in fns.items()}
         self.table: dict[tuple, object] = {}
         self.build_seconds = {"lower": 0.0, "compile": 0.0}  # of build(): tracing + lowering, then compiling
@@ -144,6 +145,13 @@ class Programs:
     def recipe(self) -> tuple:
         """(graph definitions, weight shapes, draft tree, attention impl, store): see program_workers."""
         return self._recipe + (self.store,)
+
+    def replace_head(self, head):
+        """Take the drafter head's current weights (same shapes: the compiled programs serve them)."""
+        leaves = jax.tree.leaves(nnx.split(head)[1])
+        if _signature(leaves) != _signature(self.state[self._target_leaves:]):
+            raise ValueError("the head's weights changed shape: its programs would need a recompile")
+        self.state = self.state[:self._target_leaves] + leaves
 
     def extend(self, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, *, flags):
         return self.run("extend", flags, cache, (tokens, next_tokens, page_table, kv_lens, q_lens, sb))

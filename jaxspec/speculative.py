@@ -28,6 +28,8 @@ class SpecConfig:
     # EAGLE / EAGLE3 / NAIVE_EAGLE (NAIVE_EAGLE is a chain: topk 1, num_steps + 1 tokens), DFLASH
     draft_model_path: str | None = None  # None: the drafter shipped for the embedded target, if any
     token_map: str | None = None  # FR-Spec: the ids the head may draft (.pt as SGLang writes it, .npy, .json)
+    # emitted tokens between refreshes of the token map from what the engine emits (0: the map stays)
+    token_map_refresh: int = 0
     num_steps: int | None = None  # default 3, NAIVE_EAGLE 1 (seed 000's setting)
     eagle_topk: int = 4
     # DFLASH: tokens a draft pass proposes, the root included (SGLang's --speculative-dflash-block-size);
@@ -47,6 +49,8 @@ class SpecConfig:
             raise ValueError(f"speculative algorithm {self.algorithm!r} is not available; choose one of {ALGORITHMS}")
         if self.token_map and algo not in ("EAGLE", "EAGLE3", "NAIVE_EAGLE"):
             raise ValueError(f"a token map restricts an EAGLE head's draft vocabulary; {algo} has no head")
+        if self.token_map_refresh and not self.token_map:
+            raise ValueError("token_map_refresh refreshes a token map: give the starting one (token_map)")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 2:
             raise ValueError(f"num_draft_tokens={self.num_draft_tokens} must be >= 2 (the root plus at least one draft)")
         nodes = self.num_draft_tokens or 8
@@ -74,9 +78,14 @@ class SpecConfig:
         head = load_head(path, model.cfg, model, dtype=dtype)
         if algo != "NAIVE_EAGLE" and head.cfg.kind != algo.lower():
             raise ValueError(f"speculative algorithm {algo} but {path} holds an {head.cfg.kind.upper()} head")
+        adaptive = None
         if self.token_map:
-            from jaxspec.drafters.token_map import apply_token_map, load_token_map
-            apply_token_map(head, model, load_token_map(self.token_map, model.cfg.vocab_size))
+            from jaxspec.drafters.token_map import AdaptiveTokenMap, apply_token_map, load_token_map
+            ids = load_token_map(self.token_map, model.cfg.vocab_size)
+            if self.token_map_refresh:
+                adaptive = AdaptiveTokenMap(head, model, ids, self.token_map_refresh)
+            else:
+                apply_token_map(head, model, ids)
         if algo == "NAIVE_EAGLE":
             steps = self.num_steps or 1
             tree = TreeShape(steps=steps, topk=1, num_draft_tokens=steps + 1)
@@ -84,4 +93,4 @@ class SpecConfig:
             tree = TreeShape(self.num_steps or 3, self.eagle_topk, nodes)
         if head.cfg.draft_vocab_size < tree.topk:
             raise ValueError(f"the token map lists {head.cfg.draft_vocab_size} ids, fewer than eagle_topk={tree.topk}")
-        return EagleDrafter(head, tree)
+        return EagleDrafter(head, tree, adaptive)

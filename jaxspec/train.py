@@ -176,10 +176,35 @@ def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+    if val and "accepted_through" in val[0]:  # DFLASH: the accept length greedy verify would reach
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["step"] for r in val], [1 + sum(r["accepted_through"]) for r in val], "o-")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out accept length (greedy, one block)")
+        fig.tight_layout()
+        path = os.path.join(out_dir, "accept_length.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
     return written
 
 
 # -- driver -------------------------------------------------------------------------------------------------
+def held_out_accept(eval_fn, params, t_state, tokens, lengths, batch: int) -> dict:
+    """A DFLASH drafter on all held-out sequences: top-1 agreement and the share of blocks accepted
+    through each block position (greedy), and the accept length those give (1 + their sum)."""
+    acc, through = [], []
+    for i in range(0, max(len(tokens) - batch + 1, 1), batch):
+        _, (_, a, t) = eval_fn(params, t_state, tokens[i:i + batch], lengths[i:i + batch])
+        acc.append(np.asarray(a))
+        through.append(np.asarray(t))
+    through = np.mean(through, 0)
+    return dict(held_out_sequences=int(min(len(tokens), len(acc) * batch)),
+                held_out_acc=[round(float(a), 4) for a in np.mean(acc, 0)],
+                held_out_accepted_through=[round(float(a), 4) for a in through],
+                held_out_accept_length=round(1 + float(through.sum()), 3))
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jaxspec.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -295,9 +320,12 @@ def train(args, target=None, tokenizer=None):
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc1=f"{row['acc'][0]:.3f}")
                 acc_sum, loss_sum, n_sum = 0.0, 0.0, 0
             if step % (args.log_every * 4) == 0 or step == args.steps:
-                vl, (_, va) = eval_fn(params, t_state, val_tok[:args.batch], val_len[:args.batch])
-                mf.write(json.dumps(dict(split="val", step=step, loss=float(vl), acc=[float(a) for a in np.asarray(va)],
-                                         seconds=time.time() - start)) + "\n")
+                vl, aux = eval_fn(params, t_state, val_tok[:args.batch], val_len[:args.batch])
+                row = dict(split="val", step=step, loss=float(vl), acc=[float(a) for a in np.asarray(aux[1])],
+                           seconds=time.time() - start)
+                if len(aux) > 2:  # DFLASH: share of blocks accepted through each position
+                    row["accepted_through"] = [float(a) for a in np.asarray(aux[2])]
+                mf.write(json.dumps(row) + "\n")
             mf.flush()
             out_of_time = deadline is not None and time.time() > deadline
             if step % args.save_every == 0 or step == args.steps or out_of_time:
@@ -325,6 +353,7 @@ def train(args, target=None, tokenizer=None):
         else:
             export_head(out, args.export, target.cfg)
         rows = [json.loads(l) for l in open(metrics_path)]
+        held_out = held_out_accept(eval_fn, params, t_state, val_tok, val_len, args.batch) if args.kind == "dflash" else {}
         val = [r for r in rows if r["split"] == "val"]
         d = np.load(data_path)
         # the card names the target without a machine path
@@ -337,6 +366,7 @@ def train(args, target=None, tokenizer=None):
                        if args.kind == "dflash" else dict(draft_vocab=int(vd), draft_vocab_coverage=coverage, ttt=args.ttt)),
                     data_seconds=float(d["seconds"]) if "seconds" in d else None,
                     final_val_acc=val[-1]["acc"] if val else None, final_val_loss=val[-1]["loss"] if val else None,
+                    **held_out,
                     train_seconds=clock["train_seconds"], device=jax.devices()[0].device_kind,
                     params=int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(head, nnx.Param)))))
         with open(os.path.join(args.export, "card.json"), "w") as f:

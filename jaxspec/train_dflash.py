@@ -63,7 +63,7 @@ def target_features(target, tokens, lengths, layer_ids):
 
 
 def dflash_loss(head, target, h, layers, tokens, lengths, key, anchors: int):
-    """(weighted loss, (per-position losses [n-1], per-position top-1 agreement [n-1]))."""
+    """(weighted loss, (per-position losses, top-1 agreement and share accepted through it, [n-1] each))."""
     cfg = head.cfg
     b, t = tokens.shape
     n = cfg.block_size
@@ -79,10 +79,14 @@ def dflash_loss(head, target, h, layers, tokens, lengths, key, anchors: int):
     ce = -(jnp.exp(want) * logp).sum(-1)  # [B, K, n-1]
     denom = jnp.maximum(valid.sum((0, 1)), 1.0)
     per_pos = (ce * valid).sum((0, 1)) / denom
-    acc = ((jnp.argmax(logp, -1) == jnp.argmax(want, -1)) * valid).sum((0, 1)) / denom
+    right = (jnp.argmax(logp, -1) == jnp.argmax(want, -1)).astype(jnp.float32)
+    acc = (right * valid).sum((0, 1)) / denom
+    # greedy verification accepts draft j when drafts 1..j all match: the share of blocks that get
+    # that far (1 + their sum is the accept length the drafter would reach on this text)
+    through = (jnp.cumprod(right, axis=-1) * valid).sum((0, 1)) / denom
     gamma = max(1.0, (n - 1) / 2)
     w = jnp.exp(-jnp.arange(n - 1) / gamma)
-    return (per_pos * w).sum() / w.sum(), (per_pos, acc)
+    return (per_pos * w).sum() / w.sum(), (per_pos, acc, through)
 
 
 def make_train_step(target, head_graph, head_rest, tx, cfg: DFlashConfig, anchors: int, seed: int):
@@ -97,7 +101,7 @@ def make_train_step(target, head_graph, head_rest, tx, cfg: DFlashConfig, anchor
 
     @jax.jit
     def step_fn(params, opt_state, t_state, tokens, lengths, step):
-        (loss, (_, accs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths, step)
+        (loss, (_, accs, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths, step)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
 

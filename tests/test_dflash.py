@@ -49,6 +49,13 @@ def test_training_learns_and_exports_the_zlab_layout(tiny_dflash, tiny):
     assert cfg["dflash_config"]["target_layer_ids"] == list(build_target_layer_ids(TINY.num_layers, 2))
     card = json.load(open(tiny_dflash / "drafter" / "card.json"))
     assert card["kind"] == "dflash" and card["steps"] == 150
+    # held-out: a block is accepted through position j only if it was through j-1 and j matches
+    through, acc = card["held_out_accepted_through"], card["held_out_acc"]
+    assert through[0] == pytest.approx(acc[0], abs=1e-3) and all(a >= b for a, b in zip(through, through[1:]))
+    assert all(t <= a + 1e-3 for t, a in zip(through, acc))
+    assert card["held_out_accept_length"] == pytest.approx(1 + sum(through), abs=1e-2) and through[0] > 0.3
+    assert "accepted_through" in [r for r in rows if r["split"] == "val"][-1]
+    assert (tiny_dflash / "accept_length.png").exists()
     # the mask token is the data's rarest token (the tiny vocabulary has no unused one), never EOS
     data = np.load(tiny_dflash / "data.npz")
     seen = np.concatenate([row[:n] for row, n in zip(data["tokens"], data["lengths"])])

@@ -98,3 +98,38 @@ def test_the_builder_counts_what_the_target_emits(tiny, smollm, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "no"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:1: a line needs a 'prompt' or 'messages' field"):
         token_map.read_prompts(str(tmp_path / "bad.jsonl"), tok)
+
+
+def test_an_adaptive_map_follows_the_emitted_tokens_and_keeps_outputs(tiny):
+    from jaxspec.drafters.token_map import AdaptiveTokenMap
+    ids = np.random.default_rng(0).permutation(64)[:20].astype(np.int32)
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle"), rngs=nnx.Rngs(5))
+    adaptive = AdaptiveTokenMap(head, tiny, ids, every=8)
+    spec = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6), adaptive), warmup=True, **KW)
+    for params, plain in plain_outputs(tiny):  # the same outputs under each map swapped in meanwhile
+        assert [o.token_ids for o in spec.generate(PROMPTS, params)] == plain
+    assert adaptive.refreshes > 1 and spec.scheduler.late_compiles == []  # new maps, no new programs
+    with pytest.raises(ValueError, match="token_map_refresh refreshes a token map: give the starting one"):
+        SpecConfig("EAGLE", draft_model_path="x", token_map_refresh=8).build(tiny)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_an_adaptive_map_takes_the_most_emitted_ids_and_their_columns(tiny, kind):
+    from jaxspec.drafters.token_map import AdaptiveTokenMap
+    # an EAGLE-3 head chooses within its own 48-id vocabulary (d2t)
+    head = DraftHead(HeadConfig.for_target(TINY, kind, draft_vocab_size=48 if kind == "eagle3" else None),
+                     rngs=nnx.Rngs(5))
+    x = jnp.ones((1, TINY.hidden_size))
+    full = np.asarray(head.logits(tiny, x))
+    adaptive = AdaptiveTokenMap(head, tiny, np.arange(10, 18, dtype=np.int32), every=30)
+    emitted = [3, 3, 3, 40, 40, 5, 63, 63, 63, 63] * 3  # 63: outside an EAGLE-3 head's vocabulary
+    adaptive.observe(emitted[:20])
+    assert not adaptive.refresh()  # fewer than `every` tokens counted since the last refresh
+    adaptive.observe(emitted[20:])
+    assert adaptive.refresh() and adaptive.refreshes == 1
+    want = [63, 3, 40, 5] if kind == "eagle" else [3, 40, 5]  # then the starting map's ids, in its order
+    now = np.asarray(head.draft_to_target[...])
+    assert now.tolist() == want + list(range(10, 18))[:8 - len(want)]
+    np.testing.assert_allclose(np.asarray(head.logits(tiny, x)), full[:, now], rtol=1e-5, atol=1e-5)
+    adaptive.observe(emitted)
+    assert not adaptive.refresh()  # the same ids: nothing to swap

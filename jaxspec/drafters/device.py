@@ -34,3 +34,8 @@ class DeviceDrafter:
 
     def finish(self, req):
         req.draft = None
+
+    def refresh(self) -> bool:
+        """Between steps: whether the head's weights changed (an adaptive token map swapped in),
+        so that the programs take them again."""
+        return False

@@ -310,7 +310,24 @@ def export_head(head: DraftHead, directory: str, target_cfg: ModelConfig, extra_
 
 
 class EagleDrafter(DeviceDrafter):
-    """An EAGLE or EAGLE-3 head and the tree shape it drafts (see eagle_step.py)."""
+    """An EAGLE or EAGLE-3 head and the tree shape it drafts (see eagle_step.py), and the token
+    map that refreshes its draft vocabulary from what is emitted, if any (token_map.py)."""
+
+    def __init__(self, head, tree, adaptive_map=None):
+        super().__init__(head, tree)
+        self.adaptive_map = adaptive_map
+
+    def finish(self, req):
+        super().finish(req)
+        if self.adaptive_map is not None:
+            self.adaptive_map.observe(req.output_ids)
+
+    def refresh(self):
+        return self.adaptive_map is not None and self.adaptive_map.refresh()
+
+    def reset(self):
+        if self.adaptive_map is not None:
+            self.adaptive_map.reset()
 
     def cache_shape(self):
         c = self.head.cfg

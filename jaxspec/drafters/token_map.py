@@ -73,3 +73,66 @@ def apply_token_map(head, target, ids: np.ndarray):
     head.draft_to_target = nnx.Variable(jnp.asarray(ids, jnp.int32))
     head.cfg = dataclasses.replace(cfg, draft_vocab_size=len(ids))
     return head
+
+
+class AdaptiveTokenMap:
+    """A token map refreshed from the tokens the engine emits (the seed's TODO): a running count
+    over finished requests; every `every` counted tokens the head's K columns become those of the
+    K most counted ids. The map stays K ids (a device array of the same shape), so the compiled
+    programs take the new one as an argument: no recompile. A refresh lands between steps, and a
+    step's drafts leave it as target ids, so a step never mixes two maps; verification reads the
+    target's full distribution, so outputs are the same under any map.
+
+    The starting map's ids hold a count of 1/2 (ties kept in its order), so an id must be emitted
+    once before it displaces one of them; an EAGLE-3 head can only choose among its own d2t ids."""
+
+    def __init__(self, head, target, ids: np.ndarray, every: int):
+        """Cut `head` to the starting map `ids` (apply_token_map) and keep what a refresh needs."""
+        if every < 1:
+            raise ValueError(f"token map refresh interval {every} must be >= 1 emitted token")
+        cfg, self.every, self.head = head.cfg, every, head
+        if cfg.kind == "eagle":  # candidates: the whole vocabulary, through the target's projection
+            self.candidates = np.arange(cfg.vocab_size, dtype=np.int32)
+            self.columns = target.embed[...].T if target.cfg.tie_word_embeddings else target.lm_head[...]
+        else:  # an EAGLE-3 head's own vocabulary (its d2t), with its full projection
+            self.candidates, self.columns = np.asarray(head.draft_to_target[...]), head.lm_head[...]
+        apply_token_map(head, target, ids)  # checks ids against the candidates
+        self.where = np.full(cfg.vocab_size, -1, np.int64)
+        self.where[self.candidates] = np.arange(len(self.candidates))
+        first = self.where[ids]
+        self.size = len(ids)
+        self.counts = np.zeros(len(self.candidates), np.float64)
+        self.counts[first] = 0.5 + 1e-6 * (len(first) - np.arange(len(first))) / len(first)
+        self.start, self.prior = first, self.counts.copy()
+        self.current = np.sort(first)
+        self.pending, self.refreshes, self.changed = 0, 0, False
+
+    def observe(self, token_ids):
+        idx = self.where[np.asarray(token_ids, np.int64)]
+        np.add.at(self.counts, idx[idx >= 0], 1)
+        self.pending += len(token_ids)
+
+    def refresh(self) -> bool:
+        """Swap in the top-K map when `every` tokens were counted since the last look; True when
+        the head's weights changed (the caller hands them to its programs)."""
+        changed, self.changed = self.changed, False
+        if self.pending < self.every:
+            return changed
+        self.pending = 0
+        top = np.argsort(-self.counts, kind="stable")[:self.size]
+        if np.array_equal(np.sort(top), self.current):
+            return changed
+        self._swap(top)
+        self.refreshes += 1
+        return True
+
+    def reset(self):
+        """Back to the starting map and counts (benchmarks: each pass adapts from the start)."""
+        self.counts, self.pending = self.prior.copy(), 0
+        self._swap(self.start)
+        self.changed = True
+
+    def _swap(self, top):
+        self.current = np.sort(top)
+        self.head.lm_head[...] = self.columns[:, jnp.asarray(top)].astype(self.head.lm_head[...].dtype)
+        self.head.draft_to_target[...] = jnp.asarray(self.candidates[top], jnp.int32)

@@ -207,6 +207,8 @@ class Scheduler(Admission, Dispatch, Outputs):
         return bool(self.waiting or self.running)
 
     def step(self):
+        if self.device_drafter and self.drafter.refresh():  # e.g. an adaptive token map swapped in
+            self.programs.replace_head(self.drafter.head)
         if self.inflight is not None:
             done, self.inflight = self.inflight, None
             nxt = self._chain(done) if self._reserve_chain(done) else None
