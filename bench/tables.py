@@ -16,14 +16,14 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 DEVICE = "NVIDIA-H100-80GB-HBM3"
 
 
-def _load(name):
-    return json.load(open(os.path.join(RESULTS, f"{name}-{DEVICE}.json")))
+def _load(name, device=DEVICE):
+    return json.load(open(os.path.join(RESULTS, f"{name}-{device}.json")))
 
 
-def _table(name, columns):
+def _table(name, columns, device=DEVICE):
     """A results file and its table's first lines: where it came from, then the header."""
-    d = _load(name)
-    return d, [f"`{name}-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
+    d = _load(name, device)
+    return d, [f"`{name}-{device}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
                "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
 
 
@@ -64,6 +64,22 @@ def spec() -> str:
     return "\n".join(out)
 
 
+def drafters() -> str:
+    """One row a drafter: vs plain (accept length) per dataset and batch, from one side-by-side run."""
+    d = _load("spec-frspec-dflash", "NVIDIA-H200")
+    cols = sorted({(r["dataset"], r["batch"]) for r in d["rows"]}, key=lambda c: (c[0] != "mt-bench", c[1]))
+    d, out = _table("spec-frspec-dflash", ["drafter"] + [f"{ds} b{b}" for ds, b in cols], "NVIDIA-H200")
+    for config in dict.fromkeys(r["config"] for r in d["rows"]):
+        if config == "plain":
+            continue
+        cells = []
+        for ds, b in cols:
+            r = next(r for r in d["rows"] if (r["config"], r["dataset"], r["batch"]) == (config, ds, b))
+            cells.append(f"{r['speedup']:.2f}x ({r['accept_length']:.2f})")
+        out.append(f"| {config} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def rollout() -> str:
     d, out = _table("rollout", ["engine", "algorithm", "batch", "tok/s", "vs the Generator's plain decoding"])
     for r in d["rows"]:
@@ -72,7 +88,7 @@ def rollout() -> str:
     return "\n".join(out)
 
 
-TABLES = {"decode": decode, "startup": startup, "spec": spec, "rollout": rollout}
+TABLES = {"decode": decode, "startup": startup, "spec": spec, "drafters": drafters, "rollout": rollout}
 
 
 def _cell(v):

@@ -349,20 +349,6 @@ def test_bad_draft_checkpoints_and_options_are_named(tmp_path, tiny, tiny_eagle3
     assert (naive.tree.steps, naive.tree.topk, naive.tree.num_draft_tokens) == (1, 1, 2)
 
 
-def test_shipped_smollm2_head_is_lossless(smollm):
-    """The default head for the embedded model loads by name and drafts tokens the target accepts."""
-    model, tok = smollm
-    prompts = [[{"role": "user", "content": "Write a Python function that reverses a list."}],
-               [{"role": "user", "content": "Explain what a hash map is."}]]
-    params = SamplingParams(max_tokens=24)
-    kw = dict(max_batch=4, max_seq_len=256, num_pages=80)
-    plain = Generator(model, tok, **kw).generate(prompts, params)
-    drafter = SpecConfig("EAGLE3", num_steps=4, eagle_topk=4, num_draft_tokens=8).build(model, "smollm2-135m")
-    spec = Generator(model, tok, drafter=drafter, **kw).generate(prompts, params)
-    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
-    assert np.mean([c.mean_accept_length for c in spec]) > 1.3
-
-
 def test_large_batch_fallback_decodes_plainly_and_later_requests_draft(tiny, tiny_eagle3):
     """Above spec_max_verify_tokens / nodes requests the step falls back to the target alone; a
     request decoded plainly stays plain (its head is behind), while later requests draft trees
