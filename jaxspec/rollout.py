@@ -1,25 +1,169 @@
-"""A whole speculative generation loop as one pure, jittable function (for RL rollouts and other
-JAX programs): prefill, then `lax.while_loop` over fused draft-verify-accept steps, all on device.
+"""The whole speculative generation loop as one pure, jittable function, for JAX programs that
+generate inside themselves (RL rollouts, evaluation loops, distillation).
 
-The drafter is in-graph prompt lookup (an n-gram drafter over the request's own tokens): the
-latest earlier occurrence of the last `ngram` tokens proposes the `num_draft` tokens that followed
-it, verified as a chain. Configuration is static; prompts, lengths and seeds are traced, so the
-function can be jitted once and vmapped or sharded by the caller.
+    fn, params, drafter_params = make_rollout(model, head, RolloutConfig("eagle3", max_new_tokens=256))
+    out = jax.jit(fn)(params, drafter_params, prompts, lengths, seeds)   # vmap it, shard it
 
-    out, n = jax.jit(rollout, static_argnames=("graphdef", "max_new_tokens", ...))(graphdef, state, ...)
+Prefill, then a `lax.while_loop` of the engine's own fused step. With a learned drafter (`eagle`,
+`eagle3`, `dflash`) that is the drafter's `verify` program (drafters/eagle_step.py,
+dflash_step.py): target verify, accept, K/V compaction, the drafter's catch-up on the accepted
+tokens and the next draft, with the drafter's own cache; the first draft comes from the drafter's
+`extend` over the prompt. `prompt_lookup` drafts in the graph from the row's own tokens (the
+latest earlier occurrence of its last `ngram` tokens proposes what followed), `none` drafts
+nothing; both verify with the engine's `verify_and_accept`. Sampling keys by output position as
+the engine does, so seeded rows give the Generator's tokens, speculative or not.
+
+Weights are arguments (new weights, e.g. after an RL update, reuse the compiled program); the
+configuration is static; prompts, lengths, seeds and the per-row sampling values are traced.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import sampling
+from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.kv_cache import KVCache
-from jaxspec.pallas.accept import accept_tree
 from jaxspec.pallas.tree_mask import chain_parents
+from jaxspec.verify import verify_and_accept
+
+ALGORITHMS = ("none", "prompt_lookup", "eagle", "eagle3", "dflash")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    algorithm: str = "none"
+    max_new_tokens: int = 64
+    num_draft_tokens: int = 8  # nodes verified a step, the root included (prompt_lookup: drafts + 1; dflash: block)
+    num_steps: int = 3  # eagle / eagle3 tree depth
+    topk: int = 4  # eagle / eagle3 branching
+    ngram: int = 2  # prompt_lookup: tokens matched
+    sample: bool = False  # compile the sampler (rows at temperature 0 stay greedy); False: greedy only
+    page_size: int = 16
+    attn_impl: str = "auto"
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"rollout algorithm {self.algorithm!r}: choose one of {ALGORITHMS}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    def tree(self) -> TreeShape:
+        if self.algorithm == "dflash":
+            return TreeShape(self.num_draft_tokens - 1, 1, self.num_draft_tokens)
+        return TreeShape(self.num_steps, self.topk, self.num_draft_tokens)
+
+
+class RolloutOutput(NamedTuple):
+    tokens: jax.Array  # [B, max_new_tokens], 0 past each row's length
+    logprobs: jax.Array  # [B, max_new_tokens]: each token's log-probability under the target (raw logits)
+    lengths: jax.Array  # [B]
+    stopped: jax.Array  # [B] bool: ended on a stop id (else at max_new_tokens)
+    steps: jax.Array  # [B] target passes after the prefill: lengths / steps is the mean accept length
+
+
+def make_rollout(model, head=None, config: RolloutConfig = RolloutConfig()):
+    """(fn, params, drafter_params): fn(params, drafter_params, prompts, lengths, seeds, ...) is
+    `rollout` with the modules' structure bound; jit it (or vmap / shard it) as it is."""
+    learned = config.algorithm in ("eagle", "eagle3", "dflash")
+    if learned and head is None:
+        raise ValueError(f"rollout algorithm {config.algorithm} needs its drafter module")
+    graphs, params = nnx.split(model)
+    if learned:
+        head_graph, drafter_params = nnx.split(head)
+        graphs = (graphs, head_graph)
+    else:
+        drafter_params = None
+    return functools.partial(rollout, graphs, config=config), params, drafter_params
+
+
+def rollout(graphs, params, drafter_params, prompts, lengths, seeds, temperature=None, top_p=None, top_k=None,
+            stop_ids=None, *, config: RolloutConfig) -> RolloutOutput:
+    """prompts [B, P] right-padded, lengths [B], seeds [B]; per-row temperature / top_p / top_k [B]
+    (with config.sample) and stop_ids [B, S] (-1 padded; default the model's EOS ids)."""
+    learned = config.algorithm in ("eagle", "eagle3", "dflash")
+    target = nnx.merge(graphs[0] if learned else graphs, params)
+    b, p = prompts.shape
+    row = lambda x, fill, dtype: jnp.full((b,), fill, dtype) if x is None else jnp.asarray(x, dtype)
+    sb = sampling.SamplingBatch(
+        temperature=row(temperature, 1.0 if config.sample else 0.0, jnp.float32), top_k=row(top_k, 0, jnp.int32),
+        top_p=row(top_p, 1.0, jnp.float32), min_p=jnp.zeros(b, jnp.float32), seed=seeds.astype(jnp.uint32),
+        step=jnp.zeros(b, jnp.int32), repetition_penalty=jnp.ones(b, jnp.float32),
+        frequency_penalty=jnp.zeros(b, jnp.float32), presence_penalty=jnp.zeros(b, jnp.float32),
+        history=jnp.full((b, 1), -1, jnp.int32), num_prompt=jnp.zeros(b, jnp.int32))
+    flags = sampling.SamplerFlags(sample=config.sample, filter=config.sample)
+    if stop_ids is None:
+        eos = jnp.asarray(target.cfg.eos_token_ids or (-1,), jnp.int32)
+        stop_ids = jnp.broadcast_to(eos, (b, eos.shape[0]))
+    if learned:
+        return _learned_loop(graphs, target, params, drafter_params, prompts, lengths, sb, flags, stop_ids, config)
+    return _lookup_loop(target, prompts, lengths, sb, flags, stop_ids, config)
+
+
+def _paged(b, tokens_per_row, page_size):
+    """A page table giving each row its own run of pages (page 0 is the kernels' drop page)."""
+    pages = -(-tokens_per_row // page_size)
+    return b * pages + 1, 1 + jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+
+
+def _emit(carry, emitted, lp, count, stop_ids, max_new):
+    """Append each row's `count` tokens, cut at its first stop id and at max_new tokens."""
+    out, lps, n_out, done = carry
+    i = jnp.arange(emitted.shape[1])[None]
+    hit = jnp.any(emitted[:, :, None] == stop_ids[:, None, :], axis=2) & (i < count[:, None])
+    stop_at = jnp.argmax(hit, axis=1)
+    stopped = hit.any(axis=1) & (stop_at + 1 <= max_new - n_out)
+    count = jnp.where(hit.any(axis=1), jnp.minimum(count, stop_at + 1), count)
+    count = jnp.where(done, 0, jnp.minimum(count, max_new - n_out))
+    keep = i < count[:, None]
+    rows, at = jnp.arange(out.shape[0])[:, None], n_out[:, None] + i  # out has room for a step past max_new
+    out = out.at[rows, at].set(jnp.where(keep, emitted, out[rows, at]))
+    lps = lps.at[rows, at].set(jnp.where(keep, lp, lps[rows, at]))
+    n_out = n_out + count
+    return (out, lps, n_out, done | (n_out >= max_new) | (stopped & ~done)), stopped & ~done, count
+
+
+def _learned_loop(graphs, target, params, drafter_params, prompts, lengths, sb, flags, stop_ids, config):
+    from jaxspec.drafters.dflash import DFlashDrafter
+    from jaxspec.drafters.eagle import EagleDrafter
+    head = nnx.merge(graphs[1], drafter_params)
+    tree = config.tree()
+    drafter = (DFlashDrafter if config.algorithm == "dflash" else EagleDrafter)(head, tree)
+    fns = drafter.step_functions(graphs, config.attn_impl)
+    state = (params, drafter_params)
+    b, p = prompts.shape
+    n, max_new = tree.num_draft_tokens, config.max_new_tokens
+    cfg = target.cfg
+    num_pages, page_table = _paged(b, p + max_new + n + drafter.draft_slots + 1, config.page_size)
+    dtype = target.embed[...].dtype
+    cache = (KVCache.create(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, dtype),
+             drafter.create_cache(num_pages, config.page_size, dtype))
+    zeros = jnp.zeros(b, jnp.int32)
+    first, lp0, _, _, (tokens, parents), _, cache = fns["extend"](state, cache, prompts, jnp.full(b, -1, jnp.int32),
+                                                                  page_table, zeros, lengths, sb, flags=flags)
+    room = max_new + n
+    carry, stopped, _ = _emit((jnp.zeros((b, room), jnp.int32), jnp.zeros((b, room), jnp.float32), zeros, jnp.zeros(b, bool)),
+                              first[:, None], lp0[:, None], jnp.ones(b, jnp.int32), stop_ids, max_new)
+    sb = dataclasses.replace(sb, step=sb.step + 1)
+
+    def body(c):
+        cache, tokens, parents, kv, sb, carry, stopped, steps = c
+        nodes = jnp.where(carry[3], 0, n)
+        out, count, lp, _, _, _, (tokens, parents, kv, sb), cache = fns["verify"](
+            state, cache, tokens, parents, page_table, kv, nodes, sb, flags=flags)
+        steps = steps + (nodes > 0)
+        carry, stop_now, _ = _emit(carry, out, lp, count, stop_ids, max_new)
+        return cache, tokens, parents, kv, sb, carry, stopped | stop_now, steps
+
+    init = (cache, tokens, parents, lengths, sb, carry, stopped, zeros)
+    *_, carry, stopped, steps = jax.lax.while_loop(lambda c: ~jnp.all(c[5][3]), body, init)
+    out, lps, n_out, _ = carry
+    return RolloutOutput(out[:, :max_new], lps[:, :max_new], n_out, stopped, steps)
 
 
 def lookup_draft(buf, length, ngram: int, num_draft: int):
@@ -39,75 +183,48 @@ def lookup_draft(buf, length, ngram: int, num_draft: int):
     return jnp.where(start[:, None] >= 0, draft, 0)
 
 
-def rollout(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array, prompt_lens: jax.Array, seeds: jax.Array,
-            *, max_new_tokens: int, num_draft: int = 4,
-            ngram: int = 2, temperature: float = 0.0, eos_id: int = -1, page_size: int = 16):
-    """prompts [B, P] (right-padded), prompt_lens [B], seeds [B] -> (tokens [B, max_new_tokens], counts [B]).
-
-    Greedy when temperature == 0, else sampling (lossless; keys by output position, as the engine).
-    """
-    model = nnx.merge(graphdef, state)
-    cfg = model.cfg
+def _lookup_loop(target, prompts, lengths, sb, flags, stop_ids, config):
+    """none / prompt_lookup: the prompt but its last token prefilled; each step verifies [the
+    pending token, its drafts] as a chain."""
     b, p = prompts.shape
-    k = num_draft + 1
-    total = p + max_new_tokens + k
-    pages = -(-total // page_size)
-    cache = KVCache.create(cfg.num_layers, b * pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
-                           model.embed[...].dtype)
-    page_table = 1 + jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-    sb = sampling.SamplingBatch(
-        temperature=jnp.full((b,), temperature, jnp.float32), top_k=jnp.zeros(b, jnp.int32),
-        top_p=jnp.ones(b, jnp.float32), min_p=jnp.zeros(b, jnp.float32), seed=seeds.astype(jnp.uint32),
-        step=jnp.zeros(b, jnp.int32), repetition_penalty=jnp.ones(b, jnp.float32),
-        frequency_penalty=jnp.zeros(b, jnp.float32), presence_penalty=jnp.zeros(b, jnp.float32),
-        history=jnp.full((b, 1), -1, jnp.int32), num_prompt=jnp.zeros(b, jnp.int32))
-    flags = sampling.SamplerFlags(sample=temperature > 0)
-
-    # prefill all but the last prompt token; the loop's first step feeds that one as its root
+    k = config.num_draft_tokens if config.algorithm == "prompt_lookup" else 1
+    max_new, cfg = config.max_new_tokens, target.cfg
+    total = p + max_new + k
+    num_pages, page_table = _paged(b, total, config.page_size)
+    cache = KVCache.create(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
+                           target.embed[...].dtype)
     zeros = jnp.zeros(b, jnp.int32)
-    _, cache, _ = model(prompts, jnp.arange(p)[None].repeat(b, 0), cache, page_table, zeros, prompt_lens - 1)
+    _, cache, _ = target(prompts, jnp.broadcast_to(jnp.arange(p)[None], (b, p)), cache, page_table, zeros,
+                         lengths - 1, attn_impl=config.attn_impl)
     buf = jnp.zeros((b, total), jnp.int32).at[:, :p].set(prompts)
-    out = jnp.zeros((b, max_new_tokens + k), jnp.int32)
     parents = chain_parents(b, k)
 
-    def cond(c):
-        _, _, _, n_out, done = c
-        return ~jnp.all(done)
-
     def body(c):
-        cache, buf, out, n_out, done = c
-        length = prompt_lens + n_out  # tokens known; the last has no K/V yet
+        cache, buf, sb, carry, stopped, steps = c
+        length = lengths + carry[2]  # tokens known; the last one has no K/V yet
         root = jnp.take_along_axis(buf, (length - 1)[:, None], axis=1)
-        tokens = jnp.concatenate([root, lookup_draft(buf, length, ngram, num_draft)], axis=1)
-        kv = length - 1
-        q_len = jnp.where(done, 0, k)
-        h, cache, _ = model(tokens, kv[:, None] + jnp.arange(k)[None], cache, page_table, kv, q_len)
-        logits = model.logits(h)
-        sb_now = sampling.SamplingBatch(**{**sb.__dict__, "step": n_out})
-        target = sampling.sample(logits, sb_now, flags, depth=jnp.broadcast_to(jnp.arange(k), (b, k)))
-        path, accepted = accept_tree(tokens, parents, target, jnp.full((b,), k, jnp.int32))
-        emitted = jnp.take_along_axis(target, path, axis=1)  # chain: path[i] = i for i <= accepted
-        count = accepted + 1
-        i = jnp.arange(k)[None]
-        is_eos = (emitted == eos_id) & (i < count[:, None])
-        first_eos = jnp.argmax(is_eos, axis=1)
-        count = jnp.where(is_eos.any(axis=1), first_eos + 1, count)
-        count = jnp.where(done, 0, jnp.minimum(count, max_new_tokens - n_out))
-        keep = i < count[:, None]
-        rows = jnp.arange(b)[:, None]
-        out = out.at[rows, n_out[:, None] + i].set(jnp.where(keep, emitted, out[rows, n_out[:, None] + i]))
-        buf = buf.at[rows, length[:, None] + i].set(jnp.where(keep, emitted, buf[rows, length[:, None] + i]))
-        n_out = n_out + count
-        done = done | (n_out >= max_new_tokens) | is_eos.any(axis=1)
-        return cache, buf, out, n_out, done
+        tokens = jnp.concatenate([root, lookup_draft(buf, length, config.ngram, k - 1)], axis=1) if k > 1 else root
+        nodes = jnp.where(carry[3], 0, k)
+        out, count, lp, _, _, _, _, _, cache = verify_and_accept(target, cache, tokens, parents, page_table, length - 1,
+                                                                 nodes, sb, flags, config.attn_impl)
+        steps = steps + (nodes > 0)
+        n_before = carry[2]
+        carry, stop_now, count = _emit(carry, out, lp, count, stop_ids, max_new)
+        rows, i = jnp.arange(b)[:, None], jnp.arange(k)[None]
+        at = lengths[:, None] + n_before[:, None] + i
+        buf = buf.at[rows, at].set(jnp.where(i < count[:, None], out, buf[rows, at]))
+        sb = dataclasses.replace(sb, step=sb.step + count)
+        return cache, buf, sb, carry, stopped | stop_now, steps
 
-    init = (cache, buf, out, zeros, jnp.zeros(b, bool))
-    _, _, out, n_out, _ = jax.lax.while_loop(cond, body, init)
-    return out[:, :max_new_tokens], n_out
+    carry = (jnp.zeros((b, max_new + k), jnp.int32), jnp.zeros((b, max_new + k), jnp.float32), zeros,
+             jnp.zeros(b, bool))
+    init = (cache, buf, sb, carry, jnp.zeros(b, bool), zeros)
+    *_, carry, stopped, steps = jax.lax.while_loop(lambda c: ~jnp.all(c[3][3]), body, init)
+    out, lps, n_out, _ = carry
+    return RolloutOutput(out[:, :max_new], lps[:, :max_new], n_out, stopped, steps)
 
 
-def jit_rollout(model: nnx.Module, **static) -> tuple:
-    """Convenience: (state, prompts, prompt_lens, seeds) -> (tokens, counts), jitted."""
-    graphdef, state = nnx.split(model)
-    fn = jax.jit(functools.partial(rollout, graphdef, **static))
-    return fn, state
+def jit_rollout(model: nnx.Module, head=None, **config) -> tuple:
+    """Convenience: (jitted fn(params, drafter_params, prompts, lengths, seeds, ...), params, drafter_params)."""
+    fn, params, drafter_params = make_rollout(model, head, RolloutConfig(**config))
+    return jax.jit(fn), params, drafter_params

@@ -7,7 +7,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 47 s instead of 124 s. And many tests build the same step programs (same tiny model, same
 # buckets) in fresh Generators: a persistent cache shared by the xdist workers compiles each once.
 # Its keys are the programs' HLO, the flags and the jax version, so a stale entry cannot match.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
                       "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxspec-test-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -68,3 +68,34 @@ def step_clock_ticks(monkeypatch):
     from jaxspec import scheduler
     monkeypatch.setattr(scheduler.Scheduler, "clock", staticmethod(itertools.count().__next__))
     monkeypatch.setattr(scheduler, "DEFAULT_SPEC_MIN_GAIN", 0.0)
+
+
+def train_tiny_head(tmp, kind, model=None, steps=80):
+    from flax import nnx
+    from jaxspec import train
+    argv = ["--run", str(tmp), "--kind", kind, "--num-prompts", "96", "--max-new-tokens", "40", "--seq-len", "64",
+            "--steps", str(steps), "--batch", "8", "--ttt", "3", "--draft-vocab", "48", "--log-every", "20",
+            "--save-every", "1000", "--gen-batch", "48", "--lr", "3e-3", "--export", str(tmp / "head"),
+            "--export-dtype", "float32"]
+    return train.train(train.parse_args(argv), model or Llama(TINY, rngs=nnx.Rngs(3)))
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3(tmp_path_factory, tiny):
+    """A tiny EAGLE-3 head trained on the tiny target's own text (tmp/head)."""
+    tmp = tmp_path_factory.mktemp("eagle3")
+    train_tiny_head(tmp, "eagle3", tiny)
+    return tmp
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash(tmp_path_factory, tiny):
+    """A tiny DFLASH drafter (block 4, 2 layers) trained on the tiny target's own text (tmp/drafter)."""
+    from jaxspec import train
+    tmp = tmp_path_factory.mktemp("dflash")
+    argv = ["--run", str(tmp), "--drafter", "dflash", "--num-prompts", "96", "--max-new-tokens", "40",
+            "--seq-len", "64", "--steps", "150", "--batch", "8", "--block-size", "4", "--draft-layers", "2",
+            "--anchors", "8", "--log-every", "25", "--save-every", "1000", "--gen-batch", "48", "--lr", "3e-3",
+            "--export", str(tmp / "drafter"), "--export-dtype", "float32"]
+    train.train(train.parse_args(argv), tiny)
+    return tmp

@@ -22,18 +22,6 @@ def chain(n):
     return TreeShape(steps=n - 1, topk=1, num_draft_tokens=n)
 
 
-@pytest.fixture(scope="session")
-def tiny_dflash(tmp_path_factory, tiny):
-    from jaxspec import train
-    tmp = tmp_path_factory.mktemp("dflash")
-    argv = ["--run", str(tmp), "--drafter", "dflash", "--num-prompts", "96", "--max-new-tokens", "40",
-            "--seq-len", "64", "--steps", "150", "--batch", "8", "--block-size", "4", "--draft-layers", "2",
-            "--anchors", "8", "--log-every", "25", "--save-every", "1000", "--gen-batch", "48", "--lr", "3e-3",
-            "--export", str(tmp / "drafter"), "--export-dtype", "float32"]
-    train.train(train.parse_args(argv), tiny)
-    return tmp
-
-
 def random_prompts(seed, n, lo=3, hi=30):
     rng = np.random.default_rng(seed)
     return [list(map(int, rng.integers(0, 62, int(rng.integers(lo, hi))))) for _ in range(n)]

@@ -12,28 +12,11 @@ from flax import nnx
 from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig, export_head, load_head
 from jaxspec.drafters.eagle_step import TreeShape
-from jaxspec.models import Llama
 from jaxspec.models.loading import CheckpointError
 
-from conftest import TINY, run_mixed_requests_with_aborts
+from conftest import TINY, run_mixed_requests_with_aborts, train_tiny_head
 
 KW = dict(max_batch=8, max_seq_len=128, num_pages=300)
-
-
-def train_tiny_head(tmp, kind, model=None, steps=80):
-    from jaxspec import train
-    argv = ["--run", str(tmp), "--kind", kind, "--num-prompts", "96", "--max-new-tokens", "40", "--seq-len", "64",
-            "--steps", str(steps), "--batch", "8", "--ttt", "3", "--draft-vocab", "48", "--log-every", "20",
-            "--save-every", "1000", "--gen-batch", "48", "--lr", "3e-3", "--export", str(tmp / "head"),
-            "--export-dtype", "float32"]
-    return train.train(train.parse_args(argv), model or Llama(TINY, rngs=nnx.Rngs(3)))
-
-
-@pytest.fixture(scope="session")
-def tiny_eagle3(tmp_path_factory, tiny):
-    tmp = tmp_path_factory.mktemp("eagle3")
-    train_tiny_head(tmp, "eagle3", tiny)
-    return tmp
 
 
 def random_prompts(seed, n, lo=3, hi=30):

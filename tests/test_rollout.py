@@ -1,11 +1,23 @@
-"""The jittable whole-loop function against the Generator, under jit and vmap."""
+"""The jittable rollout against the Generator: each algorithm's tokens, seeded samples and
+logprobs, stops, vmap, a data-parallel mesh, and new weights without a recompile."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from conftest import TINY
 from jaxspec import Generator, SamplingParams
-from jaxspec.rollout import jit_rollout, lookup_draft, rollout
+from jaxspec.drafters.dflash import load_dflash
+from jaxspec.drafters.eagle import DraftHead, HeadConfig, load_head
+from jaxspec.programs import compile_count
+from jaxspec.rollout import RolloutConfig, jit_rollout, lookup_draft, make_rollout
+
+PAGE = 4
+NEW = 20
 
 
 def test_lookup_draft_finds_latest_match():
@@ -23,32 +35,112 @@ def padded(prompts):
     return jnp.asarray(arr), jnp.asarray([len(x) for x in prompts], jnp.int32)
 
 
-def test_rollout_matches_generator_greedy_and_sampled(tiny):
-    rng = np.random.default_rng(0)
-    prompts = [list(map(int, (list(rng.integers(0, 62, 3)) * 5)[:n])) for n in (4, 9, 13)]
-    toks, lens = padded(prompts)
+def prompts_of(seed):
+    rng = np.random.default_rng(seed)
+    return [list(map(int, (list(rng.integers(0, 62, 3)) * 5)[:n])) for n in (4, 9, 13)]
+
+
+PROMPTS = prompts_of(0)
+TEMPS = [0.0, 1.0, 1.0]  # one greedy row beside sampled ones, in the same call
+
+
+@functools.cache
+def reference(model):
+    """The Generator's plain decoding: greedy, then rows at TEMPS with seeds 1..3, with logprobs."""
+    gen = Generator(model, None, max_batch=4, max_seq_len=128, num_pages=100, page_size=PAGE)
+    greedy = gen.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=0))
+    sampled = gen.generate(PROMPTS, [SamplingParams(max_tokens=NEW, temperature=t, seed=s, ignore_eos=True, logprobs=0)
+                                     for t, s in zip(TEMPS, (1, 2, 3))])
+    return greedy, sampled
+
+
+def drafter_for(algorithm, tiny, tiny_eagle3, tiny_dflash):
+    if algorithm == "eagle3":
+        return load_head(str(tiny_eagle3 / "head"), TINY, tiny), dict(num_steps=3, topk=2, num_draft_tokens=6)
+    if algorithm == "eagle":  # an untrained head: drafts mostly rejected, outputs still the target's
+        return DraftHead(HeadConfig.for_target(TINY, "eagle"), rngs=nnx.Rngs(1)), dict(num_steps=2, topk=2,
+                                                                                        num_draft_tokens=4)
+    if algorithm == "dflash":
+        return load_dflash(str(tiny_dflash / "drafter"), TINY), dict(num_draft_tokens=4)
+    return None, dict(num_draft_tokens=4 if algorithm == "prompt_lookup" else 8)
+
+
+NO_STOP = jnp.full((3, 1), -1, jnp.int32)
+
+
+@pytest.mark.parametrize("algorithm", ["none", "prompt_lookup", "eagle", "eagle3", "dflash"])
+def test_rollout_gives_the_generators_tokens_samples_and_logprobs(tiny, tiny_eagle3, tiny_dflash, algorithm):
+    head, shape = drafter_for(algorithm, tiny, tiny_eagle3, tiny_dflash)
+    greedy, sampled = reference(tiny)
+    toks, lens = padded(PROMPTS)
     seeds = jnp.array([1, 2, 3])
-    gen = Generator(tiny, None, max_batch=4, max_seq_len=128, num_pages=100, page_size=4)
-    for temp in (0.0, 1.0):
-        fn, state = jit_rollout(tiny, max_new_tokens=20, num_draft=3, temperature=temp, page_size=4)
-        out, n = fn(state, toks, lens, seeds)
-        ref = gen.generate(prompts, [SamplingParams(max_tokens=20, temperature=temp, seed=s, ignore_eos=True)
-                                     for s in (1, 2, 3)])
+    for sample, ref in ((False, greedy), (True, sampled)):
+        fn, params, dparams = jit_rollout(tiny, head, algorithm=algorithm, max_new_tokens=NEW, sample=sample,
+                                          page_size=PAGE, **shape)
+        out = fn(params, dparams, toks, lens, seeds, temperature=jnp.array(TEMPS) if sample else None,
+                 stop_ids=NO_STOP)
+        assert out.lengths.tolist() == [NEW] * 3 and not out.stopped.any()
         for i, r in enumerate(ref):
-            assert int(n[i]) == 20
-            assert np.asarray(out[i]).tolist() == r.token_ids, temp
+            assert np.asarray(out.tokens[i]).tolist() == r.token_ids, (sample, i)
+            np.testing.assert_allclose(np.asarray(out.logprobs[i]), r.logprobs, rtol=1e-4, atol=1e-4)
+        accept = np.asarray(out.lengths) / np.asarray(out.steps + (1 if head is not None else 0))
+        if algorithm in ("eagle3", "dflash", "prompt_lookup"):  # trained drafters (and repeats) are accepted
+            assert accept.mean() > 1.3, accept
+        if algorithm == "none":
+            assert out.steps.tolist() == [NEW] * 3
 
 
-def test_rollout_vmaps_and_stops_at_eos(tiny):
-    graphdef, state = nnx.split(tiny)
-    toks, lens = padded([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
-    f = jax.jit(jax.vmap(lambda t, l, s: rollout(graphdef, state, t, l, s, max_new_tokens=12, num_draft=2)))
-    out, n = f(toks[:, None], lens[:, None], jnp.array([[0], [0]]))
-    single, _ = jax.jit(lambda t, l, s: rollout(graphdef, state, t, l, s, max_new_tokens=12, num_draft=2))(
-        toks, lens, jnp.array([0, 0]))
-    np.testing.assert_array_equal(np.asarray(out[:, 0]), np.asarray(single))
-    eos = int(single[0, 4])
-    out, n = jax.jit(lambda t, l, s: rollout(graphdef, state, t, l, s, max_new_tokens=12, num_draft=2, eos_id=eos))(
-        toks, lens, jnp.array([0, 0]))
-    first = list(np.asarray(single[0])).index(eos)
-    assert int(n[0]) == first + 1 and np.asarray(out[0, : first + 1]).tolist() == np.asarray(single[0, : first + 1]).tolist()
+def test_rollout_stops_on_stop_ids_and_eos(tiny, tiny_eagle3):
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    fn, params, dparams = jit_rollout(tiny, head, algorithm="eagle3", max_new_tokens=NEW, page_size=PAGE,
+                                      num_steps=3, topk=2, num_draft_tokens=6)
+    toks, lens = padded(PROMPTS)
+    full = reference(tiny)[0]
+    stop = full[0].token_ids[5]  # row 0 stops at that token's first occurrence; the others where it occurs, if at all
+    out = fn(params, dparams, toks, lens, jnp.zeros(3, jnp.int32), stop_ids=jnp.array([[stop, -1]] * 3))
+    for i, r in enumerate(full):
+        want = r.token_ids[:r.token_ids.index(stop) + 1] if stop in r.token_ids else r.token_ids
+        n = int(out.lengths[i])
+        assert np.asarray(out.tokens[i, :n]).tolist() == want and bool(out.stopped[i]) == (stop in r.token_ids)
+        assert not np.asarray(out.tokens[i, n:]).any()
+    # by default a row stops at the model's EOS ids
+    out = fn(params, dparams, toks, lens, jnp.zeros(3, jnp.int32))
+    for i, r in enumerate(full):
+        eos = TINY.eos_token_ids[0]
+        want = r.token_ids[:r.token_ids.index(eos) + 1] if eos in r.token_ids else r.token_ids
+        assert np.asarray(out.tokens[i, :int(out.lengths[i])]).tolist() == want
+
+
+def test_rollout_vmaps_shards_and_takes_new_weights_without_recompiling(tiny, tiny_eagle3):
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    fn, params, dparams = make_rollout(tiny, head, RolloutConfig("eagle3", max_new_tokens=12, page_size=PAGE,
+                                                                 num_steps=2, topk=2, num_draft_tokens=4, sample=True))
+    groups = [padded(prompts_of(s)) for s in (0, 1)]
+    toks = jnp.stack([g[0] for g in groups])
+    lens = jnp.stack([g[1] for g in groups])
+    seeds = jnp.array([[1, 2, 3], [4, 5, 6]])
+    call = jax.jit(fn)
+    single = [call(params, dparams, toks[g], lens[g], seeds[g]) for g in range(2)]
+    # G groups of rows in one call: vmap over the group axis
+    batched = jax.jit(jax.vmap(fn, in_axes=(None, None, 0, 0, 0)))(params, dparams, toks, lens, seeds)
+    for g in range(2):
+        np.testing.assert_array_equal(np.asarray(batched.tokens[g]), np.asarray(single[g].tokens))
+    # a data-parallel mesh over the batch axis (forced host devices): the same tokens
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    rows = NamedSharding(mesh, P("data"))
+    flat = (toks.reshape(6, -1), lens.reshape(6), seeds.reshape(6))
+    sharded = jax.jit(fn)(params, dparams, *(jax.device_put(x, rows) for x in flat))
+    np.testing.assert_array_equal(np.asarray(sharded.tokens).reshape(2, 3, -1),
+                                  np.stack([np.asarray(s.tokens) for s in single]))
+    # new weights (an RL update) run in the compiled program
+    moved = jax.tree.map(lambda x: x * 1.01 if jnp.issubdtype(x.dtype, jnp.floating) else x, dparams)
+    before = compile_count()
+    call(params, moved, toks[0], lens[0], seeds[0]).tokens.block_until_ready()
+    assert compile_count() == before
+
+
+def test_rollout_config_errors():
+    with pytest.raises(ValueError, match="rollout algorithm 'medusa': choose one of"):
+        RolloutConfig("medusa")
+    with pytest.raises(ValueError, match="needs its drafter module"):
+        make_rollout(None, None, RolloutConfig("eagle3"))

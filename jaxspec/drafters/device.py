@@ -3,6 +3,8 @@ EAGLE-3, DFLASH): the module and draft shape its programs are built from, its ca
 draft each request's last step produced (kept on the request) handed to the next verify."""
 from __future__ import annotations
 
+import functools
+
 from jaxspec.kv_cache import KVCache
 
 
@@ -17,9 +19,18 @@ class DeviceDrafter:
         """(layers, kv heads, head dim) of the drafter's own paged cache."""
         raise NotImplementedError
 
-    def step_functions(self, graphs, attn_impl) -> dict:
-        """{'extend': ..., 'verify_steps': ...}: the fused programs' functions (see programs.py)."""
+    def step_module(self):
+        """The module with this drafter's `extend` and one-step `verify` (drafters/*_step.py)."""
         raise NotImplementedError
+
+    def step_functions(self, graphs, attn_impl) -> dict:
+        """{'extend', 'verify' (one step), 'verify_steps' (up to MAX_VERIFY_STEPS a call)}: the fused
+        programs' functions (see programs.py), each taking (state, cache, ...)."""
+        from jaxspec.drafters import eagle_step
+        mod = self.step_module()
+        verify = functools.partial(mod.verify, graphs, self.tree, attn_impl)
+        return {"extend": functools.partial(mod.extend, graphs, self.tree, attn_impl), "verify": verify,
+                "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree)}
 
     def create_cache(self, num_pages, page_size, dtype):
         layers, kv_heads, head_dim = self.cache_shape()

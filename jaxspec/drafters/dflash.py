@@ -16,7 +16,6 @@ projections (no attention), which is why DFLASH's catch-up is nearly free (see d
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -285,8 +284,6 @@ class DFlashDrafter(DeviceDrafter):
         c = self.head.cfg
         return c.num_layers, c.num_kv_heads, c.head_dim
 
-    def step_functions(self, graphs, attn_impl):
-        from jaxspec.drafters import dflash_step, eagle_step
-        verify = functools.partial(dflash_step.verify, graphs, self.tree, attn_impl)
-        return {"extend": functools.partial(dflash_step.extend, graphs, self.tree, attn_impl),
-                "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree)}
+    def step_module(self):
+        from jaxspec.drafters import dflash_step
+        return dflash_step

@@ -18,7 +18,6 @@ drafting (see eagle_step.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -333,8 +332,6 @@ class EagleDrafter(DeviceDrafter):
         c = self.head.cfg
         return 1, c.num_kv_heads, c.head_dim
 
-    def step_functions(self, graphs, attn_impl):
+    def step_module(self):
         from jaxspec.drafters import eagle_step
-        verify = functools.partial(eagle_step.verify, graphs, self.tree, attn_impl)
-        return {"extend": functools.partial(eagle_step.extend, graphs, self.tree, attn_impl),
-                "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree)}
+        return eagle_step
