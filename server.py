@@ -258,6 +258,7 @@ def build_app(argv=None):
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--tp-size", type=int, default=1, help="devices to split the model over (tensor parallel)")
     ap.add_argument("--num-pages", type=int)
     ap.add_argument("--skip-warmup", action="store_true",
                     help="serve at once and compile each program when a request first needs it")
@@ -275,6 +276,7 @@ def build_app(argv=None):
                           dflash_block_size=args.speculative_dflash_block_size)
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
                                     max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,
+                                    tp_size=args.tp_size,
                                     warmup=False if args.skip_warmup else "progress")  # before the port opens
     return create_app(gen, args.served_model_name or args.model), args
 

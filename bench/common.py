@@ -136,21 +136,28 @@ def run_torch_anchor(models: str, batches: str, context: int) -> list:
     return json.load(open(out))
 
 
-def random_model(cfg, dtype, seed=0):
+def random_model(cfg, dtype, seed=0, mesh=None):
     """A model of cfg's shape with random weights created on the device (no host copy), one op a
-    weight (one jitted function for them all took 62 s to compile on the H100)."""
+    weight (one jitted function for them all took 62 s to compile on the H100). mesh: a tensor-
+    parallel mesh: the model laid out for it, each weight made in its shards (sharding.py)."""
     from flax import nnx
+    from jaxspec import sharding
     from jaxspec.models import Llama
+    tp = sharding.tp_size(mesh)
+    cfg = sharding.tp_config(cfg, tp)
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     key = jax.random.key(seed)
     for i, (path, var) in enumerate(flat.items()):
         shape = var.get_value().shape
+        where = None if mesh is None else sharding.NamedSharding(mesh, sharding.weight_spec(
+            "/".join(map(str, path)), shape, tp))
         if "norm" in str(path[-1]):
-            var.set_value(jnp.ones(shape, dtype))
+            make = lambda k, shape=shape: jnp.ones(shape, dtype)
         else:
             fan_in = shape[-2] if len(shape) >= 2 and path[-1] != "embed" else 1
-            var.set_value((jax.random.normal(jax.random.fold_in(key, i), shape, dtype) / np.sqrt(fan_in)).astype(dtype))
+            make = lambda k, shape=shape, fan_in=fan_in: (jax.random.normal(k, shape, dtype) / np.sqrt(fan_in)).astype(dtype)
+        var.set_value(jax.jit(make, out_shardings=where)(jax.random.fold_in(key, i)))
     nnx.update(model, nnx.from_flat_state(flat))
     return model
 

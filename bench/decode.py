@@ -30,16 +30,16 @@ from jaxspec.programs import MAX_DECODE_STEPS, STOP_ID_SLOTS, Programs
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 
 
-def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl, per_call=MAX_DECODE_STEPS):
+def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl, per_call=MAX_DECODE_STEPS, mesh=None):
     """A function running n decode steps as the engine runs them (the `decode` program, per_call
     steps a call, each call chained on the last one's outputs), from `context` cached tokens a
-    request; built and warmed. Returns the last call's tokens."""
+    request; built and warmed. Returns the last call's tokens. mesh: the tensor-parallel mesh the
+    model is sharded over (the cache is sharded by KV head, as the engine's)."""
     cfg = model.cfg
-    progs = Programs(model, attn_impl=attn_impl)
+    progs = Programs(model, attn_impl=attn_impl, mesh=mesh)
     pages_per = -(-(context + 200) // page_size)
     width = max(-(-max_seq_len // page_size), pages_per)
-    cache = [KVCache.create(cfg.num_layers, batch * pages_per + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
-                            model.dtype)]
+    cache = [paged_cache(cfg, batch * pages_per + 1, page_size, model.dtype, mesh)]
     pt = np.zeros((batch, width), np.int32)
     pt[:, :pages_per] = 1 + np.arange(batch * pages_per).reshape(batch, pages_per)
     flags = SamplerFlags.of([SamplingParams()])
@@ -58,6 +58,15 @@ def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl, per_c
 
     jax.block_until_ready(run(3 * per_call))
     return run
+
+
+def paged_cache(cfg, num_pages, page_size, dtype, mesh=None):
+    if mesh is None:
+        return KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+    from jaxspec import sharding
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    where = sharding.cache_sharding(mesh, cfg.num_kv_heads)
+    return KVCache(sharding.zeros(shape, dtype, where), sharding.zeros(shape, dtype, where))
 
 
 def main():

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from common import mt_bench_prompts, print_table, write_results
-from jaxspec import Generator, SamplingParams
+from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.models.loading import load
 from jaxspec.rollout import jit_rollout
 
@@ -40,63 +40,83 @@ def drafter_for(model, algorithm):
     return None
 
 
+def timed(fn, args, repeats):
+    out = jax.block_until_ready(fn(*args))  # compile
+    secs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        secs.append(time.perf_counter() - t0)
+    return out, float(np.median(secs))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--algos", default="none,prompt_lookup:4,eagle3:6:4:24,dflash:16",
-                    help="none, prompt_lookup:<tokens>, eagle|eagle3:<steps>:<topk>:<tokens>, dflash:<block>")
+                    help="none (first: the baseline), prompt_lookup:<tokens>, eagle|eagle3:<steps>:<topk>:<tokens>, "
+                         "dflash:<block>")
+    ap.add_argument("--engine", default="eagle3:6:4:24", help="the Generator's speculative run beside (greedy)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     model, tok = load(args.model)
     chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
              for q in mt_bench_prompts()]
     encoded = [tok.encode(c, add_special_tokens=False) for c in chats]
-    gen = Generator(model, tok, max_batch=max(map(int, args.batches.split(","))), max_seq_len=1024, warmup=True)
+    batches = list(map(int, args.batches.split(",")))
+    steps, topk, nodes = map(int, args.engine.split(":")[1:])
+    engines = {"plain": Generator(model, tok, max_batch=max(batches), max_seq_len=1024),
+               args.engine: Generator(model, tok, max_batch=max(batches), max_seq_len=1024,
+                                      drafter=SpecConfig("EAGLE3", num_steps=steps, eagle_topk=topk,
+                                                         num_draft_tokens=nodes).build(model, "smollm2-135m"))}
     rows = []
-    for b in map(int, args.batches.split(",")):
-        ids = encoded[:b]
-        plen = max(map(len, ids))
-        prompts = np.zeros((b, plen), np.int32)
+    for b in batches:
+        ids = (encoded * (-(-b // len(encoded))))[:b]
+        prompts = np.zeros((b, max(map(len, ids))), np.int32)
         for i, x in enumerate(ids):
             prompts[i, :len(x)] = x
         lens = np.array([len(x) for x in ids], np.int32)
-        for algo in args.algos.split(","):
-            name, *nums = algo.split(":")
-            shape = {}
-            if name in ("eagle", "eagle3"):
-                shape = dict(num_steps=int(nums[0]), topk=int(nums[1]), num_draft_tokens=int(nums[2]))
-            elif nums:
-                shape = dict(num_draft_tokens=int(nums[0]))
-            fn, params, dparams = jit_rollout(model, drafter_for(model, name), algorithm=name,
-                                              max_new_tokens=args.max_tokens, **shape)
-            args_ = (params, dparams, jnp.asarray(prompts), jnp.asarray(lens), jnp.zeros(b, jnp.int32))
-            out = jax.block_until_ready(fn(*args_))  # compile
-            secs = []
+        for temp in map(float, args.temperatures.split(",")):
+            base = None
+            for algo in args.algos.split(","):
+                name, *nums = algo.split(":")
+                shape = {}
+                if name in ("eagle", "eagle3"):
+                    shape = dict(num_steps=int(nums[0]), topk=int(nums[1]), num_draft_tokens=int(nums[2]))
+                elif nums:
+                    shape = dict(num_draft_tokens=int(nums[0]))
+                fn, params, dparams = jit_rollout(model, drafter_for(model, name), algorithm=name,
+                                                  max_new_tokens=args.max_tokens, sample=temp > 0, **shape)
+                out, secs = timed(fn, (params, dparams, jnp.asarray(prompts), jnp.asarray(lens), jnp.arange(b),
+                                       jnp.full(b, temp, jnp.float32)), args.repeats)
+                n = np.asarray(out.lengths)
+                row = dict(engine="rollout", algorithm=algo, batch=b, temperature=temp, tokens=int(n.sum()),
+                           tokens_per_s=float(n.sum() / secs), seconds=secs,
+                           accept_length=float(n.sum() / max(int(np.asarray(out.steps).sum()), 1)))
+                base = base or row
+                row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+                rows.append(row)
+                print_table(rows[-1:], ["algorithm", "batch", "temperature", "tokens_per_s", "speedup", "accept_length"])
+        params = SamplingParams(max_tokens=args.max_tokens)
+        for label, gen in engines.items():  # the engine beside, greedy
+            gen.generate(ids, params)
+            gen.generate(ids, params)
+            secs, tokens = [], 0
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                out = jax.block_until_ready(fn(*args_))
+                outs = gen.generate(ids, params)
                 secs.append(time.perf_counter() - t0)
-            n = np.asarray(out.lengths)
-            rows.append(dict(engine="rollout", algorithm=f"rollout {algo}", batch=b, tokens=int(n.sum()),
-                             tokens_per_s=float(n.sum() / np.median(secs)), seconds=float(np.median(secs)),
-                             accept_length=float(n.sum() / max(int(np.asarray(out.steps).sum()), 1))))
-            print_table(rows[-1:], ["algorithm", "batch", "tokens", "tokens_per_s", "accept_length"])
-        params = SamplingParams(max_tokens=args.max_tokens)
-        gen.generate(ids, params)
-        secs, tokens = [], 0
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            outs = gen.generate(ids, params)
-            secs.append(time.perf_counter() - t0)
-            tokens = sum(len(o.token_ids) for o in outs)
-        rows.append(dict(engine="generator", algorithm="plain", batch=b, tokens=tokens,
-                         tokens_per_s=float(tokens / np.median(secs)), seconds=float(np.median(secs))))
-        k = len(args.algos.split(","))
-        for r in rows[-k - 1:-1]:
-            r["vs_generator_plain"] = r["tokens_per_s"] / rows[-1]["tokens_per_s"]
-        print_table(rows[-k - 1:], ["engine", "algorithm", "batch", "tokens", "tokens_per_s", "vs_generator_plain"])
+                tokens = sum(len(o.token_ids) for o in outs)
+            rows.append(dict(engine="generator", algorithm=label, batch=b, temperature=0.0, tokens=tokens,
+                             tokens_per_s=float(tokens / np.median(secs)), seconds=float(np.median(secs))))
+        greedy = [r for r in rows if r["batch"] == b and r["temperature"] == 0.0]
+        plain_engine = next(r for r in greedy if r["engine"] == "generator" and r["algorithm"] == "plain")
+        for r in greedy:
+            r["vs_generator_plain"] = r["tokens_per_s"] / plain_engine["tokens_per_s"]
+        print_table(greedy, ["engine", "algorithm", "batch", "tokens_per_s", "speedup", "vs_generator_plain"])
     print(write_results("rollout", rows, {"dtype": str(model.dtype)}))
 
 

@@ -32,6 +32,7 @@ def main(argv=None):
                      help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     g.add_argument("--max-batch", type=int, default=32)
     g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--tp-size", type=int, default=1, help="devices to split the model over (tensor parallel)")
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--json", action="store_true", help="print one JSON object per completion")
     g.add_argument("--no-warmup", action="store_true", help="compile programs as they are first needed")
@@ -65,7 +66,7 @@ def main(argv=None):
         # first token, so no step waits for a compile mid-run
         gen = Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
                                         speculative=spec, max_batch=min(args.max_batch, len(prompts)),
-                                        page_size=args.page_size, max_seq_len=args.max_seq_len,
+                                        page_size=args.page_size, max_seq_len=args.max_seq_len, tp_size=args.tp_size,
                                         warmup=not args.no_warmup, warmup_flags=[SamplerFlags.of([params])])
         chat = not args.raw and gen.tokenizer.chat_template is not None
         inputs = [[{"role": "user", "content": p}] if chat else p for p in prompts]

@@ -8,8 +8,11 @@ GPU would sync with the host each iteration: there every batch takes the kernels
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.pallas.attention_ref import NEG_INF, visible_mask
 
@@ -30,6 +33,22 @@ def on_hopper() -> bool:
 
 
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
+    """Under a tensor-parallel mesh (sharding.py) with heads that divide over it, each shard attends
+    with its own query and KV heads (shard_map): the kernels never see the mesh. See
+    local_paged_attention for the arguments."""
+    from jaxspec import sharding
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = sharding.tp_size(mesh)
+    if tp > 1 and q.shape[2] % tp == 0 and k_pages.shape[3] % tp == 0:
+        heads, pages, whole = P(None, None, sharding.AXIS, None), P(None, None, None, sharding.AXIS, None), P()
+        local = functools.partial(local_paged_attention, impl=impl)
+        return jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, whole, whole, whole, whole),
+                             out_specs=heads, check_vma=False)(q, k_pages, v_pages, layer, page_table, kv_lens,
+                                                               q_lens, tree_mask)
+    return local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, impl)
+
+
+def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers) -> [B, T, Hq, D].
 
     impl: 'auto' (the kernels on GPU), 'pallas' (the Triton kernel; interpreted off-GPU), 'ref'

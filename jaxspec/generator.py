@@ -61,20 +61,37 @@ def _completion(tokenizer, req: Request) -> Completion:
 
 
 class Generator:
-    def __init__(self, model, tokenizer, **scheduler_kwargs):
+    def __init__(self, model, tokenizer, tp_size: int = 1, **scheduler_kwargs):
+        """tp_size: devices the model is split over (tensor parallel, sharding.py); the drafter's
+        head, if any, is replicated on each."""
+        mesh = None
+        if tp_size > 1:
+            from jaxspec import sharding
+            mesh = sharding.tp_mesh(tp_size)
+            if model.cfg.shard_groups != tp_size:
+                from jaxspec.models.loading import shard_model
+                model = shard_model(model, mesh)
+            head = getattr(scheduler_kwargs.get("drafter"), "head", None)
+            if head is not None:
+                sharding.replicate(head, mesh)
         self.model, self.tokenizer = model, tokenizer
-        self.scheduler = Scheduler(model, tokenizer, **scheduler_kwargs)
+        self.scheduler = Scheduler(model, tokenizer, mesh=mesh, **scheduler_kwargs)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype=None, speculative: SpecConfig | None = None,
-                        **scheduler_kwargs) -> Generator:
+                        tp_size: int = 1, **scheduler_kwargs) -> Generator:
         """name_or_path: a short name of an embedded model (e.g. 'smollm2-135m'), a .gguf file, or an
-        HF directory. speculative: a `jaxspec.SpecConfig` (None = plain decoding)."""
+        HF directory. speculative: a `jaxspec.SpecConfig` (None = plain decoding). tp_size: devices
+        to split the model over, its shards loaded straight onto them."""
         if scheduler_kwargs.get("jit", True):  # before anything compiles: JAX looks at it once
             enable_compilation_cache(scheduler_kwargs.get("compile_cache"))
-        model, tokenizer = load(name_or_path, dtype)
+        mesh = None
+        if tp_size > 1:
+            from jaxspec.sharding import tp_mesh
+            mesh = tp_mesh(tp_size)
+        model, tokenizer = load(name_or_path, dtype, mesh)
         drafter = speculative.build(model, name_or_path) if speculative is not None else None
-        return cls(model, tokenizer, drafter=drafter, **scheduler_kwargs)
+        return cls(model, tokenizer, drafter=drafter, tp_size=tp_size, **scheduler_kwargs)
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:

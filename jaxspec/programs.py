@@ -23,6 +23,7 @@ program_store.py, program_workers.py), and a program compiled after that is coun
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -107,9 +108,11 @@ _CARRIED_DEVICE_DRAFTER = {"verify_steps": ("tokens", "parents", "kv_lens", "bud
 class Programs:
     """One model's (and drafter's) step functions and the executables built for them, by shape."""
 
-    def __init__(self, model, attn_impl: str = "auto", jit: bool = True, drafter=None, store: str | None = None):
-        """store: a folder for exported programs (program_store.py), or None to trace every one."""
-        self.jit, self.store = jit, store
+    def __init__(self, model, attn_impl: str = "auto", jit: bool = True, drafter=None, store: str | None = None,
+                 mesh=None):
+        """store: a folder for exported programs (program_store.py), or None to trace every one.
+        mesh: the tensor-parallel mesh the weights are sharded over (traced under it)."""
+        self.jit, self.store, self.mesh = jit, store, mesh
         head = getattr(drafter, "head", None)
         # what the programs' code depends on beyond their argument shapes (an exported entry's name)
         self.config_key = (repr(model.cfg), repr(getattr(head, "cfg", None)), repr(getattr(drafter, "tree", None)),
@@ -169,7 +172,8 @@ class Programs:
 
     def run(self, name, flags, cache, args):
         if not self.jit:
-            return self.fns[name](self.state, cache, *args, flags=flags)
+            with self._traced():
+                return self.fns[name](self.state, cache, *args, flags=flags)
         key = (name, flags, _signature((cache, args)))
         exe = self.table.get(key)
         if exe is None:
@@ -187,11 +191,16 @@ class Programs:
         return program_store.entry_name(self.config_key, name, flags, _signature((self.state, cache, args)),
                                         str(jax.tree.structure((cache, args))))
 
+    def _traced(self):
+        """Under the mesh, if any: attention.py runs its kernels per shard (shard_map) inside it."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
     def _lower(self, name, flags, cache, args):
         donated = ("cache",) + self.carried.get(name, ())
         if self.store is None:
             fn = jax.jit(self.fns[name], static_argnames=("flags",), donate_argnames=donated)
-            return fn.lower(self.state, cache, *args, flags=flags)
+            with self._traced():
+                return fn.lower(self.state, cache, *args, flags=flags)
         entry = self.entry(name, flags, cache, args)
         fn = jax.jit(self.fns[name], static_argnames=("flags",))
         exp, read = program_store.exported(self.store, entry, fn, (self.state, cache) + tuple(args), {"flags": flags})

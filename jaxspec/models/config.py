@@ -23,6 +23,9 @@ class ModelConfig:
     max_position: int = 8192
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
+    # tensor-parallel layout of the fused matrices: [q_s k_s v_s] and [gate_s up_s] for each of
+    # this many shards (sharding.py); 1: [q | k | v] and [gate | up]
+    shard_groups: int = 1
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":

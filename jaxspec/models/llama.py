@@ -63,7 +63,8 @@ def _param(rngs, shape, fan_in, dtype):
 
 
 class Block(nnx.Module):
-    """One decoder layer; weights in [in, out] layout, wqkv = [wq | wk | wv], w_gate_up = [gate | up]."""
+    """One decoder layer; weights in [in, out] layout, wqkv = [wq | wk | wv], w_gate_up = [gate | up]
+    (per shard, with cfg.shard_groups > 1)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -89,14 +90,16 @@ class Block(nnx.Module):
         qkv = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps) @ self.wqkv[...]
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
-        q, k, v = jnp.split(qkv, [hq * d, (hq + hkv) * d], axis=-1)
+        g = cfg.shard_groups  # > 1: each shard's [q k v] together (sharding.py), so a column split is local
+        q, k, v = jnp.split(qkv.reshape(b, t, g, -1), [hq // g * d, (hq + hkv) // g * d], axis=-1)
         q, k, v = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
         if cfg.qk_norm:
             q, k = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         q, k = rotate(q, rope), rotate(k, rope)
         x = x + attend(q, k, v).reshape(b, t, hq * d) @ self.wo[...]
-        gate, up = jnp.split(rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps) @ self.w_gate_up[...], 2, axis=-1)
-        return x + (jax.nn.silu(gate) * up) @ self.w_down[...]
+        gate_up = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps) @ self.w_gate_up[...]
+        gate, up = jnp.split(gate_up.reshape(b, t, g, -1), 2, axis=-1)
+        return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
 
 
 class Llama(nnx.Module):

@@ -44,21 +44,30 @@ def resolve(name_or_path: str) -> str:
     return name_or_path
 
 
-def load(name_or_path: str, dtype=None):
-    """Returns (model, tokenizer). dtype defaults to bf16 on GPU, float32 elsewhere."""
+def load(name_or_path: str, dtype=None, mesh=None):
+    """Returns (model, tokenizer). dtype defaults to bf16 on GPU, float32 elsewhere. mesh: a
+    tensor-parallel mesh (sharding.tp_mesh): each weight's shards go from the host straight to
+    their devices, in the layout sharding.py describes."""
     if dtype is None:
         dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     path = resolve(name_or_path)
     if os.path.isdir(path):
-        return load_hf(path, dtype)
+        return load_hf(path, dtype, mesh)
     if path.endswith(".gguf"):
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, mesh)
     raise CheckpointError(f"{path}: expected a .gguf file or a directory with config.json and safetensors")
 
 
-def build_model(cfg: ModelConfig, weights: dict, dtype, source: str) -> Llama:
+def build_model(cfg: ModelConfig, weights: dict, dtype, source: str, mesh=None) -> Llama:
     """weights: parameter paths as written by `nnx` ('embed', 'layers/3/wqkv', ...) -> numpy arrays
-    in [in, out] layout."""
+    in [in, out] layout. With a mesh, cfg and weights are laid out for it here (sharding.py)."""
+    shardings = None
+    if mesh is not None:
+        from jaxspec import sharding
+        tp = sharding.tp_size(mesh)
+        if cfg.shard_groups == 1:
+            cfg, weights = sharding.tp_config(cfg, tp), sharding.tp_weights(cfg, weights, tp)
+        shardings = {k: sharding.NamedSharding(mesh, sharding.weight_spec(k, np.shape(w), tp)) for k, w in weights.items()}
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     host = []
@@ -71,10 +80,20 @@ def build_model(cfg: ModelConfig, weights: dict, dtype, source: str) -> Llama:
             raise CheckpointError(f"{source}: {key!r} has shape {tuple(arr.shape)}, "
                                   f"config expects {tuple(var.get_value().shape)}")
         host.append(np.ascontiguousarray(arr, np.dtype(dtype)))  # cast here: no convert program per shape
-    for var, value in zip(flat.values(), jax.device_put(host)):  # one transfer for all
+    keys = ["/".join(map(str, path)) for path in flat]
+    placed = jax.device_put(host, None if shardings is None else [shardings[k] for k in keys])  # one transfer
+    for var, value in zip(flat.values(), placed):
         var.set_value(value)
     nnx.update(model, nnx.from_flat_state(flat))
     return model
+
+
+def shard_model(model: Llama, mesh) -> Llama:
+    """A copy of `model` laid out for the mesh's tensor-parallel shards (sharding.py), each shard
+    put on its device through the host (load(..., mesh=) skips the copy on one device)."""
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    return build_model(model.cfg, {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in flat.items()},
+                       model.dtype, "model", mesh)
 
 
 def layer_weights(cfg: ModelConfig, get, source: str) -> dict:
@@ -108,7 +127,7 @@ def _unpermute(w, n_heads):
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, dtype):
+def load_gguf(path: str, dtype, mesh=None):
     from jaxspec.models.gguf_file import GGUFFile
 
     try:
@@ -150,7 +169,7 @@ def load_gguf(path: str, dtype):
     weights["final_norm"] = tensor("output_norm.weight")
     if not cfg.tie_word_embeddings:
         weights["lm_head"] = tensor("output.weight").T
-    return build_model(cfg, weights, dtype, path), gguf_tokenizer(fields, path)
+    return build_model(cfg, weights, dtype, path, mesh), gguf_tokenizer(fields, path)
 
 
 def gguf_tokenizer(fields, path):
@@ -220,7 +239,7 @@ def _load_safetensors_f32(fp, load_file):
     return {k: np.asarray(v, np.float32) if v.dtype != np.float32 else v for k, v in d.items()}
 
 
-def load_hf(directory: str, dtype):
+def load_hf(directory: str, dtype, mesh=None):
     from transformers import AutoTokenizer
 
     cfg_path = os.path.join(directory, "config.json")
@@ -249,4 +268,4 @@ def load_hf(directory: str, dtype):
     tokenizer = None
     if os.path.exists(os.path.join(directory, "tokenizer.json")):
         tokenizer = AutoTokenizer.from_pretrained(directory)
-    return build_model(cfg, weights, dtype, directory), tokenizer
+    return build_model(cfg, weights, dtype, directory, mesh), tokenizer

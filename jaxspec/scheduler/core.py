@@ -45,8 +45,11 @@ class Scheduler(Admission, Dispatch, Outputs):
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
                  spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
-                 warmup_flags=None, compile_cache=None, build_workers=None):
+                 warmup_flags=None, compile_cache=None, build_workers=None, mesh=None):
+        """mesh: a tensor-parallel mesh (sharding.tp_mesh) the model is laid out and sharded for:
+        the caches are sharded by KV head, the programs partitioned over it."""
         cfg = model.cfg
+        self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch = page_size, max_batch
         rows_max = bucket(max_batch, BATCH_BUCKETS)  # no prefill program wider than the batch can be
@@ -64,16 +67,19 @@ class Scheduler(Admission, Dispatch, Outputs):
                              f"({self.max_pages_per_seq} pages of {page_size}); raise num_pages or lower max_seq_len")
         self.pool = PagePool(num_pages, page_size)
         dtype = kv_dtype or model.embed[...].dtype
-        self.cache = KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        # a device drafter (EAGLE head) keeps its own one-layer cache in the same pages
+        self.cache = self._kv_cache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        # a device drafter (EAGLE head) keeps its own cache in the same pages
         self.device_drafter = getattr(drafter, "head", None) is not None
         if self.device_drafter:
-            self.cache = (self.cache, drafter.create_cache(num_pages, page_size, dtype))
+            self.cache = (self.cache, self._kv_cache(*drafter.cache_shape()[:1], num_pages, page_size,
+                                                     *drafter.cache_shape()[1:], dtype))
         folder = enable_compilation_cache(compile_cache) if jit else None
-        store = folder and os.path.join(folder, "jaxspec-programs")  # exported programs beside XLA's entries
-        self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter, store=store)
+        # exported programs beside XLA's entries (not for a mesh: its programs are traced each start)
+        store = os.path.join(folder, "jaxspec-programs") if folder and mesh is None else None
+        self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter, store=store, mesh=mesh)
         # a device drafter's large-batch fallback: the target alone, no head catch-up
-        self.plain_programs = Programs(model, attn_impl=attn_impl, jit=jit, store=store) if self.device_drafter else None
+        self.plain_programs = (Programs(model, attn_impl=attn_impl, jit=jit, store=store, mesh=mesh)
+                               if self.device_drafter else None)
         self.drafter = drafter
         self.build_workers = build_workers  # processes for a cold start's programs (None: program_workers decides)
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.
@@ -109,6 +115,14 @@ class Scheduler(Admission, Dispatch, Outputs):
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0)
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
+
+    def _kv_cache(self, layers, num_pages, page_size, kv_heads, head_dim, dtype) -> KVCache:
+        if self.mesh is None:
+            return KVCache.create(layers, num_pages, page_size, kv_heads, head_dim, dtype)
+        from jaxspec import sharding
+        shape = (layers, num_pages, page_size, kv_heads, head_dim)
+        where = sharding.cache_sharding(self.mesh, kv_heads)
+        return KVCache(sharding.zeros(shape, dtype, where), sharding.zeros(shape, dtype, where))
 
     def program_specs(self, flag_sets=None) -> list:
         """(programs, name, flags, cache, args) of every program this engine can launch with the
