@@ -67,9 +67,11 @@ class RolloutOutput(NamedTuple):
     steps: jax.Array  # [B] target passes after the prefill: lengths / steps is the mean accept length
 
 
-def make_rollout(model, head=None, config: RolloutConfig = RolloutConfig()):
+def make_rollout(model, head=None, config: RolloutConfig = RolloutConfig(), mesh=None):
     """(fn, params, drafter_params): fn(params, drafter_params, prompts, lengths, seeds, ...) is
-    `rollout` with the modules' structure bound; jit it (or vmap / shard it) as it is."""
+    `rollout` with the modules' structure bound; jit it (or vmap / shard it) as it is. mesh: the
+    tensor-parallel mesh a model laid out by `load(..., mesh=)` is sharded over (a 'tp' axis, and
+    any others, e.g. 'data' for the rows): the attention kernels then run per shard."""
     learned = config.algorithm in ("eagle", "eagle3", "dflash")
     if learned and head is None:
         raise ValueError(f"rollout algorithm {config.algorithm} needs its drafter module")
@@ -79,7 +81,15 @@ def make_rollout(model, head=None, config: RolloutConfig = RolloutConfig()):
         graphs = (graphs, head_graph)
     else:
         drafter_params = None
-    return functools.partial(rollout, graphs, config=config), params, drafter_params
+    fn = functools.partial(rollout, graphs, config=config)
+    if mesh is not None:
+        plain = fn
+
+        @functools.wraps(plain)
+        def fn(*args, **kwargs):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # attention.py reads it while tracing
+                return plain(*args, **kwargs)
+    return fn, params, drafter_params
 
 
 def rollout(graphs, params, drafter_params, prompts, lengths, seeds, temperature=None, top_p=None, top_k=None,

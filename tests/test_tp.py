@@ -103,3 +103,25 @@ def test_tp_bench_runs_on_host_devices(tmp_path, monkeypatch):
     w = [m["weight_bytes_per_device"] for m in mem]
     assert w[0] == pytest.approx(16.06e9, rel=0.01) and w[1] == pytest.approx(w[0] / 2, rel=0.01)
     assert mem[2]["kv_bytes_per_device"] * 4 == mem[0]["kv_bytes_per_device"]
+
+
+def test_rollout_over_a_tp_mesh_gives_tp1_tokens(tiny, tiny_eagle3):
+    import jax.numpy as jnp
+
+    from jaxspec.models.loading import shard_model
+    from jaxspec.rollout import RolloutConfig, make_rollout
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    cfg = RolloutConfig("eagle3", max_new_tokens=10, page_size=4, num_steps=2, topk=2, num_draft_tokens=4)
+    toks = np.zeros((4, 21), np.int32)
+    for i, p in enumerate(PROMPTS[1:]):
+        toks[i, :len(p)] = p
+    args = (jnp.asarray(toks), jnp.asarray([len(p) for p in PROMPTS[1:]], jnp.int32), jnp.arange(4))
+    fn, params, dparams = make_rollout(tiny, head, cfg)
+    want = jax.jit(fn)(params, dparams, *args).tokens
+    # rows over a 'data' axis, heads over 'tp'
+    mesh = jax.make_mesh((2, 2), ("data", sharding.AXIS), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = shard_model(tiny, mesh)  # split over "tp", whole on each "data" row
+    fn, params, dparams = make_rollout(model, head, cfg, mesh=mesh)
+    rows = sharding.NamedSharding(mesh, sharding.P("data"))
+    got = jax.jit(fn)(params, dparams, *(jax.device_put(a, rows) for a in args)).tokens
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
