@@ -87,7 +87,8 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
     def params_of(body: SamplingFields, logprobs: int | None) -> SamplingParams:
         return sampling_params(body, logprobs, model_name, gen.model.cfg.vocab_size)
 
-    async def run(request: Request, prompt_ids, params: SamplingParams, n: int, chat: bool, stream: bool):
+    async def run(request: Request, prompt_ids, params: SamplingParams, n: int, chat: bool, stream: bool,
+                  include_usage: bool = False):
         loop = asyncio.get_running_loop()
         queues, handles = [], []
 
@@ -178,6 +179,10 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
                         done += 1
                 for t in tasks:
                     t.cancel()
+                if include_usage:  # OpenAI's stream_options: a last chunk with no choices, the counts
+                    last = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                            "model": model_name, "choices": [], "usage": usage()}
+                    yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # the client went away (or we finished): abort whatever still runs
                 for h in handles:
@@ -195,7 +200,8 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
             ids = gen.encode(body.prompt)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        return await run(request, ids, params, body.n, False, body.stream)
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        return await run(request, ids, params, body.n, False, body.stream, usage)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -209,7 +215,8 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
             ids = gen.encode([m.model_dump() for m in body.messages])
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        return await run(request, ids, params, body.n, True, body.stream)
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        return await run(request, ids, params, body.n, True, body.stream, usage)
 
     return app
 
@@ -256,7 +263,11 @@ def build_app(argv=None):
     ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
     ap.add_argument("--speculative-ngram-match-type", default="BFS")
     ap.add_argument("--max-running-requests", type=int, default=32)
-    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--context-length", "--max-seq-len", dest="max_seq_len", type=int,
+                    help="longest sequence, prompt and output (default: the model's context)")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.8,
+                    help="share of the device memory free after the weights that the KV pool takes, where the "
+                         "device reports its memory (GPU); --num-pages overrides")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tp-size", type=int, default=1, help="devices to split the model over (tensor parallel)")
     ap.add_argument("--num-pages", type=int)
@@ -276,6 +287,7 @@ def build_app(argv=None):
                           dflash_block_size=args.speculative_dflash_block_size)
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
                                     max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,
+                                    mem_fraction=args.mem_fraction_static,
                                     tp_size=args.tp_size,
                                     warmup=False if args.skip_warmup else "progress")  # before the port opens
     return create_app(gen, args.served_model_name or args.model), args

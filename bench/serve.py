@@ -1,14 +1,25 @@
-"""Bounded load against the real HTTP server on loopback: throughput and p50/p99 latency,
-plain vs NGRAM, side by side in one run.
+"""Serving under load: the real HTTP server on loopback, streamed chat completions, per algorithm.
 
-    python bench/serve.py [--requests 200] [--concurrency 32] [--max-tokens 32]
+    python bench/serve.py [--model smollm2-135m] [--algos plain,eagle3:6:4:24,ngram:8]
+        [--datasets mt-bench,humaneval] [--concurrency 1,8,32,128] [--rates 4,16,64] [--max-tokens 256]
+
+Closed loop: `c` clients, each sending its next request when the last one ends. Open loop:
+Poisson arrivals at `r` requests/s (a seeded schedule, the same for every algorithm), whatever
+the server's pace. Each request streams (SSE, with OpenAI's `stream_options.include_usage`):
+TTFT = first content chunk after sending, ITL = the gaps between content chunks (a speculative
+step can deliver several tokens in one), tokens from the usage chunk. A row: output tokens/s
+and requests/s over the load's wall time, TTFT / ITL / latency p50 and p99. One server per
+algorithm, its programs built before the port opens, every load point warmed once untimed.
+`--plot` draws throughput against p50 ITL (closed loop) and against p50 TTFT (open loop).
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -18,63 +29,171 @@ import httpx
 import numpy as np
 
 import server as srv
-from common import mt_bench_prompts, print_table, write_results
-from jaxspec import SpecConfig
-from jaxspec.generator import Generator
-from jaxspec.models.loading import load
+from common import RESULTS, device_name, humaneval_prompts, mt_bench_prompts, print_table, write_results
 
 
-def serve(gen, name):
-    return srv.start_in_thread(srv.create_app(gen, name))
-
-
-def load_test(url, prompts, concurrency, max_tokens):
-    def one(p):
-        t0 = time.perf_counter()
-        r = httpx.post(url + "/v1/chat/completions", timeout=600,
-                       json={"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens, "temperature": 0})
+def stream_one(client, url, messages, max_tokens):
+    """One streamed chat completion: (ttft, chunk gaps, latency, completion tokens, finish)."""
+    t0 = time.perf_counter()
+    times, tokens = [], 0
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in chunk["choices"]):
+                times.append(time.perf_counter())
+    end = time.perf_counter()
+    return dict(ttft=(times[0] - t0) if times else end - t0, itl=list(np.diff(times)), latency=end - t0,
+                tokens=tokens)
+
+
+def summarize(results, wall):
+    ttft = [r["ttft"] for r in results]
+    itl = [g for r in results for g in r["itl"]] or [0.0]
+    lat = [r["latency"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    pct = lambda xs, q: float(np.percentile(xs, q))
+    return dict(requests=len(results), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+                requests_per_s=len(results) / wall, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
+                itl_p50_s=pct(itl, 50), itl_p99_s=pct(itl, 99), latency_p50_s=pct(lat, 50), latency_p99_s=pct(lat, 99))
+
+
+def closed_loop(url, chats, concurrency, max_tokens):
+    """`concurrency` clients over all chats, each sending its next when the last one ended."""
+    todo = iter(chats)
+    lock = threading.Lock()
+    results = []
+
+    def client_loop():
+        with httpx.Client() as client:
+            while True:
+                with lock:
+                    msgs = next(todo, None)
+                if msgs is None:
+                    return
+                res = stream_one(client, url, msgs, max_tokens)
+                with lock:
+                    results.append(res)
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
-        res = list(ex.map(one, prompts))
-    wall = time.perf_counter() - t0
-    lat = np.array([r[0] for r in res])
-    toks = sum(r[1] for r in res)
-    return dict(requests=len(prompts), tokens=toks, wall_s=wall, tokens_per_s=toks / wall,
-                requests_per_s=len(prompts) / wall, p50_latency_s=float(np.percentile(lat, 50)),
-                p99_latency_s=float(np.percentile(lat, 99)))
+        for f in [ex.submit(client_loop) for _ in range(concurrency)]:
+            f.result()
+    return summarize(results, time.perf_counter() - t0)
+
+
+def open_loop(url, chats, rate, max_tokens, seed=0):
+    """Poisson arrivals at `rate` requests/s: each chat is sent at its arrival time."""
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, len(chats)))
+    client = httpx.Client(limits=httpx.Limits(max_connections=len(chats)))
+    t0 = time.perf_counter()
+
+    def at(i):
+        time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        return stream_one(client, url, chats[i], max_tokens)
+
+    with concurrent.futures.ThreadPoolExecutor(len(chats)) as ex:
+        results = list(ex.map(at, range(len(chats))))
+    client.close()
+    return summarize(results, time.perf_counter() - t0)
+
+
+def spec_of(algo):
+    from jaxspec import SpecConfig
+    name, *nums = algo.split(":")
+    if name == "plain":
+        return None
+    if name == "ngram":
+        return SpecConfig("NGRAM", num_draft_tokens=int(nums[0]) if nums else 8)
+    return SpecConfig(name.upper(), num_steps=int(nums[0]), eagle_topk=int(nums[1]), num_draft_tokens=int(nums[2]))
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, load, lat in ((axes[0], "closed", "itl_p50_s"), (axes[1], "open", "ttft_p50_s")):
+        for (algo, ds) in dict.fromkeys((r["algorithm"], r["dataset"]) for r in rows):
+            pts = [r for r in rows if (r["algorithm"], r["dataset"], r["load"]) == (algo, ds, load)]
+            if pts:
+                ax.plot([1e3 * r[lat] for r in pts], [r["tokens_per_s"] for r in pts], "o-", label=f"{algo} {ds}")
+        ax.set_xlabel(f"{lat[:-6].upper()} p50 (ms)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("closed loop (concurrency sweep)" if load == "closed" else "open loop (Poisson rates)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def run(gen_for, algos, datasets, concurrency, rates, max_tokens, requests):
+    """Rows for every (algorithm, dataset, load point); gen_for(algo) builds that algorithm's engine."""
+    rows = []
+    for algo in algos:
+        url, server, th = srv.start_in_thread(srv.create_app(gen_for(algo), "bench"))
+        try:
+            for ds, chats in datasets.items():
+                for kind, points in (("closed", concurrency), ("open", rates)):
+                    for p in points:
+                        n = max(requests, 2 * p) if kind == "closed" else requests
+                        batch = [chats[i % len(chats)] for i in range(n)]
+                        load = (lambda b: closed_loop(url, b, p, max_tokens)) if kind == "closed" else (
+                            lambda b: open_loop(url, b, p, max_tokens))
+                        load(batch[:min(len(batch), max(p, 4))] if kind == "closed" else batch[:4])  # warm this shape
+                        rows.append(dict(algorithm=algo, dataset=ds, load=kind,
+                                         **({"concurrency": p} if kind == "closed" else {"rate": p}), **load(batch)))
+                        print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
+                                                "ttft_p50_s", "itl_p50_s", "itl_p99_s"])
+        finally:
+            server.should_exit = True
+            th.join(timeout=30)
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--algos", default="plain,eagle3:6:4:24,ngram:8")
+    ap.add_argument("--datasets", default="mt-bench,humaneval")
+    ap.add_argument("--concurrency", default="1,8,32,128")
+    ap.add_argument("--rates", default="4,16,64", help="open-loop request rates (requests/s)")
+    ap.add_argument("--requests", type=int, default=128, help="requests a load point (closed loop: at least 2x clients)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--plot", action="store_true")
     args = ap.parse_args()
+    from jaxspec import Generator
+    from jaxspec.models.loading import load
     model, tok = load(args.model)
-    qs = mt_bench_prompts()
-    prompts = [qs[i % len(qs)] for i in range(args.requests)]
-    rows = []
-    for algo, spec in [("plain", None), ("ngram", SpecConfig("NGRAM", num_draft_tokens=8))]:
-        gen = Generator(model, tok, drafter=spec.build(model) if spec else None, max_batch=args.concurrency,
-                        max_seq_len=1024)
-        url, server, th = serve(gen, args.model)
-        load_test(url, prompts[: args.concurrency], args.concurrency, args.max_tokens)  # compile
-        row = dict(model="smollm2-135m" if "smol" in args.model.lower() else args.model, algorithm=algo, dataset="mt-bench",
-                   concurrency=args.concurrency,
-                   **load_test(url, prompts, args.concurrency, args.max_tokens))
-        server.should_exit = True
-        th.join(timeout=30)
-        rows.append(row)
-        print_table(rows[-1:], ["algorithm", "requests", "tokens_per_s", "p50_latency_s", "p99_latency_s"])
-    rows[1]["speedup"] = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    conc = [int(x) for x in args.concurrency.split(",") if x]
+    rates = [float(x) for x in args.rates.split(",") if x]
+    datasets = {}
+    for ds in args.datasets.split(","):
+        qs = mt_bench_prompts() if ds == "mt-bench" else humaneval_prompts()
+        datasets[ds] = [q if isinstance(q, list) else [{"role": "user", "content": q}] for q in qs]
+
+    def gen_for(algo):
+        spec = spec_of(algo)
+        drafter = spec.build(model, "smollm2-135m" if "smol" in args.model.lower() else args.model) if spec else None
+        return Generator(model, tok, drafter=drafter, max_batch=max(conc), max_seq_len=1024,
+                         num_pages=None, warmup=True)
+
+    rows = run(gen_for, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests)
     print()
-    print_table(rows, ["algorithm", "requests", "concurrency", "tokens_per_s", "requests_per_s", "p50_latency_s",
-                       "p99_latency_s", "speedup"])
-    print(write_results("serve", rows))
+    print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s", "requests_per_s",
+                       "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"])
+    if args.plot:
+        print(plot(rows, os.path.join(RESULTS, f"serve-{device_name()}.png")))
+    print(write_results("serve", rows, {"max_tokens": args.max_tokens}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Tensor parallel: the engine's decode step and an EAGLE-3-shaped verify step over 1, 2, 4 devices.
 
     python bench/tp.py [--model llama3-8b] [--tp 1,2,4] [--batches 1,8,64] [--context 1024] [--verify-nodes 24]
-    python bench/tp.py --memory-only      # the per-device bytes table for those TP sizes, no device work
+    python bench/tp.py --memory-only      # the per-device bytes table for those TP sizes (tp_memory-*.json)
 
 Random bf16 weights of the model's shape, created in their shards (sharding.py). `plain`: the
 engine's decode program (8 steps a call, each call chained on the last, as steady decoding runs);
@@ -105,7 +105,8 @@ def main(argv=None):
     tps, batches = [int(x) for x in args.tp.split(",")], [int(x) for x in args.batches.split(",")]
     table = [memory(cfg, tp, b, args.context) for tp in tps for b in batches]
     print_table(table, ["tp", "batch", "context", "weight_bytes_per_device", "kv_bytes_per_device"])
-    if args.memory_only:
+    if args.memory_only:  # shapes only: the same on any machine
+        print(write_results("tp_memory", table, {"model": args.model, "dtype": "bfloat16"}))
         return table
     bw = copy_bandwidth(args.bandwidth_bytes)  # one device's
     rows = []

@@ -24,6 +24,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     n: StrictInt = 1
     stream: StrictBool = False
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the token counts
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -131,3 +131,31 @@ def test_bad_requests_get_4xx_and_server_stays_healthy(server):
     assert wait_idle(url)
     ok = client(url).completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=5, temperature=0)
     assert ok.choices[0].text
+
+
+def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
+    import json
+    import os
+    import sys
+    url, _ = server
+    msgs = [{"role": "user", "content": "Count to five."}]
+    full = httpx.post(url + "/v1/chat/completions", timeout=120,
+                      json={"messages": msgs, "max_tokens": 12, "temperature": 0}).json()
+    lines = []
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
+                      json={"messages": msgs, "max_tokens": 12, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        lines = [l for l in r.iter_lines() if l.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["choices"] == [] and last["usage"] == full["usage"]
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import serve as bench
+    chats = [[{"role": "user", "content": q}] for q in ("Say hi.", "Name a fruit.", "Count to three.", "Spell cat.")]
+    one = bench.stream_one(httpx.Client(), url, chats[0], 8)
+    assert 0 < one["ttft"] <= one["latency"] and 0 < one["tokens"] <= 8
+    for row in (bench.closed_loop(url, chats, 2, 8), bench.open_loop(url, chats, 50.0, 8)):
+        assert row["requests"] == 4 and 4 <= row["tokens"] <= 32
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
+        assert row["ttft_p50_s"] <= row["latency_p50_s"] <= row["wall_s"]
+    assert wait_idle(url)

@@ -51,10 +51,14 @@ def test_no_import_cycle_between_jaxspec_modules():
 def test_every_module_imports_alone():
     mods = [m for m in modules() if not m.endswith("__main__")]
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
-    for m in mods:  # each in a fresh interpreter: nothing imported before it
-        r = subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True,
-                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        assert r.returncode == 0, f"{m}: {r.stderr[-500:]}"
+
+    def alone(m):  # in a fresh interpreter: nothing imported before it
+        return m, subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True,
+                                 env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for m, r in pool.map(alone, mods):
+            assert r.returncode == 0, f"{m}: {r.stderr[-500:]}"
 
 
 def test_no_module_over_400_lines():

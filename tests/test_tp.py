@@ -100,6 +100,7 @@ def test_tp_bench_runs_on_host_devices(tmp_path, monkeypatch):
     assert out["identical_to_tp1"] == {"1": True, "2": True}
     # the 8B memory table: weights split by TP, K/V by KV head
     mem = tp_bench.main(["--memory-only", "--tp", "1,2,4", "--batches", "1"])
+    assert json.load(open(next(tmp_path.glob("tp_memory-*.json"))))["rows"] == mem
     w = [m["weight_bytes_per_device"] for m in mem]
     assert w[0] == pytest.approx(16.06e9, rel=0.01) and w[1] == pytest.approx(w[0] / 2, rel=0.01)
     assert mem[2]["kv_bytes_per_device"] * 4 == mem[0]["kv_bytes_per_device"]

@@ -38,6 +38,25 @@ from jaxspec.scheduler.request import InFlight, Request
 DEFAULT_SPEC_MIN_GAIN = 1.1  # see Scheduler.__init__ (tests set it to 0: drafting always pays)
 
 
+def pages_that_fit(cfg, drafter, page_size, dtype, fraction, mesh=None) -> int | None:
+    """KV pages (target and drafter caches) in `fraction` of the first device's free memory, or None
+    where the device reports none (the CPU). Each device holds 1/tp of a page under a mesh."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    if not 0 < fraction < 1:
+        raise ValueError(f"mem_fraction={fraction} must be in (0, 1)")
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    itemsize = np.dtype(dtype).itemsize
+    per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    if getattr(drafter, "head", None) is not None:
+        layers, kv_heads, head_dim = drafter.cache_shape()
+        per_page += 2 * layers * page_size * kv_heads * head_dim * itemsize
+    tp = 1 if mesh is None else mesh.devices.size
+    return int(fraction * free * tp // per_page)
+
+
 class Scheduler(Admission, Dispatch, Outputs):
     clock = staticmethod(time.perf_counter)  # times steps for the drafting policy (tests drive it)
 
@@ -45,9 +64,11 @@ class Scheduler(Admission, Dispatch, Outputs):
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
                  spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
-                 warmup_flags=None, compile_cache=None, build_workers=None, mesh=None):
+                 warmup_flags=None, compile_cache=None, build_workers=None, mesh=None, mem_fraction=None):
         """mesh: a tensor-parallel mesh (sharding.tp_mesh) the model is laid out and sharded for:
-        the caches are sharded by KV head, the programs partitioned over it."""
+        the caches are sharded by KV head, the programs partitioned over it. mem_fraction: with
+        num_pages None, the KV pool takes this share of the device memory left free after the
+        weights (SGLang's --mem-fraction-static), where the device reports its memory."""
         cfg = model.cfg
         self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -60,13 +81,14 @@ class Scheduler(Admission, Dispatch, Outputs):
         self.draft_slots = getattr(drafter, "draft_slots", 0)
         slack = (bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1) + self.draft_slots
         self.max_pages_per_seq = -(-(self.max_seq_len + slack) // page_size)
+        dtype = kv_dtype or model.embed[...].dtype
         if num_pages is None:
-            num_pages = max(self.max_pages_per_seq + 1, 1 + max_batch * 256 // page_size)
+            fit = mem_fraction and pages_that_fit(cfg, drafter, page_size, dtype, mem_fraction, mesh)
+            num_pages = fit or max(self.max_pages_per_seq + 1, 1 + max_batch * 256 // page_size)
         if num_pages - 1 < self.max_pages_per_seq:
             raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len={self.max_seq_len} "
                              f"({self.max_pages_per_seq} pages of {page_size}); raise num_pages or lower max_seq_len")
         self.pool = PagePool(num_pages, page_size)
-        dtype = kv_dtype or model.embed[...].dtype
         self.cache = self._kv_cache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         # a device drafter (EAGLE head) keeps its own cache in the same pages
         self.device_drafter = getattr(drafter, "head", None) is not None
