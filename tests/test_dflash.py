@@ -87,8 +87,8 @@ def test_paged_drafts_equal_a_dense_forward_over_the_committed_tokens(tiny, tiny
                 continue
             tokens, _ = r.draft
             seq = r.tokens[:r.kv_len]
-            _, layers = target_features(tiny, jnp.asarray([seq], jnp.int32), jnp.asarray([len(seq)]),
-                                        head.cfg.target_layer_ids)
+            padded = jnp.zeros((1, 64), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq, jnp.int32))  # one shape
+            _, layers = target_features(tiny, padded, jnp.asarray([len(seq)]), head.cfg.target_layer_ids)
             block = jnp.asarray([[[r.tokens[r.kv_len]] + [head.cfg.mask_token] * 3]], jnp.int32)
             out = block_forward(head, tiny, layers, jnp.asarray([[len(seq)]]), block)
             want = np.asarray(jnp.argmax(head.logits(tiny, out[0, 0, 1:]), -1)).tolist()

@@ -15,11 +15,14 @@ def test_program_set_is_small_and_listed(tiny):
     assert len({(s[1], s[2], str(s[4][0].shape)) for s in plain.scheduler.program_specs()}) == 2 * (3 + 7)
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     eagle = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=256)
-    info = eagle.scheduler.warmup()
+    specs = eagle.scheduler.program_specs()
     # prefill 3, plain decode 7, verify for the buckets whose tree keeps >= 4 nodes (1..32): 6; twice
-    assert info["programs"] == 2 * (3 + 7 + 6)
-    lines = eagle.scheduler.programs.listing()
-    assert len(lines) == 2 * (3 + 6) and sum(l.startswith("verify_steps") for l in lines) == 12
+    assert len(specs) == 2 * (3 + 7 + 6) and sum(s[1] == "verify_steps" for s in specs) == 12
+    small = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=2, max_seq_len=256)
+    info = small.scheduler.warmup()  # buckets 1 and 2: prefill 3 (rows <= 2), decode 2, verify 2; twice
+    assert info["programs"] == 2 * (3 + 2 + 2)
+    lines = small.scheduler.programs.listing()
+    assert len(lines) == 2 * (3 + 2) and sum(l.startswith("verify_steps") for l in lines) == 4
 
 
 def test_no_compile_after_warmup_over_varied_requests(tiny):

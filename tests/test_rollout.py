@@ -47,7 +47,7 @@ TEMPS = [0.0, 1.0, 1.0]  # one greedy row beside sampled ones, in the same call
 @functools.cache
 def reference(model):
     """The Generator's plain decoding: greedy, then rows at TEMPS with seeds 1..3, with logprobs."""
-    gen = Generator(model, None, max_batch=4, max_seq_len=128, num_pages=100, page_size=PAGE)
+    gen = Generator(model, None, max_batch=8, max_seq_len=128, num_pages=300, page_size=PAGE)  # test_dflash.py's
     greedy = gen.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=0))
     sampled = gen.generate(PROMPTS, [SamplingParams(max_tokens=NEW, temperature=t, seed=s, ignore_eos=True, logprobs=0)
                                      for t, s in zip(TEMPS, (1, 2, 3))])

@@ -12,11 +12,10 @@ uvicorn = pytest.importorskip("uvicorn")
 @pytest.fixture(scope="module")
 def server(smollm):
     import server as srv
-    from jaxspec import SpecConfig
     from jaxspec.generator import Generator
     model, tok = smollm
-    gen = Generator(model, tok, drafter=SpecConfig(num_draft_tokens=4).build(model), max_batch=8,
-                    max_seq_len=256, num_pages=100)
+    # plain decoding: speculation under batching is tested in test_spec.py and test_eagle.py
+    gen = Generator(model, tok, max_batch=4, max_seq_len=256, num_pages=100)
     app = srv.create_app(gen, "smollm2-135m")
     url, server, th = srv.start_in_thread(app)
     yield url, app

@@ -105,7 +105,8 @@ def test_an_adaptive_map_follows_the_emitted_tokens_and_keeps_outputs(tiny):
     ids = np.random.default_rng(0).permutation(64)[:20].astype(np.int32)
     head = DraftHead(HeadConfig.for_target(TINY, "eagle"), rngs=nnx.Rngs(5))
     adaptive = AdaptiveTokenMap(head, tiny, ids, every=8)
-    spec = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6), adaptive), warmup=True, **KW)
+    spec = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6), adaptive), warmup=True,
+                     **dict(KW, max_batch=4))
     for params, plain in plain_outputs(tiny):  # the same outputs under each map swapped in meanwhile
         assert [o.token_ids for o in spec.generate(PROMPTS, params)] == plain
     assert adaptive.refreshes > 1 and spec.scheduler.late_compiles == []  # new maps, no new programs

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -133,6 +134,9 @@ class AdaptiveTokenMap:
         self.changed = True
 
     def _swap(self, top):
+        """The head's columns and ids for `top`, placed as the arrays they replace (the compiled
+        programs expect that placement, e.g. replicated under a mesh)."""
         self.current = np.sort(top)
-        self.head.lm_head[...] = self.columns[:, jnp.asarray(top)].astype(self.head.lm_head[...].dtype)
-        self.head.draft_to_target[...] = jnp.asarray(self.candidates[top], jnp.int32)
+        old_w, old_ids = self.head.lm_head[...], self.head.draft_to_target[...]
+        self.head.lm_head[...] = jax.device_put(self.columns[:, jnp.asarray(top)].astype(old_w.dtype), old_w.sharding)
+        self.head.draft_to_target[...] = jax.device_put(jnp.asarray(self.candidates[top], jnp.int32), old_ids.sharding)
