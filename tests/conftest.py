@@ -19,6 +19,11 @@ import pytest
 from jaxspec.models import Llama, ModelConfig
 
 
+# One engine shape for every SmolLM2 test: their programs are then compiled once (the persistent
+# cache is shared by the test workers); SmolLM2's unrolled layers are the suite's costliest compiles.
+SMOL_KW = dict(max_batch=4, max_seq_len=256, num_pages=80)
+
+
 @pytest.fixture(scope="session")
 def smollm():
     from jaxspec.models.loading import load

@@ -27,7 +27,9 @@ def generate(algo: str) -> list:
     spec = None if algo == "plain" else (
         SpecConfig("EAGLE3", num_steps=3, eagle_topk=4, num_draft_tokens=8) if algo == "EAGLE3"
         else SpecConfig("NGRAM", num_draft_tokens=8))
-    gen = Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, speculative=spec, max_seq_len=256, max_batch=8)
+    # the test suite's SmolLM2 engine shape (conftest.SMOL_KW); greedy outputs do not depend on the batch
+    gen = Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, speculative=spec, max_seq_len=256, max_batch=4,
+                                    num_pages=80)
     done = gen.generate([[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=MAX_TOKENS))
     return [c.token_ids for c in done]
 

@@ -10,6 +10,8 @@ from jaxspec.kv_cache import KVCache
 from jaxspec.paging import OutOfPages, PagePool
 from jaxspec.scheduler import Scheduler
 
+from conftest import SMOL_KW
+
 
 
 def logits_with_page_size(model, ids, ps, shuffle):
@@ -235,7 +237,7 @@ def test_sampler_matches_distribution():
 
 def test_stop_conditions_and_abort(smollm):
     model, tok = smollm
-    gen = make_gen(model, tok, page_size=16)
+    gen = Generator(model, tok, **SMOL_KW)
     prompt = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
     full = gen.generate(prompt, SamplingParams(max_tokens=40))
     assert "4, 5" in full.text

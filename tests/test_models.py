@@ -9,6 +9,8 @@ import pytest
 from jaxspec.kv_cache import KVCache
 from jaxspec.models.loading import CheckpointError, load, resolve
 
+from conftest import SMOL_KW
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -73,7 +75,7 @@ def test_smollm_greedy_matches_hf(smollm, hf_smollm):
     from jaxspec import Generator, SamplingParams
     model, tok = smollm
     hf, _ = hf_smollm
-    gen = Generator(model, tok, max_batch=4, max_seq_len=256, num_pages=64)
+    gen = Generator(model, tok, **SMOL_KW)
     prompt = "The three primary colors are"
     ids = tok.encode(prompt, add_special_tokens=False)
     with torch.no_grad():

@@ -5,6 +5,8 @@ import time
 import httpx
 import pytest
 
+from conftest import SMOL_KW
+
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -15,7 +17,7 @@ def server(smollm):
     from jaxspec.generator import Generator
     model, tok = smollm
     # plain decoding: speculation under batching is tested in test_spec.py and test_eagle.py
-    gen = Generator(model, tok, max_batch=4, max_seq_len=256, num_pages=100)
+    gen = Generator(model, tok, **SMOL_KW)
     app = srv.create_app(gen, "smollm2-135m")
     url, server, th = srv.start_in_thread(app)
     yield url, app

@@ -9,10 +9,12 @@ import pytest
 from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.speculative import shipped_drafter
 
+from conftest import SMOL_KW
+
 PROMPTS = [[{"role": "user", "content": "Write a Python function that reverses a list."}],
            [{"role": "user", "content": "Explain what a hash map is."}]]
 PARAMS = SamplingParams(max_tokens=24)
-KW = dict(max_batch=4, max_seq_len=256, num_pages=80)
+KW = SMOL_KW
 MAP = os.path.join(os.path.dirname(shipped_drafter("smollm2-135m", "EAGLE")), "smollm2-135m-token-map", "map.npy")
 
 

@@ -9,7 +9,7 @@ from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.drafters.ngram import NgramCache
 from jaxspec.models import Llama
 
-from conftest import TINY, run_mixed_requests_with_aborts
+from conftest import SMOL_KW, TINY, run_mixed_requests_with_aborts
 
 
 def test_ngram_cache_insert_match_evict():
@@ -151,7 +151,7 @@ def test_ngram_greedy_equals_plain_smollm(smollm):
                "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
                "The quick brown fox"]
     params = SamplingParams(max_tokens=40)
-    kw = dict(max_batch=4, max_seq_len=256, num_pages=80)
+    kw = SMOL_KW
     plain = Generator(model, tok, **kw).generate(prompts, params)
     spec = Generator(model, tok, drafter=SpecConfig(num_draft_tokens=8).build(model), **kw).generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
