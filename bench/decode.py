@@ -61,12 +61,10 @@ def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl, per_c
 
 
 def paged_cache(cfg, num_pages, page_size, dtype, mesh=None):
-    if mesh is None:
-        return KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    from jaxspec import sharding
-    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    where = sharding.cache_sharding(mesh, cfg.num_kv_heads)
-    return KVCache(sharding.zeros(shape, dtype, where), sharding.zeros(shape, dtype, where))
+    """The target's paged cache as the engine makes it (sharded by KV head under a mesh)."""
+    from jaxspec.sharding import cache_sharding
+    return KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                          cache_sharding(mesh, cfg.num_kv_heads))
 
 
 def main():

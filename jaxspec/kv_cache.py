@@ -34,9 +34,14 @@ class KVCache:
         return self.k.shape[1]
 
     @classmethod
-    def create(cls, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype):
+    def create(cls, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, sharding=None):
+        """sharding: where the pages live (sharding.cache_sharding under a mesh), made there: no
+        device holds the whole of a sharded cache."""
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        if sharding is None:
+            return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return cls(zeros(), zeros())
 
 
 def slot_coordinates(page_table, kv_lens, q_lens, num_tokens, page_size):

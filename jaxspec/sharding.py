@@ -93,16 +93,13 @@ def weight_spec(key: str, shape: tuple, tp: int) -> P:
     return spec
 
 
-def cache_sharding(mesh, num_kv_heads: int) -> NamedSharding:
-    """KV pages [L, pages, page size, KV heads, D], sharded by KV head where the heads divide."""
+def cache_sharding(mesh, num_kv_heads: int) -> NamedSharding | None:
+    """KV pages [L, pages, page size, KV heads, D], sharded by KV head where the heads divide
+    (None without a mesh: the default device)."""
+    if mesh is None:
+        return None
     tp = tp_size(mesh)
     return NamedSharding(mesh, P(None, None, None, AXIS, None) if num_kv_heads % tp == 0 else P())
-
-
-def zeros(shape, dtype, sharding):
-    """A sharded zero array made in place: no device holds the whole of it."""
-    import jax.numpy as jnp
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
 def replicate(module, mesh):

@@ -32,9 +32,10 @@ class DeviceDrafter:
         return {"extend": functools.partial(mod.extend, graphs, self.tree, attn_impl), "verify": verify,
                 "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree)}
 
-    def create_cache(self, num_pages, page_size, dtype):
+    def create_cache(self, num_pages, page_size, dtype, mesh=None):
+        from jaxspec.sharding import cache_sharding
         layers, kv_heads, head_dim = self.cache_shape()
-        return KVCache.create(layers, num_pages, page_size, kv_heads, head_dim, dtype)
+        return KVCache.create(layers, num_pages, page_size, kv_heads, head_dim, dtype, cache_sharding(mesh, kv_heads))
 
     def propose(self, req, max_nodes):
         if req.draft is None:  # e.g. the whole prompt came from the prefix cache: verify the root alone

@@ -14,12 +14,12 @@ Only accepted positions get context K/V (seed 004's skip of dead positions, here
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import attention, sampling
+from jaxspec.drafters.eagle_step import next_inputs
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.models.llama import rope_frequencies, rope_table
 from jaxspec.verify import verify_and_accept
@@ -96,6 +96,5 @@ def verify(graphs, tree, attn_impl, state, cache, tokens, parents, page_table, k
     root = out[rows, jnp.maximum(count - 1, 0)]
     tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + count, root, count > 0,
                                    tree.num_draft_tokens, attn_impl)
-    take = jnp.minimum(jnp.arange(tokens.shape[1]), tree_out[0].shape[1] - 1)
-    chained = (tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, dataclasses.replace(sb, step=sb.step + count))
+    chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
     return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)

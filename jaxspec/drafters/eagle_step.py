@@ -188,12 +188,16 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
     rows = jnp.arange(tokens.shape[0])
     last = count - 1
     tree_out = draft_tree(head, target, dcache, page_table, kv_lens + count, d_out[rows, last], out[rows, last], tree)
-    # the next step's inputs, so that the host can launch it before reading this one (overlap):
-    # the next tree in this step's padded width (nodes past num_nodes are ignored), kv lengths and
-    # sampling steps advanced by the accepted counts
-    take = jnp.minimum(jnp.arange(tokens.shape[1]), tree_out[0].shape[1] - 1)
-    chained = (tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, dataclasses.replace(sb, step=sb.step + count))
+    chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
     return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
+
+
+def next_inputs(tree_out, width, kv_lens, count, sb):
+    """The next step's inputs, so that the host can launch it before reading this one (overlap):
+    the next tree in this step's padded width (nodes past num_nodes are ignored), kv lengths and
+    sampling steps advanced by the accepted counts."""
+    take = jnp.minimum(jnp.arange(width), tree_out[0].shape[1] - 1)
+    return tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, dataclasses.replace(sb, step=sb.step + count)
 
 
 MAX_VERIFY_STEPS = 4  # a verify_steps call's most steps (its outputs' width)

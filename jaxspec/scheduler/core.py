@@ -32,6 +32,7 @@ from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 from jaxspec.scheduler.admission import Admission
 from jaxspec.scheduler.dispatch import Dispatch
 from jaxspec.scheduler.outputs import Outputs
+from jaxspec.sharding import cache_sharding
 from jaxspec.scheduler.request import InFlight, Request
 
 
@@ -89,12 +90,12 @@ class Scheduler(Admission, Dispatch, Outputs):
             raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len={self.max_seq_len} "
                              f"({self.max_pages_per_seq} pages of {page_size}); raise num_pages or lower max_seq_len")
         self.pool = PagePool(num_pages, page_size)
-        self.cache = self._kv_cache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        self.cache = KVCache.create(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                                    cache_sharding(mesh, cfg.num_kv_heads))
         # a device drafter (EAGLE head) keeps its own cache in the same pages
         self.device_drafter = getattr(drafter, "head", None) is not None
         if self.device_drafter:
-            self.cache = (self.cache, self._kv_cache(*drafter.cache_shape()[:1], num_pages, page_size,
-                                                     *drafter.cache_shape()[1:], dtype))
+            self.cache = (self.cache, drafter.create_cache(num_pages, page_size, dtype, mesh))
         folder = enable_compilation_cache(compile_cache) if jit else None
         # exported programs beside XLA's entries (not for a mesh: its programs are traced each start)
         store = os.path.join(folder, "jaxspec-programs") if folder and mesh is None else None
@@ -137,14 +138,6 @@ class Scheduler(Admission, Dispatch, Outputs):
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0)
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
-
-    def _kv_cache(self, layers, num_pages, page_size, kv_heads, head_dim, dtype) -> KVCache:
-        if self.mesh is None:
-            return KVCache.create(layers, num_pages, page_size, kv_heads, head_dim, dtype)
-        from jaxspec import sharding
-        shape = (layers, num_pages, page_size, kv_heads, head_dim)
-        where = sharding.cache_sharding(self.mesh, kv_heads)
-        return KVCache(sharding.zeros(shape, dtype, where), sharding.zeros(shape, dtype, where))
 
     def program_specs(self, flag_sets=None) -> list:
         """(programs, name, flags, cache, args) of every program this engine can launch with the
