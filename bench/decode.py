@@ -6,11 +6,12 @@ request, with the engine's fixed page-table width (`--max-seq-len`); ms per step
 floor = (weight bytes + K/V bytes read a step) / measured copy bandwidth.
 `bench/torch_anchor.py` then runs the same shapes in a fresh process (same device call); rows
 carry `vs_torch` = torch's ms / jaxspec's ms (above 1: jaxspec is faster).
-    python bench/decode.py [--models llama3-8b,smollm2-135m] [--batches 1,8,64] [--context 1024]
+    python bench/decode.py [--models llama3-8b,smollm2-135m] [--batches 1,8,64] [--context 1024] [--impls auto,pallas]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -21,11 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
+from flax import nnx
 
 from common import (LLAMA3_8B, SMOLLM2, copy_bandwidth, device_kernels, param_bytes, print_table, random_model,
                     run_torch_anchor, write_results)
 from jaxspec.kv_cache import KVCache
 from jaxspec.models import ModelConfig
+from jaxspec.models.llama import fused_layers
 from jaxspec.programs import MAX_DECODE_STEPS, STOP_ID_SLOTS, Programs
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 
@@ -60,6 +63,29 @@ def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl, per_c
     return run
 
 
+def forward_difference(model, batch, context, page_size, impl, reference="pallas"):
+    """Largest |a - b| / max|b| between one decode forward's final hidden under `impl` and under
+    `reference`, from the same random cache (bf16: rounding, not a wrong kernel, is ~1e-2)."""
+    if impl == reference:
+        return 0.0
+    cfg = model.cfg
+    pages = -(-(context + 1) // page_size)
+    rng = np.random.default_rng(0)
+    k = jax.numpy.asarray(rng.standard_normal((cfg.num_layers, batch * pages + 1, page_size, cfg.num_kv_heads,
+                                               cfg.head_dim)), model.dtype)
+    pt = jax.numpy.asarray(1 + np.arange(batch * pages).reshape(batch, pages), np.int32)
+    tokens = jax.numpy.asarray(rng.integers(0, cfg.vocab_size, (batch, 1)), np.int32)
+    kv = jax.numpy.full((batch,), context, np.int32)
+    one = jax.numpy.ones((batch,), np.int32)
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def fwd(i, state, cache):
+        return nnx.merge(graphdef, state)(tokens, kv[:, None], cache, pt, kv, one, attn_impl=i)[0]
+    a, b = (np.asarray(fwd(i, state, KVCache(k, k)), np.float32) for i in (impl, reference))
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
 def paged_cache(cfg, num_pages, page_size, dtype, mesh=None):
     """The target's paged cache as the engine makes it (sharded by KV head under a mesh)."""
     from jaxspec.sharding import cache_sharding
@@ -74,7 +100,9 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--impls", default="auto,pallas",
+                    help="attention/layer impls side by side: auto (fused layers for skinny batches on the GPU), "
+                         "pallas (XLA's layers around the Pallas attention)")
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
@@ -87,10 +115,10 @@ def main():
         cfg = ModelConfig(**(SMOLLM2 if name == "smollm2-135m" else LLAMA3_8B))
         model = random_model(cfg, jax.numpy.bfloat16)
         wbytes = param_bytes(model)
-        for b in map(int, args.batches.split(",")):
+        for b, impl in [(b, i) for b in map(int, args.batches.split(",")) for i in args.impls.split(",")]:
             kv_bytes = b * args.context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
             floor = (wbytes + kv_bytes) / bw
-            run = decode_steps(model, b, args.context, args.max_seq_len, args.page_size, args.impl)
+            run = decode_steps(model, b, args.context, args.max_seq_len, args.page_size, impl)
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
@@ -99,21 +127,25 @@ def main():
             t = float(np.median(times))
             prof = device_kernels(lambda: jax.block_until_ready(run(16)), 16, tempfile.mkdtemp())
             rows.append(dict(model=name, batch=b, context=args.context, engine="jaxspec", algorithm="plain",
+                             impl=impl, fused_layers=fused_layers(cfg, b, args.page_size, impl),
+                             max_rel_diff=forward_difference(model, b, args.context, args.page_size, impl),
                              ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor, tokens_per_s=b / t,
                              kernels_per_step=prof and prof["kernels"], kernel_ms=prof and prof["kernel_ms"],
                              most_launched=prof and prof["most_launched"],
                              ms_per_step_runs=[x * 1e3 for x in times]))
-            print_table(rows[-1:], ["model", "batch", "ms_per_step", "floor_ms", "floor_ratio", "kernels_per_step"])
+            print_table(rows[-1:], ["model", "batch", "impl", "ms_per_step", "floor_ms", "floor_ratio",
+                                    "kernels_per_step", "max_rel_diff"])
         del model
     for tr in anchor:
-        mine = next(x for x in rows if (x["model"], x["batch"], x["engine"]) == (tr["model"], tr["batch"], "jaxspec"))
-        tr["floor_ms"] = mine["floor_ms"]
-        tr["floor_ratio"] = tr["ms_per_step"] / mine["floor_ms"]
-        mine["vs_torch"] = tr["ms_per_step"] / mine["ms_per_step"]
+        mine = [x for x in rows if (x["model"], x["batch"], x["engine"]) == (tr["model"], tr["batch"], "jaxspec")]
+        tr["floor_ms"] = mine[0]["floor_ms"]
+        tr["floor_ratio"] = tr["ms_per_step"] / mine[0]["floor_ms"]
+        for x in mine:
+            x["vs_torch"] = tr["ms_per_step"] / x["ms_per_step"]
         rows.append(tr)
     print()
-    print_table(rows, ["model", "batch", "engine", "ms_per_step", "floor_ms", "floor_ratio", "vs_torch",
-                       "kernels_per_step"])
+    print_table(rows, ["model", "batch", "engine", "impl", "ms_per_step", "floor_ms", "floor_ratio", "vs_torch",
+                       "kernels_per_step", "max_rel_diff"])
     print(write_results("decode" + args.tag, rows, {"copy_bandwidth_GBps": bw / 1e9,
                                                      "xla_flags": os.environ.get("XLA_FLAGS", "")}))
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.pallas.attention_ref import NEG_INF, visible_mask
+from jaxspec.pallas.paged_attention import token_layout
 
 CHUNK_KEYS = 1024  # keys per chunk of the jnp path
 
@@ -32,7 +33,8 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
+def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
+                    token_rows=None):
     """Under a tensor-parallel mesh (sharding.py) with heads that divide over it, each shard attends
     with its own query and KV heads (shard_map): the kernels never see the mesh. See
     local_paged_attention for the arguments."""
@@ -45,13 +47,17 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         return jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, whole, whole, whole, whole),
                              out_specs=heads, check_vma=False)(q, k_pages, v_pages, layer, page_table, kv_lens,
                                                                q_lens, tree_mask)
-    return local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, impl)
+    return local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, impl,
+                                 token_rows)
 
 
-def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto"):
-    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers) -> [B, T, Hq, D].
+def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
+                          token_rows=None):
+    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers) -> [B, T, Hq, D], or with
+    token_rows the fused layers' [token_rows, Hq * D] (pallas/paged_attention.py).
 
-    impl: 'auto' (the kernels on GPU), 'pallas' (the Triton kernel; interpreted off-GPU), 'ref'
+    impl: 'auto' (the kernels on GPU), 'pallas' (the Triton kernel; interpreted off-GPU), 'fused'
+    (attention as 'pallas'; models.llama also fuses its layers), 'ref'
     (the chunked jnp path), 'mosaic' (as 'pallas', but trees and chains of 2 to 64 tokens go to the
     Mosaic GPU verify kernel, verify_hopper.py). 'auto' on Hopper is 'mosaic': it beat the Triton
     kernel at 16, 32 and 64 tokens in every run of kernels-focus-v31..v39, and the engine's outputs
@@ -63,13 +69,16 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
         if verify_hopper.supports(q, k_pages, tree_mask, pages_per_seq=page_table.shape[1]):
             # persistent CTAs, one an SM: faster than a CTA an item in each of 15 comparisons
             n_sm = getattr(jax.devices()[0], "core_count", 0) if on_gpu else 0
-            return verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
-                                                    tree_mask, persistent=n_sm, interpret=not on_gpu)
-    use = impl in ("pallas", "mosaic") or (impl == "auto" and on_gpu)
+            out = verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
+                                                   tree_mask, persistent=n_sm, interpret=not on_gpu)
+            return out if token_rows is None else token_layout(out, token_rows)
+    use = impl in ("pallas", "mosaic", "fused") or (impl == "auto" and on_gpu)
     if use and kernel_supports(q, k_pages, tree_mask):
         from jaxspec.pallas.paged_attention import paged_attention as kernel
-        return kernel(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, interpret=not on_gpu)
-    return paged_attention_chunked(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask)
+        return kernel(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, interpret=not on_gpu,
+                      token_rows=token_rows)
+    out = paged_attention_chunked(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask)
+    return out if token_rows is None else token_layout(out, token_rows)
 
 
 def paged_attention_chunked(q, k_pages, v_pages, page_table, kv_lens, q_lens, tree_mask=None):

@@ -16,8 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import attention
-from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
+from jaxspec.kv_cache import DROP_PAGE, KVCache, slot_coordinates, write_layer
 from jaxspec.models.config import ModelConfig
+from jaxspec.pallas.gated_up import gated_up
+from jaxspec.pallas.matmul_residual import matmul_residual
+from jaxspec.pallas.qkv_project import qkv_project
+from jaxspec.pallas.rows import padded_rows
 
 
 def rms_norm(x, w, eps):
@@ -101,6 +105,34 @@ class Block(nnx.Module):
         gate, up = jnp.split(gate_up.reshape(b, t, g, -1), 2, axis=-1)
         return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
 
+    def fused(self, x, cos, sin, slots, k_pages, v_pages, layer, attend, interpret):
+        """The layer as four Pallas kernels around attention (pallas/qkv_project.py, gated_up.py,
+        matmul_residual.py) on x [Mp, H] rows padded as pallas/rows.py says; attend(q [Mp, Hq*D],
+        k_pages, v_pages) -> [Mp, Hq*D]. Returns (x, k_pages, v_pages)."""
+        cfg = self.cfg
+        opt = lambda name: getattr(self, name)[...] if hasattr(self, name) else None
+        q, k_pages, v_pages = qkv_project(x, self.attn_norm[...], self.wqkv[...], opt("bqkv"), opt("q_norm"),
+                                          opt("k_norm"), cos, sin, layer, slots, k_pages, v_pages,
+                                          num_q=cfg.num_heads, num_kv=cfg.num_kv_heads, eps=cfg.rms_norm_eps,
+                                          interpret=interpret)
+        x = matmul_residual(attend(q, k_pages, v_pages), self.wo[...], x, interpret=interpret)
+        h = gated_up(x, self.mlp_norm[...], self.w_gate_up[...], eps=cfg.rms_norm_eps, interpret=interpret)
+        return matmul_residual(h, self.w_down[...], x, interpret=interpret), k_pages, v_pages
+
+
+def fused_layers(cfg: ModelConfig, rows: int, page_size: int, attn_impl: str) -> bool:
+    """Whether a forward of `rows` tokens runs Block.fused: always for impl 'fused' (interpreted
+    off the GPU), under 'auto' on a GPU for skinny batches (rows.MAX_ROWS), never under a mesh
+    (the kernels see whole matrices) nor where a kernel's shape rules fail."""
+    from jaxspec.pallas.rows import MAX_ROWS, k_chunk
+    if attn_impl != "fused" and not (attn_impl == "auto" and jax.default_backend() == "gpu" and rows <= MAX_ROWS):
+        return False
+    if jax.sharding.get_abstract_mesh().size > 1 or cfg.shard_groups != 1:
+        return False
+    d, hq = cfg.head_dim, cfg.num_heads
+    return (d // 2 % 16 == 0 and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0
+            and None not in (k_chunk(cfg.hidden_size), k_chunk(hq * d), k_chunk(cfg.intermediate_size)))
+
 
 class Llama(nnx.Module):
     """Random init is for tests and benchmarks; loaders overwrite it."""
@@ -136,17 +168,33 @@ class Llama(nnx.Module):
         hidden states after each layer in hidden_layers, stacked [len, B, T, H] or None).
         """
         cfg = self.cfg
+        b, t = tokens.shape
         rope = rope_table(positions, rope_frequencies(cfg))
-        page, offset = slot_coordinates(page_table, kv_lens, q_lens, tokens.shape[1], cache.page_size)
+        page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, cache.page_size)
         k_pages, v_pages = cache.k, cache.v
         x = self.embed_tokens(tokens)
         kept = {}
+        if fused_layers(cfg, b * t, cache.page_size, attn_impl):
+            # rows padded once for the whole stack; each row's rope table and cache slot (-1: padding)
+            mp = padded_rows(b * t)
+            rows = lambda a, fill=0: jnp.pad(a.reshape(b * t, -1), ((0, mp - b * t), (0, 0)), constant_values=fill)
+            x = rows(x)
+            cos, sin = rows(rope[0]), rows(rope[1])
+            slots = rows(jnp.where(page == DROP_PAGE, -1, page * cache.page_size + offset), -1)[:, 0]
         for li, block in enumerate(self.layers):
             graphdef, state = nnx.split(block)
-            x, k_pages, v_pages = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, jnp.int32(li),
-                                             page, offset, page_table, kv_lens, q_lens, tree_mask)
+            if x.ndim == 2:
+                x, k_pages, v_pages = _run_block_fused(graphdef, attn_impl, state, x, cos, sin, slots, k_pages,
+                                                       v_pages, jnp.int32(li), page_table, kv_lens, q_lens,
+                                                       tree_mask, b, t)
+            else:
+                x, k_pages, v_pages = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages,
+                                                 jnp.int32(li), page, offset, page_table, kv_lens, q_lens, tree_mask)
             if li in hidden_layers:
                 kept[li] = x
+        if x.ndim == 2:
+            x = x[:b * t].reshape(b, t, -1)
+            kept = {li: h[:b * t].reshape(b, t, -1) for li, h in kept.items()}
         hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
 
@@ -165,3 +213,17 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
                                          impl=attn_impl)
     x = nnx.merge(graphdef, state)(x, rope, attend)
     return x, k_pages, v_pages
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 14, 15))
+def _run_block_fused(graphdef, attn_impl, state, x, cos, sin, slots, k_pages, v_pages, layer, page_table, kv_lens,
+                     q_lens, tree_mask, b, t):
+    """_run_block for Block.fused: x [Mp, H] holds the b * t tokens' rows, padded."""
+    block = nnx.merge(graphdef, state)
+    cfg = block.cfg
+
+    def attend(q, k_pages, v_pages):
+        q = q[:b * t].reshape(b, t, cfg.num_heads, cfg.head_dim)
+        return attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
+                                         impl=attn_impl, token_rows=x.shape[0])
+    return block.fused(x, cos, sin, slots, k_pages, v_pages, layer, attend, jax.default_backend() != "gpu")

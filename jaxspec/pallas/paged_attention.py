@@ -167,11 +167,13 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
-                                             "pages_per_block", "splits", "grid_order"))
+                                             "pages_per_block", "splits", "grid_order", "token_rows"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
-                    pages_per_block=None, splits=None, grid_order=None):
-    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D].
+                    pages_per_block=None, splits=None, grid_order=None, token_rows=None):
+    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D], or with
+    token_rows, [token_rows, Hq * D] (row b * T + t: the fused layers' layout; rows past B * T
+    unspecified), split-K partials merged straight into it by merge_splits.py.
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
@@ -232,10 +234,19 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         interpret=interpret,
         compiler_params=None if interpret else _triton_params(num_warps, num_stages),
     )(layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows)
+    if splits > 1 and token_rows is not None:
+        from jaxspec.pallas.merge_splits import merge_splits
+        return merge_splits(*out, tokens=t, group=g, out_rows=token_rows, dtype=q.dtype, interpret=interpret)
     if splits > 1:
         out = combine_splits(*out).astype(q.dtype)
-    out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(b, t, hq, d)
+    out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    return out if token_rows is None else token_layout(out, token_rows)
+
+
+def token_layout(out, token_rows):
+    """[B, T, Hq, D] -> [token_rows, Hq * D], zero rows past B * T."""
+    b, t, hq, d = out.shape
+    return jnp.pad(out.reshape(b * t, hq * d), ((0, token_rows - b * t), (0, 0)))
 
 
 def _triton_params(num_warps, num_stages):

@@ -1,0 +1,122 @@
+"""The fused layer kernels (pallas/qkv_project, gated_up, matmul_residual, merge_splits) under
+interpret=True against their references, and the model and engine on them (attn_impl='fused')
+against the unfused path."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec import Generator, SamplingParams
+from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.kv_cache import KVCache
+from jaxspec.models import Llama, ModelConfig
+from jaxspec.models.llama import fused_layers, rope_frequencies, rope_table
+from jaxspec.pallas.gated_up import gated_up, gated_up_ref
+from jaxspec.pallas.matmul_residual import matmul_residual, matmul_residual_ref
+from jaxspec.pallas.merge_splits import merge_splits, merge_splits_ref
+from jaxspec.pallas.qkv_project import qkv_project, qkv_project_ref
+
+# head_dim 32: rope's halves are one 16-wide column block each (the kernels' smallest)
+CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=32, max_position=512, eos_token_ids=(63,))
+
+
+def close(a, b, tol=2e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("bias_and_qk_norm", [False, True], ids=["llama", "qwen3-bias"])
+def test_qkv_project_matches_reference_and_stores_only_valid_rows(bias_and_qk_norm):
+    r = np.random.default_rng(0)
+    mp, h, hq, hkv, d, ps = 16, 64, 4, 2, 32, 16
+    arr = lambda *s, scale=1.0: jnp.asarray(scale * r.standard_normal(s), jnp.float32)
+    x, w = arr(mp, h), arr(h, (hq + 2 * hkv) * d, scale=0.2)
+    norm = 1 + arr(h, scale=0.1)
+    extra = (arr((hq + 2 * hkv) * d, scale=0.1), 1 + arr(d, scale=0.1), 1 + arr(d, scale=0.1)) if bias_and_qk_norm \
+        else (None, None, None)
+    cos, sin = (t[0, :, 0] for t in rope_table(jnp.arange(mp)[None] + 7, rope_frequencies(CFG)))
+    slots = jnp.asarray([17, 40, 3] + [-1] * (mp - 3), jnp.int32)  # three tokens, the rest padding
+    kp, vp = arr(2, 6, ps, hkv, d), arr(2, 6, ps, hkv, d)
+    want = qkv_project_ref(x, norm, w, *extra, cos, sin, 1, slots, kp, vp, num_q=hq, num_kv=hkv, eps=1e-5)
+    got = qkv_project(x, norm, w, *extra, cos, sin, 1, slots, kp + 0, vp + 0, num_q=hq, num_kv=hkv, eps=1e-5,
+                      interpret=True)
+    close(got[0][:3], want[0][:3])
+    close(got[1], want[1])  # the three slots written at layer 1, every other slot as it was
+    close(got[2], want[2])
+    assert np.array_equal(np.asarray(got[1][0]), np.asarray(kp[0]))
+
+
+def test_gated_up_and_matmul_residual_match_reference():
+    r = np.random.default_rng(1)
+    x, norm, w = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((32, 64), (64,), (64, 2 * 96)))
+    close(gated_up(x, norm, w, eps=1e-6, interpret=True), gated_up_ref(x, norm, w, eps=1e-6))
+    a, wd, res = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((16, 96), (96, 64), (16, 64)))
+    close(matmul_residual(a, wd, res, interpret=True), matmul_residual_ref(a, wd, res))
+
+
+def test_merge_splits_matches_combine_and_relayout():
+    r = np.random.default_rng(2)
+    b, hkv, s, rows, d, t, g = 2, 2, 4, 16, 32, 3, 4
+    acc = jnp.asarray(r.standard_normal((b, hkv, s, rows, d)), jnp.float32)
+    m = jnp.asarray(r.standard_normal((b, hkv, s, rows)), jnp.float32).at[:, :, 1].set(-1e30)  # split 1 empty
+    l = jnp.asarray(r.random((b, hkv, s, rows)) + 0.5, jnp.float32).at[:, :, 1].set(0.0)
+    kw = dict(tokens=t, group=g, out_rows=16, dtype=jnp.float32)
+    close(merge_splits(acc, m, l, interpret=True, **kw)[:b * t], merge_splits_ref(acc, m, l, **kw)[:b * t], 1e-6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CFG, rngs=nnx.Rngs(4))
+
+
+@pytest.mark.parametrize("t,tree", [(1, False), (5, True)], ids=["decode", "tree-verify"])
+def test_fused_forward_matches_unfused(model, t, tree):
+    """Decode over a long page table (split-K partials merged in the kernel) and a tree verify; the
+    final hidden, a kept layer's hidden and every cache slot agree."""
+    b, ps, width = 3, 16, 16
+    rng = np.random.default_rng(t)
+    tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
+    kv_lens = jnp.asarray([0, 37, 130], jnp.int32)
+    q_lens = jnp.asarray([t, max(1, t - 2), t], jnp.int32)
+    positions = kv_lens[:, None] + jnp.arange(t)[None]
+    page_table = jnp.asarray(1 + np.arange(b * width).reshape(b, width), jnp.int32)
+    mask = None
+    if tree:
+        par = [-1, 0, 0, 1, 2]
+        anc = np.eye(t, dtype=bool)
+        for j in range(1, t):
+            anc[j] |= anc[par[j]]
+        mask = jnp.asarray(np.broadcast_to(anc, (b, t, t)))
+    outs = {}
+    for impl in ("ref", "fused"):
+        cache = KVCache(*(jnp.asarray(rng.standard_normal((2, b * width + 1, ps, 2, 32)) * 0 + 0.1, jnp.float32)
+                          for _ in range(2)))
+        outs[impl] = model(tokens, positions, cache, page_table, kv_lens, q_lens, mask, hidden_layers=(0,),
+                           attn_impl=impl)
+    for i in range(b):
+        n = int(q_lens[i])
+        close(outs["fused"][0][i, :n], outs["ref"][0][i, :n])
+        close(outs["fused"][2][:, i, :n], outs["ref"][2][:, i, :n])
+    close(outs["fused"][1].k, outs["ref"][1].k)
+    close(outs["fused"][1].v, outs["ref"][1].v)
+
+
+def test_fused_layers_choice():
+    assert fused_layers(CFG, 4, 16, "fused") and not fused_layers(CFG, 4, 16, "ref")
+    assert not fused_layers(CFG, 4, 16, "auto")  # off the GPU, 'auto' keeps XLA's layers
+    narrow = ModelConfig(**{**CFG.__dict__, "head_dim": 16})  # rope halves below the 16-column block
+    assert not fused_layers(narrow, 4, 16, "fused")
+
+
+def test_engine_on_fused_layers_equals_unfused_plain_and_eagle3(model):
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 30))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    kw = dict(max_batch=2, max_seq_len=64, num_pages=12, page_size=16)
+    want = [c.token_ids for c in Generator(model, None, attn_impl="ref", **kw).generate(prompts, params)]
+    got = [c.token_ids for c in Generator(model, None, attn_impl="fused", **kw).generate(prompts, params)]
+    head = DraftHead(HeadConfig.for_target(CFG, "eagle3"), rngs=nnx.Rngs(5))
+    spec = Generator(model, None, attn_impl="fused", drafter=EagleDrafter(head, TreeShape(2, 2, 4)), **kw)
+    assert got == want
+    assert [c.token_ids for c in spec.generate(prompts, params)] == want
+    assert spec.scheduler.pool.in_use == 0
