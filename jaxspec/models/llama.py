@@ -120,12 +120,18 @@ class Block(nnx.Module):
         return matmul_residual(h, self.w_down[...], x, interpret=interpret), k_pages, v_pages
 
 
+FUSED_MAX_HIDDEN = 1024
+
+
 def fused_layers(cfg: ModelConfig, rows: int, page_size: int, attn_impl: str) -> bool:
     """Whether a forward of `rows` tokens runs Block.fused: always for impl 'fused' (interpreted
-    off the GPU), under 'auto' on a GPU for skinny batches (rows.MAX_ROWS), never under a mesh
-    (the kernels see whole matrices) nor where a kernel's shape rules fail."""
+    off the GPU); under 'auto' on a GPU for skinny batches (rows.MAX_ROWS) of small models, whose
+    steps are kernel launches more than bytes (an 8B step's GEMMs are XLA's best: 4.9 ms against
+    8.3 fused, decode-NVIDIA-H200.json at 154957e); never under a mesh (the kernels see whole
+    matrices) nor where a kernel's shape rules fail."""
     from jaxspec.pallas.rows import MAX_ROWS, k_chunk
-    if attn_impl != "fused" and not (attn_impl == "auto" and jax.default_backend() == "gpu" and rows <= MAX_ROWS):
+    small = cfg.hidden_size <= FUSED_MAX_HIDDEN and rows <= MAX_ROWS
+    if attn_impl != "fused" and not (attn_impl == "auto" and jax.default_backend() == "gpu" and small):
         return False
     if jax.sharding.get_abstract_mesh().size > 1 or cfg.shard_groups != 1:
         return False

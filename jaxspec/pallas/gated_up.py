@@ -13,22 +13,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.pallas.rows import dot, full, k_chunk, normed_chunk, rms_scale, triton_params
+from jaxspec.pallas.rows import full, k_chunk, project, triton_params
 
 
 def _gated_up_kernel(x_ref, norm_ref, w_ref, o_ref, *, eps, bn, bk, inter):
     j = pl.program_id(0) * bn
-    k = x_ref.shape[1]
-    inv = rms_scale(x_ref, k, bk, eps)
-
-    def body(i, acc):
-        k0 = pl.multiple_of(i * bk, bk)
-        xn = normed_chunk(x_ref, norm_ref, inv, k0, bk)
-        return (acc[0] + dot(xn, w_ref[pl.ds(k0, bk), pl.ds(j, bn)]),
-                acc[1] + dot(xn, w_ref[pl.ds(k0, bk), pl.ds(inter + j, bn)]))
-
-    zero = jnp.zeros((x_ref.shape[0], bn), jnp.float32)
-    gate, up = jax.lax.fori_loop(0, k // bk, body, (zero, zero))
+    gate, up = project(x_ref, w_ref, (j, inter + j), bn, bk, norm_ref, eps)
     # rounded to the activations' dtype between steps, as the unfused ops are
     gate = gate.astype(o_ref.dtype).astype(jnp.float32)
     up = up.astype(o_ref.dtype).astype(jnp.float32)

@@ -9,21 +9,14 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.pallas.rows import dot, full, k_chunk, triton_params
+from jaxspec.pallas.rows import full, k_chunk, project, triton_params
 
 
 def _matmul_residual_kernel(x_ref, w_ref, r_ref, o_ref, *, bn, bk):
     j = pl.program_id(0) * bn
-    k = x_ref.shape[1]
-
-    def body(i, acc):
-        k0 = pl.multiple_of(i * bk, bk)
-        return acc + dot(x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(k0, bk), pl.ds(j, bn)])
-
-    acc = jax.lax.fori_loop(0, k // bk, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
+    [acc] = project(x_ref, w_ref, (j,), bn, bk)
     # x @ W rounds to the activations' dtype before the add, as the unfused ops do
     o_ref[...] = r_ref[...] + acc.astype(o_ref.dtype)
 

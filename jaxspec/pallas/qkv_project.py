@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas.rows import dot, full, k_chunk, normed_chunk, rms_scale, triton_params
+from jaxspec.pallas.rows import full, k_chunk, project, triton_params
 
 
 def _qkv_kernel(layer_ref, slots_ref, x_ref, norm_ref, w_ref, bias_ref, qn_ref, kn_ref, cos_ref, sin_ref, _k_in,
@@ -28,17 +28,7 @@ def _qkv_kernel(layer_ref, slots_ref, x_ref, norm_ref, w_ref, bias_ref, qn_ref, 
     head, c = p // (half // bn), (p % (half // bn)) * bn
     col_a = head * d + c
     col_b = col_a + half
-    k = x_ref.shape[1]
-    inv = rms_scale(x_ref, k, bk, eps)
-
-    def body(i, acc):
-        k0 = pl.multiple_of(i * bk, bk)
-        xn = normed_chunk(x_ref, norm_ref, inv, k0, bk)
-        return (acc[0] + dot(xn, w_ref[pl.ds(k0, bk), pl.ds(col_a, bn)]),
-                acc[1] + dot(xn, w_ref[pl.ds(k0, bk), pl.ds(col_b, bn)]))
-
-    zero = jnp.zeros((x_ref.shape[0], bn), jnp.float32)
-    acc_a, acc_b = jax.lax.fori_loop(0, k // bk, body, (zero, zero))
+    acc_a, acc_b = project(x_ref, w_ref, (col_a, col_b), bn, bk, norm_ref, eps)
     dtype = x_ref.dtype
     a, b = acc_a.astype(dtype), acc_b.astype(dtype)
     if has_bias:
