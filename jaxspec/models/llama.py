@@ -120,18 +120,15 @@ class Block(nnx.Module):
         return matmul_residual(h, self.w_down[...], x, interpret=interpret), k_pages, v_pages
 
 
-FUSED_MAX_HIDDEN = 1024
-
-
 def fused_layers(cfg: ModelConfig, rows: int, page_size: int, attn_impl: str) -> bool:
-    """Whether a forward of `rows` tokens runs Block.fused: always for impl 'fused' (interpreted
-    off the GPU); under 'auto' on a GPU for skinny batches (rows.MAX_ROWS) of small models, whose
-    steps are kernel launches more than bytes (an 8B step's GEMMs are XLA's best: 4.9 ms against
-    8.3 fused, decode-NVIDIA-H200.json at 154957e); never under a mesh (the kernels see whole
-    matrices) nor where a kernel's shape rules fail."""
-    from jaxspec.pallas.rows import MAX_ROWS, k_chunk
-    small = cfg.hidden_size <= FUSED_MAX_HIDDEN and rows <= MAX_ROWS
-    if attn_impl != "fused" and not (attn_impl == "auto" and jax.default_backend() == "gpu" and small):
+    """Whether a forward of `rows` tokens runs Block.fused: for impl 'fused' only (interpreted off
+    the GPU), never under a mesh (the kernels see whole matrices) nor where a kernel's shape rules
+    fail. Not under 'auto': on the H200 the fused step cuts a SmolLM2 decode step from 597 kernels
+    to 239 but runs slower (1.57 against 1.46 ms at batch 1), its GEMV kernels 2-4x slower than
+    XLA's (decode-NVIDIA-H200.json, 154957e; unrolling their K loops was slower still,
+    decode-smol-NVIDIA-H200.json)."""
+    from jaxspec.pallas.rows import k_chunk
+    if attn_impl != "fused":
         return False
     if jax.sharding.get_abstract_mesh().size > 1 or cfg.shard_groups != 1:
         return False

@@ -39,23 +39,28 @@ def project(x_ref, w_ref, cols, bn: int, bk: int, norm_ref=None, eps: float = 0.
     """x @ W[:, c : c + bn] for each c in cols -> float32 [Mp, bn] each; with norm_ref, rms_norm(x)
     @ W (the row's 1/rms scales the product: (x * s * g) @ W = s * ((x * g) @ W)).
 
-    The K loop is unrolled in Python: every chunk's loads are independent, so all of them are in
-    flight at once. A loop of K / bk dependent iterations, with the norm's sum of squares a loop of
-    its own, cost a load latency per iteration: ~10 us a SmolLM2 QKV projection on the H200 against
-    ~2.5 for XLA's (bench/results/decode-NVIDIA-H200.json, 154957e)."""
+    One loop over K with the norm's sum of squares in it. Measured on the H200 (SmolLM2 QKV, one
+    row): 9.7 us with the sum of squares a loop of its own (decode-NVIDIA-H200.json, 154957e), 18
+    us with the K loop unrolled in Python (register spills; decode-smol-NVIDIA-H200.json), against
+    2.4 for XLA's reduction."""
     k = x_ref.shape[1]
-    accs = [jnp.zeros((x_ref.shape[0], bn), jnp.float32) for _ in cols]
-    ss = jnp.zeros((x_ref.shape[0], 1), jnp.float32)
-    for k0 in range(0, k, bk):
+    rows = x_ref.shape[0]
+
+    def body(i, carry):
+        accs, ss = carry
+        k0 = pl.multiple_of(i * bk, bk)
         xc = x_ref[:, pl.ds(k0, bk)]
         if norm_ref is not None:
             xf = xc.astype(jnp.float32)
             ss = ss + jnp.sum(xf * xf, axis=1, keepdims=True)
             xc = (xf * norm_ref[pl.ds(k0, bk)].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
-        accs = [acc + dot(xc, w_ref[pl.ds(k0, bk), pl.ds(c, bn)]) for acc, c in zip(accs, cols)]
+        return tuple(acc + dot(xc, w_ref[pl.ds(k0, bk), pl.ds(c, bn)]) for acc, c in zip(accs, cols)), ss
+
+    init = (tuple(jnp.zeros((rows, bn), jnp.float32) for _ in cols), jnp.zeros((rows, 1), jnp.float32))
+    accs, ss = jax.lax.fori_loop(0, k // bk, body, init)
     if norm_ref is not None:
         inv = jax.lax.rsqrt(ss / k + eps)
-        accs = [acc * inv for acc in accs]
+        accs = tuple(acc * inv for acc in accs)
     return accs
 
 
