@@ -29,7 +29,7 @@ def close(a, b, tol=2e-5):
 @pytest.mark.parametrize("bias_and_qk_norm", [False, True], ids=["llama", "qwen3-bias"])
 def test_qkv_project_matches_reference_and_stores_only_valid_rows(bias_and_qk_norm):
     r = np.random.default_rng(0)
-    mp, h, hq, hkv, d, ps = 16, 64, 4, 2, 32, 16
+    mp, h, hq, hkv, d, ps = 16, 80, 4, 2, 32, 16  # K = 80: one ragged chunk of 128
     arr = lambda *s, scale=1.0: jnp.asarray(scale * r.standard_normal(s), jnp.float32)
     x, w = arr(mp, h), arr(h, (hq + 2 * hkv) * d, scale=0.2)
     norm = 1 + arr(h, scale=0.1)

@@ -31,7 +31,6 @@ def gated_up(x, norm_w, w_gate_up, *, eps, bn=16, bk=None, interpret=False, num_
     m, h = x.shape
     inter = w_gate_up.shape[1] // 2
     bk = bk or k_chunk(h)
-    assert bk and h % bk == 0, (h, bk)
     kernel = functools.partial(_gated_up_kernel, eps=eps, bn=bn, bk=bk, inter=inter)
     return pl.pallas_call(
         kernel,

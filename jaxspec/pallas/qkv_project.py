@@ -89,7 +89,6 @@ def qkv_project(x, norm_w, w, bias, q_norm, k_norm, cos, sin, layer, slots, k_pa
     d = k_pages.shape[-1]
     bn = column_block(d, q_norm is not None, bn)
     bk = bk or k_chunk(h)
-    assert bk and h % bk == 0, (h, bk)
     num_programs = (num_q + 2 * num_kv) * (d // 2 // bn)
     one = jnp.zeros((1,), x.dtype)
     shape = k_pages.shape

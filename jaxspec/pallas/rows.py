@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 MAX_ROWS = 64  # above this the GEMMs are XLA's (cuBLAS): the kernels read W once per row block
 
@@ -18,14 +19,10 @@ def padded_rows(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
 
-def k_chunk(k: int, most: int = 256) -> int | None:
-    """The largest power of two <= most dividing k (K-loop step), None if below 16."""
-    bk = most
-    while bk >= 16:
-        if k % bk == 0:
-            return bk
-        bk //= 2
-    return None
+def k_chunk(k: int, most: int = 256) -> int:
+    """The K-loop step: a power of two, at least 16, at most `most` (or k rounded up to one). A
+    ragged last chunk is read masked: SmolLM2's K = 576 takes 3 steps of 256, not 9 of 64."""
+    return max(16, min(most, 1 << (k - 1).bit_length()))
 
 
 def dot(a, b):
@@ -45,19 +42,26 @@ def project(x_ref, w_ref, cols, bn: int, bk: int, norm_ref=None, eps: float = 0.
     2.4 for XLA's reduction."""
     k = x_ref.shape[1]
     rows = x_ref.shape[0]
+    ragged = k % bk != 0
+
+    def read(ref, idx, ok):  # the ragged last chunk reads zeros past K
+        return plgpu.load(ref.at[idx], mask=ok, other=0) if ragged else ref[idx]
 
     def body(i, carry):
         accs, ss = carry
         k0 = pl.multiple_of(i * bk, bk)
-        xc = x_ref[:, pl.ds(k0, bk)]
+        ok = k0 + jnp.arange(bk) < k
+        xc = read(x_ref, (slice(None), pl.ds(k0, bk)), ok[None, :])
         if norm_ref is not None:
             xf = xc.astype(jnp.float32)
             ss = ss + jnp.sum(xf * xf, axis=1, keepdims=True)
-            xc = (xf * norm_ref[pl.ds(k0, bk)].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
-        return tuple(acc + dot(xc, w_ref[pl.ds(k0, bk), pl.ds(c, bn)]) for acc, c in zip(accs, cols)), ss
+            g = read(norm_ref, (pl.ds(k0, bk),), ok).astype(jnp.float32)
+            xc = (xf * g[None, :]).astype(x_ref.dtype)
+        return tuple(acc + dot(xc, read(w_ref, (pl.ds(k0, bk), pl.ds(c, bn)), ok[:, None]))
+                     for acc, c in zip(accs, cols)), ss
 
     init = (tuple(jnp.zeros((rows, bn), jnp.float32) for _ in cols), jnp.zeros((rows, 1), jnp.float32))
-    accs, ss = jax.lax.fori_loop(0, k // bk, body, init)
+    accs, ss = jax.lax.fori_loop(0, -(-k // bk), body, init)
     if norm_ref is not None:
         inv = jax.lax.rsqrt(ss / k + eps)
         accs = tuple(acc * inv for acc in accs)
