@@ -6,7 +6,7 @@ request, with the engine's fixed page-table width (`--max-seq-len`); ms per step
 floor = (weight bytes + K/V bytes read a step) / measured copy bandwidth.
 `bench/torch_anchor.py` then runs the same shapes in a fresh process (same device call); rows
 carry `vs_torch` = torch's ms / jaxspec's ms (above 1: jaxspec is faster).
-    python bench/decode.py [--models llama3-8b,smollm2-135m] [--batches 1,8,64] [--context 1024] [--impls auto,fused]
+    python bench/decode.py [--models llama3-8b,smollm2-135m] [--batches 1,8,64] [--context 1024] [--impls auto,pallas,fused]
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl, per_c
     return run
 
 
-def forward_difference(model, batch, context, page_size, impl, reference="auto"):
+def forward_difference(model, batch, context, page_size, impl, reference="pallas"):
     """Largest |a - b| / max|b| between one decode forward's final hidden under `impl` and under
     `reference`, from the same random cache (bf16: rounding, not a wrong kernel, is ~1e-2)."""
     if impl == reference:
@@ -101,8 +101,8 @@ def main():
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--impls", default="auto",
-                    help="impls side by side, e.g. auto,fused: auto (XLA's layers around the attention kernels), "
-                         "fused (the fused layer kernels, models.llama.fused_layers)")
+                    help="impls side by side, e.g. auto,pallas,fused: auto (models.llama.fused_layers decides), "
+                         "pallas (XLA's layers around the attention kernels), fused (the fused layer kernels)")
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--tag", default="", help="suffix of the results file name")

@@ -120,14 +120,19 @@ class Block(nnx.Module):
         return matmul_residual(h, self.w_down[...], x, interpret=interpret), k_pages, v_pages
 
 
+FUSED_MAX_HIDDEN = 1024  # 'auto' fuses one-row forwards of models up to this width
+
+
 def fused_layers(cfg: ModelConfig, rows: int, page_size: int, attn_impl: str) -> bool:
-    """Whether a forward of `rows` tokens runs Block.fused: for impl 'fused' only (interpreted off
-    the GPU), never under a mesh (the kernels see whole matrices) nor where a kernel's shape rules
-    fail. Not under 'auto': on the H200 the fused step cuts a SmolLM2 decode step from 597 kernels
-    to 239 but runs slower (1.57 against 1.46 ms at batch 1), its GEMV kernels 2-4x slower than
-    XLA's (decode-NVIDIA-H200.json, 154957e; unrolling their K loops was slower still,
-    decode-smol-NVIDIA-H200.json)."""
-    if attn_impl != "fused":
+    """Whether a forward of `rows` tokens runs Block.fused: always for impl 'fused' (interpreted
+    off the GPU); under 'auto' on a GPU, for one-row forwards (batch-1 decode) of small models,
+    whose steps are kernel launches more than bytes. Measured on the H200, SmolLM2 decode in one
+    call (decode-smol-NVIDIA-H200.json, 47960d2): 1.34 ms fused against 1.49 at batch 1 (239
+    kernels a step against 597), but 1.36 against 1.19 at batch 8 and 2.17 against 1.75 at 64, where
+    XLA's autotuned GEMMs beat these kernels (fused_probe-NVIDIA-H200.json: 2-6x per op). Never
+    under a mesh (the kernels see whole matrices) nor where a kernel's shape rules fail."""
+    one_row = attn_impl == "auto" and jax.default_backend() == "gpu" and rows == 1
+    if attn_impl != "fused" and not (one_row and cfg.hidden_size <= FUSED_MAX_HIDDEN):
         return False
     if jax.sharding.get_abstract_mesh().size > 1 or cfg.shard_groups != 1:
         return False
