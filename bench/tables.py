@@ -53,8 +53,8 @@ def startup() -> str:
 
 
 def spec() -> str:
-    d, out = _table("spec", ["algorithm", "batch", "tok/s", "vs plain (median of rounds)", "accept length",
-                             "vs torch.compile plain"])
+    d, out = _table("spec-engine", ["algorithm", "batch", "tok/s", "vs plain (median of rounds)", "accept length",
+                                    "vs torch.compile plain"], "NVIDIA-H200")
     for r in d["rows"]:
         if r["config"] == "torch-compile":
             continue
