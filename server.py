@@ -32,10 +32,14 @@ from jaxspec.sampling import SamplingParams
 
 
 def _error(status, message, kind="invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
 
 
-def create_app(gen: Generator, model_name: str) -> FastAPI:
+def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024) -> FastAPI:
+    """max_queued_requests: requests waiting for a batch slot beyond which new ones get a 503 with
+    Retry-After (app.state.max_queued_requests; a burst cannot grow the queue without bound)."""
     engine = Engine(gen)
 
     @contextlib.asynccontextmanager
@@ -45,6 +49,7 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
 
     app = FastAPI(title="jaxspec", lifespan=lifespan)
     app.state.engine = engine
+    app.state.max_queued_requests = max_queued_requests
     started = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -91,6 +96,10 @@ def create_app(gen: Generator, model_name: str) -> FastAPI:
                   include_usage: bool = False):
         loop = asyncio.get_running_loop()
         queues, handles = [], []
+        waiting = len(engine.sched.waiting)
+        if waiting + n > app.state.max_queued_requests:
+            raise APIError(503, f"server busy: {waiting} requests waiting (--max-queued-requests "
+                                f"{app.state.max_queued_requests}); retry later", "server_busy")
 
         def make_cb(q):
             return lambda req, new: loop.call_soon_threadsafe(q.put_nowait, (list(new), req.finished))
@@ -263,6 +272,8 @@ def build_app(argv=None):
     ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
     ap.add_argument("--speculative-ngram-match-type", default="BFS")
     ap.add_argument("--max-running-requests", type=int, default=32)
+    ap.add_argument("--max-queued-requests", type=int, default=1024,
+                    help="waiting requests beyond which new ones get 503 + Retry-After")
     ap.add_argument("--context-length", "--max-seq-len", dest="max_seq_len", type=int,
                     help="longest sequence, prompt and output (default: the model's context)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.8,
@@ -290,7 +301,7 @@ def build_app(argv=None):
                                     mem_fraction=args.mem_fraction_static,
                                     tp_size=args.tp_size,
                                     warmup=False if args.skip_warmup else "progress")  # before the port opens
-    return create_app(gen, args.served_model_name or args.model), args
+    return create_app(gen, args.served_model_name or args.model, args.max_queued_requests), args
 
 
 def main(argv=None):

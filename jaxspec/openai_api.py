@@ -9,6 +9,9 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validat
 from jaxspec.sampling import SamplingParams
 
 
+MAX_STOPS = 64  # each is matched against every step's new text
+
+
 class SamplingFields(BaseModel):
     """The fields a completion and a chat request share."""
     model_config = ConfigDict(extra="ignore")
@@ -37,16 +40,55 @@ class SamplingFields(BaseModel):
             raise ValueError("n must be in [1, 16]")
         return v
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        for s in stops:
+            _unicode(s, "stop")
+        return v
+
 
 class CompletionBody(SamplingFields):
     prompt: str | list[StrictInt]
     logprobs: StrictInt | None = None
     echo: StrictBool = False
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        return _unicode(v, "prompt") if isinstance(v, str) else v
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _unicode(text: str, what: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800"): no tokenizer can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode (a lone surrogate at character {e.start})") from None
+    return text
+
 
 class Message(BaseModel):
     role: str
     content: str
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v):
+        if v not in ROLES:
+            raise ValueError(f"unknown role {v!r}; expected one of {', '.join(ROLES)}")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        return _unicode(v, "content")
 
 
 class ChatBody(SamplingFields):

@@ -40,8 +40,8 @@ class SamplingParams:
 
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or not 1 <= self.max_tokens < 2**31:
+            bad(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
@@ -52,8 +52,8 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            bad(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k < 2**31:
+            bad(f"top_k must be an integer in [-1, 2**31) (0 or -1 disable it), got {self.top_k!r}")
         if self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -61,6 +61,8 @@ class SamplingParams:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            self.seed %= 2**32  # the draws' keys are 32-bit: any integer seed (negative, int64) is taken modulo
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= self.MAX_TOP_LOGPROBS):
             bad(f"logprobs must be an integer in [0, {self.MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -128,10 +128,37 @@ def test_bad_requests_get_4xx_and_server_stays_healthy(server):
     assert r.status_code == 400 and "n must be in" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         client(url).completions.create(model="smollm2-135m", prompt="hi", max_tokens=0)
+    r = post("/v1/completions", json={"prompt": "hi", "max_tokens": 2**40})  # would overflow the int32 budgets
+    assert r.status_code == 400 and "max_tokens must be an integer in [1, 2**31)" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"prompt": "hi", "top_k": 2**63})
+    assert r.status_code == 400 and "top_k" in r.json()["error"]["message"]
+    r = post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
+    assert r.status_code == 400 and "unknown role 'wizard'" in r.json()["error"]["message"]
+    bad_unicode = b'{"messages": [{"role": "user", "content": "caf\\ud800"}], "max_tokens": 2}'
+    r = post("/v1/chat/completions", content=bad_unicode, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"prompt": "hi", "stop": ["x"] * 65})
+    assert r.status_code == 400 and "at most 64 stop strings" in r.json()["error"]["message"]
+    # a seed outside 32 bits (negative, int64) is taken modulo 2**32: the same output as its residue
+    same = [post("/v1/completions", json={"prompt": "Once", "max_tokens": 6, "temperature": 1, "seed": s}).json()
+            for s in (-1, 2**32 - 1)]
+    assert same[0]["choices"][0]["text"] == same[1]["choices"][0]["text"]
     assert httpx.get(url + "/health").status_code == 200
     assert wait_idle(url)
     ok = client(url).completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=5, temperature=0)
     assert ok.choices[0].text
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    url, app = server
+    limit = app.state.max_queued_requests
+    app.state.max_queued_requests = 0  # every request would exceed the queue
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    finally:
+        app.state.max_queued_requests = limit
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "server busy" in r.json()["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
 
 
 def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):

@@ -21,13 +21,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.pallas.gated_up import gated_up
 from jaxspec.pallas.matmul_residual import matmul_residual
 from jaxspec.pallas.qkv_project import qkv_project
-from jaxspec.pallas.rows import padded_rows
-
-
-def rms_norm(x, w, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+from jaxspec.pallas.rows import padded_rows, rms_norm
 
 
 def rope_frequencies(cfg: ModelConfig):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.pallas.rows import full, k_chunk, project, triton_params
+from jaxspec.pallas.rows import full, k_chunk, project, rms_norm, triton_params
 
 
 def _gated_up_kernel(x_ref, norm_ref, w_ref, o_ref, *, eps, bn, bk, inter):
@@ -44,6 +44,5 @@ def gated_up(x, norm_w, w_gate_up, *, eps, bn=16, bk=None, interpret=False, num_
 
 
 def gated_up_ref(x, norm_w, w_gate_up, *, eps):
-    from jaxspec.models.llama import rms_norm
     gate, up = jnp.split(rms_norm(x, norm_w, eps) @ w_gate_up, 2, axis=-1)
     return jax.nn.silu(gate) * up

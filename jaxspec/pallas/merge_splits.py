@@ -5,7 +5,7 @@ token x group member) rows).
 
 Grid (request, kv head, block of 16 rows). Each program folds the splits into a [16, D]
 accumulator (whole [S, rows, D] tiles would not fit in registers). `merge_splits_ref` is the
-reference (paged_attention.combine_splits plus the relayout).
+reference (combine_splits, the same merge in jnp, plus the relayout).
 """
 from __future__ import annotations
 
@@ -59,8 +59,16 @@ def merge_splits(acc, m, l, *, tokens, group, out_rows, dtype, interpret=False):
     return out.reshape(out_rows, hq * d)
 
 
+def combine_splits(acc, m, l):
+    """acc [..., S, R, D], m/l [..., S, R] partials of S key ranges -> [..., R, D] softmax output."""
+    m_all = m.max(axis=-2, keepdims=True)
+    # the kernel's maxima are in base 2; an empty split has m = NEG_INF, l = 0: weight 0 unless all are empty
+    w = jnp.exp2(m - m_all)
+    l_all = (l * w).sum(axis=-2)
+    return (acc * w[..., None]).sum(axis=-3) / jnp.maximum(l_all, 1e-30)[..., None]
+
+
 def merge_splits_ref(acc, m, l, *, tokens, group, out_rows, dtype):
-    from jaxspec.pallas.paged_attention import combine_splits
     b, hkv, _, _, d = acc.shape
     out = combine_splits(acc, m, l)[:, :, :tokens * group]  # [B, Hkv, T * g, D]
     out = out.reshape(b, hkv, tokens, group, d).transpose(0, 2, 1, 3, 4).reshape(b * tokens, hkv * group * d)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxspec.pallas.attention_ref import NEG_INF
+from jaxspec.pallas.merge_splits import combine_splits, merge_splits
 
 SMS = 132  # H100 SXM multiprocessors: split-K aims to give each of them work
 
@@ -141,15 +142,6 @@ def _axes(grid_order, ids):
     return named["b"], named["h"], named["q"], named["s"]
 
 
-def combine_splits(acc, m, l):
-    """acc [..., S, R, D], m/l [..., S, R] partials of S key ranges -> [..., R, D] softmax output."""
-    m_all = m.max(axis=-2, keepdims=True)
-    # the kernel's maxima are in base 2; an empty split has m = NEG_INF, l = 0: weight 0 unless all are empty
-    w = jnp.exp2(m - m_all)
-    l_all = (l * w).sum(axis=-2)
-    return (acc * w[..., None]).sum(axis=-3) / jnp.maximum(l_all, 1e-30)[..., None]
-
-
 MAX_SPLITS = 16  # the combine reads every split's partial result, empty or not
 
 
@@ -235,7 +227,6 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         compiler_params=None if interpret else _triton_params(num_warps, num_stages),
     )(layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows)
     if splits > 1 and token_rows is not None:
-        from jaxspec.pallas.merge_splits import merge_splits
         return merge_splits(*out, tokens=t, group=g, out_rows=token_rows, dtype=q.dtype, interpret=interpret)
     if splits > 1:
         out = combine_splits(*out).astype(q.dtype)

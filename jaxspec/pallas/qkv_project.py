@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas.rows import full, k_chunk, project, triton_params
+from jaxspec.pallas.rows import full, k_chunk, project, rms_norm, triton_params
 
 
 def _qkv_kernel(layer_ref, slots_ref, x_ref, norm_ref, w_ref, bias_ref, qn_ref, kn_ref, cos_ref, sin_ref, _k_in,
@@ -116,7 +116,6 @@ def qkv_project(x, norm_w, w, bias, q_norm, k_norm, cos, sin, layer, slots, k_pa
 def qkv_project_ref(x, norm_w, w, bias, q_norm, k_norm, cos, sin, layer, slots, k_pages, v_pages, *, num_q,
                     num_kv, eps):
     """The same in plain jnp (models.llama's Block ops)."""
-    from jaxspec.models.llama import rms_norm
     m, _ = x.shape
     d = k_pages.shape[-1]
     qkv = rms_norm(x, norm_w, eps) @ w

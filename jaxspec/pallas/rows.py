@@ -15,6 +15,14 @@ from jax.experimental.pallas import triton as plgpu
 MAX_ROWS = 64  # above this the GEMMs are XLA's (cuBLAS): the kernels read W once per row block
 
 
+def rms_norm(x, w, eps):
+    """The decoders' RMS norm (models.llama uses this one): the reference the kernels' fused norm
+    is tested against, kept here so that the kernels' references need no model import."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
 def padded_rows(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
