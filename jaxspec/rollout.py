@@ -95,7 +95,8 @@ def make_rollout(model, head=None, config: RolloutConfig = RolloutConfig(), mesh
 def rollout(graphs, params, drafter_params, prompts, lengths, seeds, temperature=None, top_p=None, top_k=None,
             stop_ids=None, *, config: RolloutConfig) -> RolloutOutput:
     """prompts [B, P] right-padded, lengths [B], seeds [B]; per-row temperature / top_p / top_k [B]
-    (with config.sample) and stop_ids [B, S] (-1 padded; default the model's EOS ids)."""
+    (with config.sample; leaving top_p and top_k out skips the vocabulary sort they need) and
+    stop_ids [B, S] (-1 padded; default the model's EOS ids)."""
     learned = config.algorithm in ("eagle", "eagle3", "dflash")
     target = nnx.merge(graphs[0] if learned else graphs, params)
     b, p = prompts.shape
@@ -106,7 +107,10 @@ def rollout(graphs, params, drafter_params, prompts, lengths, seeds, temperature
         step=jnp.zeros(b, jnp.int32), repetition_penalty=jnp.ones(b, jnp.float32),
         frequency_penalty=jnp.zeros(b, jnp.float32), presence_penalty=jnp.zeros(b, jnp.float32),
         history=jnp.full((b, 1), -1, jnp.int32), num_prompt=jnp.zeros(b, jnp.int32))
-    flags = sampling.SamplerFlags(sample=config.sample, filter=config.sample)
+    # the top-k / top-p filter sorts every verified node's logits over the vocabulary: compiled in
+    # only when the caller passes those rows (None is top_k 0, top_p 1: nothing to filter)
+    flags = sampling.SamplerFlags(sample=config.sample,
+                                  filter=config.sample and (top_p is not None or top_k is not None))
     if stop_ids is None:
         eos = jnp.asarray(target.cfg.eos_token_ids or (-1,), jnp.int32)
         stop_ids = jnp.broadcast_to(eos, (b, eos.shape[0]))

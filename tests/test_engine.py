@@ -261,8 +261,8 @@ def test_bad_inputs_get_clear_errors(tiny):
     cases = [
         (SamplingParams(temperature=-1), "temperature must be >= 0"),
         (SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
-        (SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
-        (SamplingParams(top_k=-5), "top_k must be an integer >= -1"),
+        (SamplingParams(max_tokens=0), "max_tokens must be an integer in \\[1, 2\\*\\*31\\)"),
+        (SamplingParams(top_k=-5), r"top_k must be an integer in \[-1, 2\*\*31\)"),
         (SamplingParams(logprobs=50), "logprobs must be an integer in"),
         (SamplingParams(stop_token_ids=[1000]), "stop_token_ids entry 1000"),
         (SamplingParams(temperature=float("nan")), "temperature must be a finite number"),

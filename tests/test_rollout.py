@@ -111,6 +111,18 @@ def test_rollout_stops_on_stop_ids_and_eos(tiny, tiny_eagle3):
         assert np.asarray(out.tokens[i, :int(out.lengths[i])]).tolist() == want
 
 
+def test_rollout_filters_rows_given_top_k(tiny, tiny_eagle3):
+    """The filter is compiled in when top_k / top_p rows are passed: top_k 1 at temperature 1 is the
+    greedy token at every position, drafts or not."""
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    fn, params, dparams = jit_rollout(tiny, head, algorithm="eagle3", max_new_tokens=NEW, sample=True,
+                                      page_size=PAGE, num_steps=3, topk=2, num_draft_tokens=6)
+    toks, lens = padded(PROMPTS)
+    out = fn(params, dparams, toks, lens, jnp.array([1, 2, 3]), temperature=jnp.ones(3),
+             top_k=jnp.ones(3, jnp.int32), stop_ids=NO_STOP)
+    assert [np.asarray(t).tolist() for t in out.tokens] == [r.token_ids for r in reference(tiny)[0]]
+
+
 def test_rollout_vmaps_shards_and_takes_new_weights_without_recompiling(tiny, tiny_eagle3):
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
     fn, params, dparams = make_rollout(tiny, head, RolloutConfig("eagle3", max_new_tokens=12, page_size=PAGE,
