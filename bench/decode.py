@@ -127,7 +127,7 @@ def main():
             t = float(np.median(times))
             prof = device_kernels(lambda: jax.block_until_ready(run(16)), 16, tempfile.mkdtemp())
             rows.append(dict(model=name, batch=b, context=args.context, engine="jaxspec", algorithm="plain",
-                             impl=impl, fused_layers=fused_layers(cfg, b, args.page_size, impl),
+                             impl=impl, fused_layers=fused_layers(cfg, b, impl),
                              max_rel_diff=forward_difference(model, b, args.context, args.page_size, impl),
                              ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor, tokens_per_s=b / t,
                              kernels_per_step=prof and prof["kernels"], kernel_ms=prof and prof["kernel_ms"],

@@ -73,10 +73,10 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
                                                    tree_mask, persistent=n_sm, interpret=not on_gpu)
             return out if token_rows is None else token_layout(out, token_rows)
     use = impl in ("pallas", "mosaic", "fused") or (impl == "auto" and on_gpu)
-    if use and kernel_supports(q, k_pages, tree_mask):
-        from jaxspec.pallas.paged_attention import paged_attention as kernel
-        return kernel(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, interpret=not on_gpu,
-                      token_rows=token_rows)
+    if use and kernel_supports(q, k_pages, tree_mask):  # it writes the token layout itself
+        from jaxspec.pallas import paged_attention as triton  # looked up per call: tests swap it
+        return triton.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
+                                       interpret=not on_gpu, token_rows=token_rows)
     out = paged_attention_chunked(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask)
     return out if token_rows is None else token_layout(out, token_rows)
 

@@ -90,8 +90,7 @@ def test_fused_forward_matches_unfused(model, t, tree):
         mask = jnp.asarray(np.broadcast_to(anc, (b, t, t)))
     outs = {}
     for impl in ("ref", "fused"):
-        cache = KVCache(*(jnp.asarray(rng.standard_normal((2, b * width + 1, ps, 2, 32)) * 0 + 0.1, jnp.float32)
-                          for _ in range(2)))
+        cache = KVCache(*(jnp.full((2, b * width + 1, ps, 2, 32), 0.1, jnp.float32) for _ in range(2)))
         outs[impl] = model(tokens, positions, cache, page_table, kv_lens, q_lens, mask, hidden_layers=(0,),
                            attn_impl=impl)
     for i in range(b):
@@ -103,10 +102,10 @@ def test_fused_forward_matches_unfused(model, t, tree):
 
 
 def test_fused_layers_choice():
-    assert fused_layers(CFG, 4, 16, "fused") and not fused_layers(CFG, 4, 16, "ref")
-    assert not fused_layers(CFG, 4, 16, "auto")  # off the GPU, 'auto' keeps XLA's layers
+    assert fused_layers(CFG, 4, "fused") and not fused_layers(CFG, 4, "ref")
+    assert not fused_layers(CFG, 4, "auto")  # off the GPU, 'auto' keeps XLA's layers
     narrow = ModelConfig(**{**CFG.__dict__, "head_dim": 16})  # rope halves below the 16-column block
-    assert not fused_layers(narrow, 4, 16, "fused")
+    assert not fused_layers(narrow, 4, "fused")
 
 
 def test_engine_on_fused_layers_equals_unfused_plain_and_eagle3(model):

@@ -117,7 +117,7 @@ class Block(nnx.Module):
 FUSED_MAX_HIDDEN = 1024  # 'auto' fuses one-row forwards of models up to this width
 
 
-def fused_layers(cfg: ModelConfig, rows: int, page_size: int, attn_impl: str) -> bool:
+def fused_layers(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
     """Whether a forward of `rows` tokens runs Block.fused: always for impl 'fused' (interpreted
     off the GPU); under 'auto' on a GPU, for one-row forwards (batch-1 decode) of small models,
     whose steps are kernel launches more than bytes. Measured on the H200, SmolLM2 decode in one
@@ -173,7 +173,8 @@ class Llama(nnx.Module):
         k_pages, v_pages = cache.k, cache.v
         x = self.embed_tokens(tokens)
         kept = {}
-        if fused_layers(cfg, b * t, cache.page_size, attn_impl):
+        fused = fused_layers(cfg, b * t, attn_impl)
+        if fused:
             # rows padded once for the whole stack; each row's rope table and cache slot (-1: padding)
             mp = padded_rows(b * t)
             rows = lambda a, fill=0: jnp.pad(a.reshape(b * t, -1), ((0, mp - b * t), (0, 0)), constant_values=fill)
@@ -182,7 +183,7 @@ class Llama(nnx.Module):
             slots = rows(jnp.where(page == DROP_PAGE, -1, page * cache.page_size + offset), -1)[:, 0]
         for li, block in enumerate(self.layers):
             graphdef, state = nnx.split(block)
-            if x.ndim == 2:
+            if fused:
                 x, k_pages, v_pages = _run_block_fused(graphdef, attn_impl, state, x, cos, sin, slots, k_pages,
                                                        v_pages, jnp.int32(li), page_table, kv_lens, q_lens,
                                                        tree_mask, b, t)
@@ -191,7 +192,7 @@ class Llama(nnx.Module):
                                                  jnp.int32(li), page, offset, page_table, kv_lens, q_lens, tree_mask)
             if li in hidden_layers:
                 kept[li] = x
-        if x.ndim == 2:
+        if fused:
             x = x[:b * t].reshape(b, t, -1)
             kept = {li: h[:b * t].reshape(b, t, -1) for li, h in kept.items()}
         hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 
 from jaxspec.pallas.attention_ref import NEG_INF
 from jaxspec.pallas.merge_splits import combine_splits, merge_splits
+from jaxspec.pallas.rows import full, triton_params
 
 SMS = 132  # H100 SXM multiprocessors: split-K aims to give each of them work
 
@@ -201,7 +202,6 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
                                grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret)
-    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
     def spec(shape, index):  # index: (request, head, query block, split) -> block index
         return pl.BlockSpec(shape, lambda *g: index(*_axes(grid_order, g)))
@@ -224,7 +224,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=None if interpret else _triton_params(num_warps, num_stages),
+        compiler_params=None if interpret else triton_params(num_warps, num_stages),
     )(layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows)
     if splits > 1 and token_rows is not None:
         return merge_splits(*out, tokens=t, group=g, out_rows=token_rows, dtype=q.dtype, interpret=interpret)
@@ -239,7 +239,3 @@ def token_layout(out, token_rows):
     b, t, hq, d = out.shape
     return jnp.pad(out.reshape(b * t, hq * d), ((0, token_rows - b * t), (0, 0)))
 
-
-def _triton_params(num_warps, num_stages):
-    from jax.experimental.pallas import triton as plgpu
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

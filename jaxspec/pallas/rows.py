@@ -12,9 +12,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MAX_ROWS = 64  # above this the GEMMs are XLA's (cuBLAS): the kernels read W once per row block
-
-
 def rms_norm(x, w, eps):
     """The decoders' RMS norm (models.llama uses this one): the reference the kernels' fused norm
     is tested against, kept here so that the kernels' references need no model import."""
@@ -44,10 +41,10 @@ def project(x_ref, w_ref, cols, bn: int, bk: int, norm_ref=None, eps: float = 0.
     """x @ W[:, c : c + bn] for each c in cols -> float32 [Mp, bn] each; with norm_ref, rms_norm(x)
     @ W (the row's 1/rms scales the product: (x * s * g) @ W = s * ((x * g) @ W)).
 
-    One loop over K with the norm's sum of squares in it. Measured on the H200 (SmolLM2 QKV, one
-    row): 9.7 us with the sum of squares a loop of its own (decode-NVIDIA-H200.json, 154957e), 18
-    us with the K loop unrolled in Python (register spills; decode-smol-NVIDIA-H200.json), against
-    2.4 for XLA's reduction."""
+    One loop over K with the norm's sum of squares in it. SmolLM2's QKV projection, one row, on the
+    H200: 9.4 us this way (decode-smol-NVIDIA-H200.json, 47960d2), 9.7 with the sum of squares a
+    loop of its own (decode-NVIDIA-H200.json, 154957e), 18 with the K loop unrolled in Python
+    (register spills; that file's version at 921c261), against 2.4 for XLA's reduction."""
     k = x_ref.shape[1]
     rows = x_ref.shape[0]
     ragged = k % bk != 0
@@ -81,5 +78,4 @@ def full(x):
 
 
 def triton_params(num_warps=4, num_stages=3):
-    from jax.experimental.pallas import triton as plgpu
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
