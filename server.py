@@ -37,9 +37,12 @@ def _error(status, message, kind="invalid_request_error"):
                         headers=headers)
 
 
-def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024) -> FastAPI:
+def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
+               request_timeout: float | None = None) -> FastAPI:
     """max_queued_requests: requests waiting for a batch slot beyond which new ones get a 503 with
-    Retry-After (app.state.max_queued_requests; a burst cannot grow the queue without bound)."""
+    Retry-After (app.state.max_queued_requests; a burst cannot grow the queue without bound).
+    request_timeout: seconds a request may take, queued and running, before it is aborted and its
+    pages freed (a 504, or a streamed error event); None: no limit."""
     engine = Engine(gen)
 
     @contextlib.asynccontextmanager
@@ -50,6 +53,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024)
     app = FastAPI(title="jaxspec", lifespan=lifespan)
     app.state.engine = engine
     app.state.max_queued_requests = max_queued_requests
+    app.state.request_timeout = request_timeout
     started = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -95,6 +99,9 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024)
     async def run(request: Request, prompt_ids, params: SamplingParams, n: int, chat: bool, stream: bool,
                   include_usage: bool = False):
         loop = asyncio.get_running_loop()
+        limit = app.state.request_timeout
+        deadline = None if not limit else loop.time() + limit
+        timed_out = f"request timed out after {limit:g} s (--request-timeout)" if limit else ""
         queues, handles = [], []
         waiting = len(engine.sched.waiting)
         if waiting + n > app.state.max_queued_requests:
@@ -134,12 +141,14 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024)
             try:
                 for q, h in zip(queues, handles):
                     while not h.req.finished:
+                        if deadline is not None and loop.time() > deadline:
+                            raise APIError(504, timed_out, "timeout")
                         try:
                             await asyncio.wait_for(q.get(), timeout=0.5)
                         except asyncio.TimeoutError:
                             if await request.is_disconnected():
                                 raise asyncio.CancelledError
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, APIError):
                 for h in handles:
                     engine.abort(h)
                 raise
@@ -169,7 +178,13 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024)
                 tasks = [asyncio.create_task(pump(i)) for i in range(n)]
                 done = 0
                 while done < n:
-                    i, finished = await merged.get()
+                    try:
+                        left = None if deadline is None else max(deadline - loop.time(), 0.0)
+                        i, finished = await asyncio.wait_for(merged.get(), timeout=left)
+                    except asyncio.TimeoutError:
+                        err = {"error": {"message": timed_out, "type": "timeout", "code": 504}}
+                        yield f"data: {json.dumps(err)}\n\n"
+                        break
                     req = handles[i].req
                     text = streamable_text(tok, req)
                     end = max(sent_text[i], len(text))
@@ -259,7 +274,9 @@ def build_app(argv=None):
     ap.add_argument("--served-model-name")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--speculative-algorithm", default="NONE", help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH or NONE")
+    ap.add_argument("--speculative-algorithm", default="AUTO",
+                    help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH, NONE, or AUTO: EAGLE3 6:4:24 where a trained "
+                         "head ships for the model, else NONE")
     ap.add_argument("--speculative-draft-model-path", help="EAGLE head or DFLASH drafter directory (default: the shipped one)")
     ap.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
     ap.add_argument("--speculative-token-map-refresh", type=int, default=0,
@@ -274,6 +291,8 @@ def build_app(argv=None):
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--max-queued-requests", type=int, default=1024,
                     help="waiting requests beyond which new ones get 503 + Retry-After")
+    ap.add_argument("--request-timeout", type=float, default=0,
+                    help="seconds a request may take, queued and running, before it is aborted (0: no limit)")
     ap.add_argument("--context-length", "--max-seq-len", dest="max_seq_len", type=int,
                     help="longest sequence, prompt and output (default: the model's context)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.8,
@@ -286,6 +305,8 @@ def build_app(argv=None):
                     help="serve at once and compile each program when a request first needs it")
     args = ap.parse_args(argv)
     from jaxspec import SpecConfig
+    from jaxspec.speculative import resolve_auto
+    resolve_auto(args)
     spec = None
     if args.speculative_algorithm.upper() != "NONE":
         spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
@@ -301,7 +322,8 @@ def build_app(argv=None):
                                     mem_fraction=args.mem_fraction_static,
                                     tp_size=args.tp_size,
                                     warmup=False if args.skip_warmup else "progress")  # before the port opens
-    return create_app(gen, args.served_model_name or args.model, args.max_queued_requests), args
+    return create_app(gen, args.served_model_name or args.model, args.max_queued_requests,
+                      args.request_timeout or None), args
 
 
 def main(argv=None):

@@ -20,7 +20,9 @@ def main(argv=None):
     g.add_argument("--seed", type=int)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--dtype", choices=["float32", "bfloat16"])
-    g.add_argument("--speculative-algorithm", default="NGRAM", help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH or NONE")
+    g.add_argument("--speculative-algorithm", default="AUTO",
+                   help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH, NONE, or AUTO: EAGLE3 6:4:24 where a trained "
+                        "head ships for the model, else NONE")
     g.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
     g.add_argument("--speculative-draft-model-path", help="EAGLE head or DFLASH drafter directory (default: the shipped one)")
     g.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
@@ -51,6 +53,8 @@ def main(argv=None):
                 prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
     if not prompts:
         prompts = ["What is the capital of France?"]
+    from jaxspec.speculative import resolve_auto
+    resolve_auto(args)
     spec = None
     if args.speculative_algorithm.upper() != "NONE":
         spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,

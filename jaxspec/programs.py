@@ -43,6 +43,18 @@ MAX_DECODE_STEPS = 8  # a decode call's most steps (its outputs' width)
 STOP_ID_SLOTS = 8  # stop ids a row's decode call checks on the device (the host checks them all)
 
 
+# Programs whose one executable serves greedy and sampled batches (sampling.sample() draws behind a
+# lax.cond): half the programs to build at start-up. verify_steps keeps a greedy program of its own:
+# the cond's host sync exposes the launches of the draft loop after it, which cost an EAGLE-3 call
+# 8% at batch 1 on the H200, against 0.6% for a plain decode call (sampler_probe-*.json).
+SHARED_SAMPLER = ("extend", "decode", "verify_tree")
+
+
+def program_flags(name: str, flags: sampling.SamplerFlags) -> sampling.SamplerFlags:
+    """The flags the program serving a batch with `flags` is compiled with."""
+    return flags._replace(sample=True, filter=True) if name in SHARED_SAMPLER else flags
+
+
 def bucket(n: int, buckets) -> int:
     for b in buckets:
         if b >= n:
@@ -171,6 +183,7 @@ class Programs:
                                                        stop_ids, num_steps, next_nodes, sb))
 
     def run(self, name, flags, cache, args):
+        flags = program_flags(name, flags)
         if not self.jit:
             with self._traced():
                 return self.fns[name](self.state, cache, *args, flags=flags)
@@ -188,7 +201,7 @@ class Programs:
 
     def entry(self, name, flags, cache, args) -> str:
         """The file name of this program in the store."""
-        return program_store.entry_name(self.config_key, name, flags, _signature((self.state, cache, args)),
+        return program_store.entry_name(self.config_key, name, program_flags(name, flags), _signature((self.state, cache, args)),
                                         str(jax.tree.structure((cache, args))))
 
     def _traced(self):
@@ -215,6 +228,7 @@ class Programs:
         t0 = time.perf_counter()
         todo = {}
         for name, flags, cache, args in specs:
+            flags = program_flags(name, flags)
             key = (name, flags, _signature((cache, args)))
             if key not in self.table and key not in todo:
                 todo[key] = (name, flags, cache, args)

@@ -188,17 +188,6 @@ def filter_logits(logits, sb: SamplingBatch):
     return jnp.where(logits < floor, NEG_INF, logits)
 
 
-def target_logits(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None):
-    """The distribution tokens are drawn from, as logits [B, N, V] (temperature applied)."""
-    if flags.penalties:
-        logits = apply_penalties(logits, sb, extra_tokens)
-    t = jnp.maximum(sb.temperature, 1e-6)[:, None, None]
-    scaled = logits / t
-    if flags.filter:
-        scaled = filter_logits(scaled, sb)
-    return logits, scaled
-
-
 def sample(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None, depth=None):
     """logits [B, N, V] float32 -> tokens [B, N].
 
@@ -206,17 +195,31 @@ def sample(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None, de
     thus draws the token at each output position with the key plain decoding would use there, so a
     seeded request gives the same tokens with or without speculation, whatever trees were drafted;
     draws at different positions along any root path use distinct keys, which keeps it lossless.
+
+    The draw and the filters run under a lax.cond on whether any row samples (filters): a greedy
+    batch skips the [B, N, V] sort and random bits, so one program can serve greedy and sampled
+    batches alike (programs.SHARED_SAMPLER).
     """
-    penalised, scaled = target_logits(logits, sb, flags, extra_tokens)
-    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    if flags.penalties:
+        logits = apply_penalties(logits, sb, extra_tokens)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not flags.sample:
         return greedy
     b, n = logits.shape[:2]
     depth = jnp.zeros((b, n), jnp.int32) if depth is None else depth
-    pos = sb.step[:, None] + depth
-    keys = jax.vmap(jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p), (None, 0)))(sb.seed, pos)
-    drawn = jax.vmap(jax.vmap(lambda k, l: jax.random.categorical(k, l)))(keys, scaled).astype(jnp.int32)
-    return jnp.where(sb.temperature[:, None] > 0, drawn, greedy)
+
+    def draw(logits):
+        scaled = logits / jnp.maximum(sb.temperature, 1e-6)[:, None, None]
+        if flags.filter:
+            filtered = (sb.top_k > 0) | (sb.top_p < 1.0) | (sb.min_p > 0.0)
+            scaled = jax.lax.cond(jnp.any(filtered & (sb.temperature > 0)), lambda s: filter_logits(s, sb),
+                                  lambda s: s, scaled)
+        pos = sb.step[:, None] + depth
+        keys = jax.vmap(jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p), (None, 0)))(sb.seed, pos)
+        drawn = jax.vmap(jax.vmap(lambda k, l: jax.random.categorical(k, l)))(keys, scaled).astype(jnp.int32)
+        return jnp.where(sb.temperature[:, None] > 0, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(sb.temperature > 0), draw, lambda _: greedy, logits)
 
 
 def logprobs_of(logits, tokens, top_n: int):

@@ -19,6 +19,24 @@ def shipped_drafter(model_name: str | None, algorithm: str) -> str | None:
     return path if path and os.path.isdir(path) else None
 
 
+def resolve_auto(args) -> None:
+    """The command lines' --speculative-algorithm AUTO, resolved in place on their parsed flags:
+    EAGLE3 with a 6:4:24 tree (the tree flags given keep their values) where a trained head ships
+    for the model, else NONE. On the H200 that head served faster than plain decoding at every
+    load measured (bench/results/serve-NVIDIA-H200.json); for a model without one, no drafter
+    is known to pay."""
+    if args.speculative_algorithm.upper() != "AUTO":
+        return
+    if args.speculative_draft_model_path is None and shipped_drafter(args.model, "EAGLE3") is None:
+        args.speculative_algorithm = "NONE"
+        return
+    args.speculative_algorithm = "EAGLE3"
+    for flag, value in (("speculative_num_steps", 6), ("speculative_eagle_topk", 4),
+                        ("speculative_num_draft_tokens", 24)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+
+
 @dataclasses.dataclass
 class SpecConfig:
     algorithm: str = "NGRAM"

@@ -4,7 +4,7 @@ import sys
 
 def test_cli_answers_paris():
     out = subprocess.run([sys.executable, "-m", "jaxspec", "generate", "--model", "smollm2-135m", "--prompt",
-                          "What is the capital of France?", "--max-tokens", "24"],
+                          "What is the capital of France?", "--max-tokens", "24", "--speculative-algorithm", "NGRAM"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
@@ -14,3 +14,22 @@ def test_cli_unknown_model_is_a_clear_error():
     out = subprocess.run([sys.executable, "-m", "jaxspec", "generate", "--model", "no-such-model"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "not a known short name" in out.stderr
+
+
+def test_auto_picks_the_shipped_eagle3_head_or_no_drafter():
+    import argparse
+    from jaxspec.speculative import resolve_auto
+
+    def resolved(model, **given):
+        args = argparse.Namespace(model=model, speculative_algorithm="AUTO", speculative_draft_model_path=None,
+                                  speculative_num_steps=None, speculative_eagle_topk=None,
+                                  speculative_num_draft_tokens=None, **{})
+        vars(args).update(given)
+        resolve_auto(args)
+        return (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
+                args.speculative_num_draft_tokens)
+
+    assert resolved("smollm2-135m") == ("EAGLE3", 6, 4, 24)
+    assert resolved("smollm2-135m", speculative_num_draft_tokens=8) == ("EAGLE3", 6, 4, 8)
+    assert resolved("some/hf-checkpoint")[0] == "NONE"
+    assert resolved("smollm2-135m", speculative_algorithm="NGRAM")[0] == "NGRAM"

@@ -11,18 +11,20 @@ from jaxspec.programs import compile_count
 
 def test_program_set_is_small_and_listed(tiny):
     plain = Generator(tiny, None, max_batch=64, max_seq_len=256)
-    # 3 prefill shapes + a decode step for each of 7 batch buckets, for greedy and for sampling
-    assert len({(s[1], s[2], str(s[4][0].shape)) for s in plain.scheduler.program_specs()}) == 2 * (3 + 7)
+    # 3 prefill shapes + a decode step for each of 7 batch buckets; one program serves greedy and sampled batches
+    assert len({plain.scheduler.programs.entry(*s[1:]) for s in plain.scheduler.program_specs()}) == 3 + 7
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     eagle = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=256)
     specs = eagle.scheduler.program_specs()
-    # prefill 3, plain decode 7, verify for the buckets whose tree keeps >= 4 nodes (1..32): 6; twice
-    assert len(specs) == 2 * (3 + 7 + 6) and sum(s[1] == "verify_steps" for s in specs) == 12
+    # prefill 3, plain decode 7, and verify for the buckets whose tree keeps >= 4 nodes (1..32): 6, greedy and
+    # sampling apart (one program serves both for the others: programs.SHARED_SAMPLER)
+    assert len({eagle.scheduler.programs.entry(*s[1:]) for s in specs}) == 3 + 7 + 2 * 6
+    assert sum(s[1] == "verify_steps" for s in specs) == 2 * 6
     small = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=2, max_seq_len=256)
-    info = small.scheduler.warmup()  # buckets 1 and 2: prefill 3 (rows <= 2), decode 2, verify 2; twice
-    assert info["programs"] == 2 * (3 + 2 + 2)
+    info = small.scheduler.warmup()  # buckets 1 and 2: prefill 3 (rows <= 2), decode 2, verify 2 twice
+    assert info["programs"] == 3 + 2 + 2 * 2
     lines = small.scheduler.programs.listing()
-    assert len(lines) == 2 * (3 + 2) and sum(l.startswith("verify_steps") for l in lines) == 4
+    assert len(lines) == 3 + 2 * 2 and sum(l.startswith("verify_steps") for l in lines) == 4
 
 
 def test_no_compile_after_warmup_over_varied_requests(tiny):

@@ -161,6 +161,22 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
 
 
+def test_a_request_past_its_timeout_is_aborted_with_504(server):
+    import json
+    url, app = server
+    app.state.request_timeout = 0.05
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    try:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+            lines = [l for l in s.iter_lines() if l.startswith("data: ")]
+    finally:
+        app.state.request_timeout = None
+    assert r.status_code == 504 and "timed out after 0.05 s" in r.json()["error"]["message"]
+    assert json.loads(lines[-2][6:])["error"]["type"] == "timeout" and lines[-1] == "data: [DONE]"
+    assert wait_idle(url)  # both requests aborted, their pages back
+
+
 def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     import json
     import os
@@ -187,3 +203,23 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
         assert row["ttft_p50_s"] <= row["latency_p50_s"] <= row["wall_s"]
     assert wait_idle(url)
+
+
+def test_the_fault_run_loses_nothing(server):
+    """bench/serve_faults.py, small: every well-formed answer equals its isolated one, every bad
+    request a 4xx naming it, a burst past the queue 503s, no page leaked, nothing stuck."""
+    import os
+    import sys
+    url, app = server
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import serve_faults
+    limit = app.state.max_queued_requests
+    app.state.max_queued_requests = 6
+    try:
+        row = serve_faults.fault_run(url, requests=80, concurrency=6, max_tokens=6, max_seq_len=256, burst=16)
+    finally:
+        app.state.max_queued_requests = limit
+    assert row["wrong_status"] == 0, row["wrong_status_examples"]
+    assert row["completed"] > 20 and row["outputs_differed"] == 0
+    assert row["rejected"].get("queue_full", 0) > 0 and row["rejected"].get("malformed_json", 0) > 0
+    assert row["pages_leaked"] == 0 and row["stuck"] == 0 and row["restarts"] == 0

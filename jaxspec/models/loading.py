@@ -4,6 +4,7 @@ Weights come from local paths or installed packages only: nothing here reaches a
 """
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.metadata
 import json
 import os
@@ -70,17 +71,15 @@ def build_model(cfg: ModelConfig, weights: dict, dtype, source: str, mesh=None) 
         shardings = {k: sharding.NamedSharding(mesh, sharding.weight_spec(k, np.shape(w), tp)) for k, w in weights.items()}
     model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype))
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    host = []
-    for path, var in flat.items():
-        key = "/".join(map(str, path))
+    keys = ["/".join(map(str, path)) for path in flat]
+    for key, var in zip(keys, flat.values()):
         if key not in weights:
             raise CheckpointError(f"{source}: missing weights for {key!r}")
-        arr = weights[key]
-        if tuple(arr.shape) != tuple(var.get_value().shape):
-            raise CheckpointError(f"{source}: {key!r} has shape {tuple(arr.shape)}, "
+        if tuple(np.shape(weights[key])) != tuple(var.get_value().shape):
+            raise CheckpointError(f"{source}: {key!r} has shape {tuple(np.shape(weights[key]))}, "
                                   f"config expects {tuple(var.get_value().shape)}")
-        host.append(np.ascontiguousarray(arr, np.dtype(dtype)))  # cast here: no convert program per shape
-    keys = ["/".join(map(str, path)) for path in flat]
+    with _host_pool() as pool:  # cast here: no convert program per shape
+        host = list(pool.map(lambda k: np.ascontiguousarray(weights[k], np.dtype(dtype)), keys))
     placed = jax.device_put(host, None if shardings is None else [shardings[k] for k in keys])  # one transfer
     for var, value in zip(flat.values(), placed):
         var.set_value(value)
@@ -105,9 +104,8 @@ def layer_weights(cfg: ModelConfig, get, source: str) -> dict:
             raise CheckpointError(f"{source}: layer {i} has no {kind} weight")
         return a.T if a.ndim == 2 else a
 
-    out = {}
-    for i in range(cfg.num_layers):
-        p = f"layers/{i}/"
+    def layer(i):
+        p, out = f"layers/{i}/", {}
         out[p + "attn_norm"], out[p + "mlp_norm"] = need("attn_norm", i), need("mlp_norm", i)
         out[p + "wqkv"] = np.concatenate([need(k, i) for k in ("q", "k", "v")], axis=1)
         out[p + "wo"], out[p + "w_down"] = need("o", i), need("down", i)
@@ -116,7 +114,17 @@ def layer_weights(cfg: ModelConfig, get, source: str) -> dict:
             out[p + "bqkv"] = np.concatenate([need(k, i) for k in ("q_bias", "k_bias", "v_bias")])
         if cfg.qk_norm:
             out[p + "q_norm"], out[p + "k_norm"] = need("q_norm", i), need("k_norm", i)
+        return out
+
+    out = {}
+    with _host_pool() as pool:  # dequantizing and transposing are numpy work that releases the GIL
+        for weights in pool.map(layer, range(cfg.num_layers)):
+            out.update(weights)
     return out
+
+
+def _host_pool():
+    return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1))
 
 
 # -- GGUF -----------------------------------------------------------------------------------

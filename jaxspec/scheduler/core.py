@@ -141,9 +141,10 @@ class Scheduler(Admission, Dispatch, Outputs):
 
     def program_specs(self, flag_sets=None) -> list:
         """(programs, name, flags, cache, args) of every program this engine can launch with the
-        given sampler flags (default: greedy, and sampling with filters): prefill shapes, a decode
-        step per batch bucket, and a verify step per batch bucket that gets a tree. Penalties and
-        top logprobs add programs that are compiled when first asked for."""
+        given sampler flags (default: greedy, and sampling with filters; programs.SHARED_SAMPLER
+        serve both with one): prefill shapes, a decode step per batch bucket, and a verify step per
+        batch bucket that gets a tree. Penalties and top logprobs add programs that are compiled
+        when first asked for."""
         flag_sets = flag_sets or (SamplerFlags(), SamplerFlags(sample=True, filter=True))
         rows_all = [b for b in BATCH_BUCKETS if b <= bucket(self.max_batch, BATCH_BUCKETS)]
         decode, target_cache = self.programs, self.cache
