@@ -103,6 +103,10 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
         deadline = None if not limit else loop.time() + limit
         timed_out = f"request timed out after {limit:g} s (--request-timeout)" if limit else ""
         queues, handles = [], []
+        try:  # a bad request hears what is wrong with it even while the queue is full
+            engine.sched.check(prompt_ids, params)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
         waiting = len(engine.sched.waiting)
         if waiting + n > app.state.max_queued_requests:
             raise APIError(503, f"server busy: {waiting} requests waiting (--max-queued-requests "
@@ -299,6 +303,7 @@ def build_app(argv=None):
                     help="share of the device memory free after the weights that the KV pool takes, where the "
                          "device reports its memory (GPU); --num-pages overrides")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights and KV (default: bfloat16 on GPU)")
     ap.add_argument("--tp-size", type=int, default=1, help="devices to split the model over (tensor parallel)")
     ap.add_argument("--num-pages", type=int)
     ap.add_argument("--skip-warmup", action="store_true",
@@ -317,7 +322,9 @@ def build_app(argv=None):
                           token_map_refresh=args.speculative_token_map_refresh, num_steps=args.speculative_num_steps,
                           eagle_topk=args.speculative_eagle_topk,
                           dflash_block_size=args.speculative_dflash_block_size)
+    import jax.numpy as jnp
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
+                                    dtype=getattr(jnp, args.dtype) if args.dtype else None,
                                     max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,
                                     mem_fraction=args.mem_fraction_static,
                                     tp_size=args.tp_size,

@@ -119,7 +119,7 @@ def fault_run(url, requests=2000, concurrency=64, max_tokens=24, max_seq_len=204
     reference = {p: one(client, url, "normal", p, max_tokens, max_seq_len)[2][0] for p in PROMPTS}
     rng = np.random.default_rng(seed)
     names, weights = list(KINDS), np.array(list(KINDS.values()), float)
-    kinds = list(rng.choice(names, requests, p=weights / weights.sum()))
+    kinds = [str(k) for k in rng.choice(names, requests, p=weights / weights.sum())]
     prompts = [PROMPTS[i] for i in rng.integers(0, len(PROMPTS), requests)]
     bursts = [i for i, k in enumerate(kinds) if k == "burst"]
     plain = [i for i, k in enumerate(kinds) if k != "burst"]
@@ -147,11 +147,12 @@ def fault_run(url, requests=2000, concurrency=64, max_tokens=24, max_seq_len=204
         if m["jaxspec_kv_pages_in_use"] == idle and m["jaxspec_running_requests"] == 0:
             break
         time.sleep(0.1)
-    rejected, differed, wrong_status, completed = {}, 0, [], 0
+    rejected, differed, wrong_status, completed = {}, {}, [], 0
     for (kind, status, texts, err), prompt in zip(results, prompts):
         if status == 200:
             completed += 1
-            differed += any(t != reference[prompt] for t in texts)
+            if any(t != reference[prompt] for t in texts):
+                differed[kind] = differed.get(kind, 0) + 1
         elif status == 0:
             rejected["disconnected"] = rejected.get("disconnected", 0) + 1
         else:
@@ -160,7 +161,8 @@ def fault_run(url, requests=2000, concurrency=64, max_tokens=24, max_seq_len=204
             if status != EXPECTED.get(kind, 503) or not err:
                 wrong_status.append((kind, status, err))
     m = metrics(client, url)
-    return dict(requests=requests, completed=completed, rejected=rejected, outputs_differed=differed,
+    return dict(requests=requests, completed=completed, rejected=rejected, outputs_differed=sum(differed.values()),
+                differed_by_kind=differed,
                 wrong_status=len(wrong_status), wrong_status_examples=wrong_status[:5],
                 pages_leaked=int(m["jaxspec_kv_pages_in_use"] - idle),
                 stuck=int(m["jaxspec_running_requests"] + m["jaxspec_queue_depth"]), restarts=restarts[0],
@@ -178,23 +180,28 @@ def main():
     ap.add_argument("--burst", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--dtypes", default="default", help="a row each: default (bfloat16 on GPU), bfloat16, float32")
     args = ap.parse_args()
     import server as srv
     from common import print_table, write_results
-    app, _ = srv.build_app(["--model", args.model, "--speculative-algorithm", args.algorithm,
-                            "--max-running-requests", str(args.max_running_requests),
-                            "--max-queued-requests", str(args.max_queued_requests),
-                            "--context-length", str(args.max_seq_len), "--served-model-name", args.model])
-    url, server, th = srv.start_in_thread(app)
-    try:
-        row = dict(algorithm=args.algorithm, **fault_run(url, args.requests, args.concurrency, args.max_tokens,
-                                                           args.max_seq_len, args.burst))
-    finally:
-        server.should_exit = True
-        th.join(timeout=30)
-    print_table([row], ["algorithm", "requests", "completed", "rejected", "outputs_differed", "wrong_status",
+    rows = []
+    for dtype in args.dtypes.split(","):
+        app, _ = srv.build_app(["--model", args.model, "--speculative-algorithm", args.algorithm,
+                                "--max-running-requests", str(args.max_running_requests),
+                                "--max-queued-requests", str(args.max_queued_requests),
+                                "--context-length", str(args.max_seq_len), "--served-model-name", args.model]
+                               + ([] if dtype == "default" else ["--dtype", dtype]))
+        url, server, th = srv.start_in_thread(app)
+        try:
+            row = fault_run(url, args.requests, args.concurrency, args.max_tokens, args.max_seq_len, args.burst)
+            rows.append(dict(algorithm=args.algorithm, dtype=dtype, **row))
+        finally:
+            server.should_exit = True
+            th.join(timeout=30)
+        del app
+    print_table(rows, ["algorithm", "dtype", "requests", "completed", "rejected", "outputs_differed", "wrong_status",
                         "pages_leaked", "stuck", "restarts", "wall_s"])
-    print(write_results("serve_faults", [row]))
+    print(write_results("serve_faults", rows))
 
 
 if __name__ == "__main__":

@@ -102,6 +102,10 @@ def main():
     ap.add_argument("--child", nargs=4, metavar=("ALGO", "CACHE", "STARTED", "MIXED"))
     ap.add_argument("--out", default="")
     ap.add_argument("--no-mixed", action="store_true", help="start-up rows only")
+    ap.add_argument("--workers", default="auto",
+                    help="build worker processes, a list: a cold row for each (auto: program_workers decides)")
+    ap.add_argument("--kinds", default="cold,warm")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     if args.child:
         algo, cache, started, mixed = args.child
@@ -109,11 +113,16 @@ def main():
     from common import print_table, write_results
     rows = []
     for algo in args.algos.split(","):
-        cache = tempfile.mkdtemp(prefix="jaxspec-xla-")
-        for kind in ("cold", "warm"):
+        runs = [("cold", w) for w in args.workers.split(",") if "cold" in args.kinds]
+        runs += [("warm", "auto")] if "warm" in args.kinds else []
+        for kind, workers in runs:
+            if kind == "cold":
+                cache = tempfile.mkdtemp(prefix="jaxspec-xla-")
             out = os.path.join(tempfile.mkdtemp(), "rows.json")
             started = time.time()
             env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+            if workers != "auto":
+                env["STARTUP_BUILD_WORKERS"] = workers
             subprocess.run([sys.executable, __file__, "--model", args.model, "--child", algo, cache, str(started),
                             "1" if kind == "warm" and not args.no_mixed else "0",
                             "--out", out], check=True, env=env)
@@ -123,11 +132,11 @@ def main():
             print_table(got, ["algorithm", "cache", "workload", "passno", "programs", "warmup_s", "first_token_s",
                               "tokens_per_s", "compiles"])
     print()
-    print_table(rows, ["algorithm", "cache", "workload", "passno", "programs", "imported_s", "backend_s", "weights_s",
-                       "load_s", "warmup_s", "lower_s", "compile_s",
+    print_table(rows, ["algorithm", "cache", "build_workers", "workload", "passno", "programs", "imported_s",
+                       "backend_s", "weights_s", "load_s", "warmup_s", "lower_s", "compile_s",
                        "store_reads", "cache_hits", "cache_misses", "first_token_s",
                        "tokens_per_s", "compiles", "late_compiles"])
-    print(write_results("startup", rows))
+    print(write_results("startup" + args.tag, rows))
 
 
 if __name__ == "__main__":

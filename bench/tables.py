@@ -41,7 +41,8 @@ def decode() -> str:
 
 
 def startup() -> str:
-    d, out = _table("startup", ["algorithm", "cache", "programs", "warm-up s", "process start to first token s"])
+    d, out = _table("startup", ["algorithm", "cache", "programs", "warm-up s", "process start to first token s"],
+                    "NVIDIA-H200")
     for r in d["rows"]:
         if "cache" in r and "run" not in r:
             out.append(f"| {r['algorithm']} | {r['cache']} | {r['programs']} | {r['warmup_s']:.1f} | {r['first_token_s']:.1f} |")

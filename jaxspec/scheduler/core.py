@@ -207,7 +207,8 @@ class Scheduler(Admission, Dispatch, Outputs):
         """Programs compiled after warm-up: each made some request wait for a compile."""
         return self.programs.late_compiles + (self.plain_programs.late_compiles if self.plain_programs else [])
 
-    def add(self, prompt_ids, params: SamplingParams, on_update=None) -> Request:
+    def check(self, prompt_ids, params: SamplingParams) -> list:
+        """The prompt as a list of ints, or a ValueError naming what the request gets wrong."""
         params.validate(self.cfg.vocab_size)
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
@@ -218,6 +219,10 @@ class Scheduler(Admission, Dispatch, Outputs):
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"maximum sequence length {self.max_seq_len}")
+        return prompt_ids
+
+    def add(self, prompt_ids, params: SamplingParams, on_update=None) -> Request:
+        prompt_ids = self.check(prompt_ids, params)
         rid = next(self._ids)
         seed = params.seed if params.seed is not None else int(np.random.randint(0, 2**31))
         req = Request(rid, prompt_ids, params, seed, on_update)
