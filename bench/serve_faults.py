@@ -10,9 +10,10 @@ prompts over the context limit, max_tokens over it, invalid sampling values, unk
 stop lists past the limit, and bursts that overrun the queue. Every well-formed answer must carry
 exactly the text an isolated request for its prompt got (each prompt run alone first), every bad
 one a 4xx naming the problem, a burst's overflow a 503; afterwards the KV pages in use return to
-their idle count and nothing is left running, and the server never went down (each request's
-failure to connect counts as a restart). One row: requests, completed, rejected by cause,
-outputs_differed, pages_leaked, stuck, restarts.
+their idle count and nothing is left running, and the server never went down (its
+process start time, from /v1/models, must not change). A request that got no HTTP answer at all
+(a keep-alive connection closed under it) counts as a transport error. One row: requests,
+completed, rejected by cause, outputs_differed, pages_leaked, stuck, restarts, transport_errors.
 """
 from __future__ import annotations
 
@@ -124,13 +125,12 @@ def fault_run(url, requests=2000, concurrency=64, max_tokens=24, max_seq_len=204
     bursts = [i for i, k in enumerate(kinds) if k == "burst"]
     plain = [i for i, k in enumerate(kinds) if k != "burst"]
     results = [None] * requests
-    restarts = [0]
+    started = client.get(url + "/v1/models", timeout=30).json()["data"][0]["created"]  # a new process: a new value
 
     def call(i):
         try:
             results[i] = one(client, url, kinds[i], prompts[i], max_tokens, max_seq_len)
-        except httpx.TransportError as e:  # the server went away (or refused the connection)
-            restarts[0] += 1
+        except httpx.TransportError as e:  # no HTTP answer (a reused keep-alive connection closed under it, ...)
             results[i] = (kinds[i], -1, None, repr(e))
 
     t0 = time.perf_counter()
@@ -147,9 +147,11 @@ def fault_run(url, requests=2000, concurrency=64, max_tokens=24, max_seq_len=204
         if m["jaxspec_kv_pages_in_use"] == idle and m["jaxspec_running_requests"] == 0:
             break
         time.sleep(0.1)
-    rejected, differed, wrong_status, completed = {}, {}, [], 0
+    rejected, differed, wrong_status, completed, transport = {}, {}, [], 0, []
     for (kind, status, texts, err), prompt in zip(results, prompts):
-        if status == 200:
+        if status == -1:
+            transport.append((kind, err))
+        elif status == 200:
             completed += 1
             if any(t != reference[prompt] for t in texts):
                 differed[kind] = differed.get(kind, 0) + 1
@@ -161,11 +163,14 @@ def fault_run(url, requests=2000, concurrency=64, max_tokens=24, max_seq_len=204
             if status != EXPECTED.get(kind, 503) or not err:
                 wrong_status.append((kind, status, err))
     m = metrics(client, url)
+    alive = client.get(url + "/health", timeout=30).status_code == 200
+    restarts = int(not alive or client.get(url + "/v1/models", timeout=30).json()["data"][0]["created"] != started)
     return dict(requests=requests, completed=completed, rejected=rejected, outputs_differed=sum(differed.values()),
                 differed_by_kind=differed,
                 wrong_status=len(wrong_status), wrong_status_examples=wrong_status[:5],
                 pages_leaked=int(m["jaxspec_kv_pages_in_use"] - idle),
-                stuck=int(m["jaxspec_running_requests"] + m["jaxspec_queue_depth"]), restarts=restarts[0],
+                stuck=int(m["jaxspec_running_requests"] + m["jaxspec_queue_depth"]), restarts=restarts,
+                transport_errors=len(transport), transport_error_examples=transport[:3],
                 wall_s=wall, late_compiles=int(m["jaxspec_late_compiles_total"]))
 
 
@@ -200,7 +205,7 @@ def main():
             th.join(timeout=30)
         del app
     print_table(rows, ["algorithm", "dtype", "requests", "completed", "rejected", "outputs_differed", "wrong_status",
-                        "pages_leaked", "stuck", "restarts", "wall_s"])
+                        "pages_leaked", "stuck", "restarts", "transport_errors", "wall_s"])
     print(write_results("serve_faults", rows))
 
 
