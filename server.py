@@ -287,6 +287,9 @@ def build_app(argv=None):
                     help="refresh the token map from the emitted tokens every N of them (0: never)")
     ap.add_argument("--speculative-num-steps", type=int)
     ap.add_argument("--speculative-eagle-topk", type=int, default=4)
+    ap.add_argument("--speculative-policy", choices=["fixed", "measured"], default="fixed",
+                    help="EAGLE family: verify every step (fixed), or verify or decode plainly by the programs' costs "
+                         "timed at warm-up and the accept lengths seen (measured)")
     ap.add_argument("--speculative-dflash-block-size", type=int,
                       help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
@@ -326,7 +329,7 @@ def build_app(argv=None):
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
                                     dtype=getattr(jnp, args.dtype) if args.dtype else None,
                                     max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,
-                                    mem_fraction=args.mem_fraction_static,
+                                    mem_fraction=args.mem_fraction_static, spec_policy=args.speculative_policy,
                                     tp_size=args.tp_size,
                                     warmup=False if args.skip_warmup else "progress")  # before the port opens
     return create_app(gen, args.served_model_name or args.model, args.max_queued_requests,

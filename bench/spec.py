@@ -4,7 +4,8 @@
         [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16,eagle:6:4:24/map4096,dflash:16]
         (eagle3|eagle:steps:topk:tokens; dflash[:tokens]; /mapK restricts the head to the first K
         ids of --token-map (FR-Spec), /mapK/refreshN refreshes that map from the emitted tokens every
-        N of them, from the start of each pass; a suffix @pallas / @mosaic / @ref picks the attention)
+        N of them, from the start of each pass; a suffix @pallas / @mosaic / @ref picks the attention;
+        a last /measured sizes speculation by measured costs: spec_policy.py, rows' `policy`)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -139,6 +140,7 @@ def main():
         label = a
         while any(lab == label for _, lab in gens):
             label += "#2"  # the same algorithm again: a control for the noise between rounds
+        a, measured = (a[:-len("/measured")], True) if a.endswith("/measured") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
         map_size, _, refresh = map_size.partition("/refresh")  # ".../map4096/refresh256": adaptive, every 256 tokens
@@ -160,6 +162,8 @@ def main():
         drafter = spec.build(model, args.model) if spec else None
         kw = {} if args.spec_max_verify_tokens is None else dict(spec_max_verify_tokens=args.spec_max_verify_tokens)
         kw["attn_impl"] = attn_impl or "auto"
+        if measured:
+            kw["spec_policy"] = "measured"
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, warmup=not args.lazy, **kw)
     rows = []
@@ -203,6 +207,7 @@ def main():
                 outs = runs[0]["outs"]
                 row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
                            algorithm=name, config=label, dataset=ds, batch=b,
+                           policy="measured" if label.endswith("/measured") else "fixed",
                            token_map=(label.split("/map")[1].split("@")[0].split("/")[0] if "/map" in label
                                       else ("none" if name in ("eagle", "eagle3", "naive_eagle") else None)),
                            token_map_refresh=int(label.split("/refresh")[1].split("@")[0]) if "/refresh" in label else None,

@@ -30,6 +30,9 @@ def main(argv=None):
                     help="refresh the token map from the emitted tokens every N of them (0: never)")
     g.add_argument("--speculative-num-steps", type=int)
     g.add_argument("--speculative-eagle-topk", type=int, default=4)
+    g.add_argument("--speculative-policy", choices=["fixed", "measured"], default="fixed",
+                    help="EAGLE family: verify every step (fixed), or verify or decode plainly by the programs' costs "
+                         "timed at warm-up and the accept lengths seen (measured)")
     g.add_argument("--speculative-dflash-block-size", type=int,
                      help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     g.add_argument("--max-batch", type=int, default=32)
@@ -71,6 +74,7 @@ def main(argv=None):
         gen = Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
                                         speculative=spec, max_batch=min(args.max_batch, len(prompts)),
                                         page_size=args.page_size, max_seq_len=args.max_seq_len, tp_size=args.tp_size,
+                                        spec_policy=args.speculative_policy,
                                         warmup=not args.no_warmup, warmup_flags=[SamplerFlags.of([params])])
         chat = not args.raw and gen.tokenizer.chat_template is not None
         inputs = [[{"role": "user", "content": p}] if chat else p for p in prompts]

@@ -30,9 +30,10 @@ from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TR
                               enable_compilation_cache, prefill_shapes)
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 from jaxspec.scheduler.admission import Admission
-from jaxspec.scheduler.dispatch import Dispatch
+from jaxspec.scheduler.dispatch import Dispatch, _to_device
 from jaxspec.scheduler.outputs import Outputs
 from jaxspec.sharding import cache_sharding
+from jaxspec.spec_policy import SpecPolicy, StepCosts, time_call
 from jaxspec.scheduler.request import InFlight, Request
 
 
@@ -65,11 +66,15 @@ class Scheduler(Admission, Dispatch, Outputs):
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
                  spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
-                 warmup_flags=None, compile_cache=None, build_workers=None, mesh=None, mem_fraction=None):
+                 warmup_flags=None, compile_cache=None, build_workers=None, mesh=None, mem_fraction=None,
+                 spec_policy="fixed"):
         """mesh: a tensor-parallel mesh (sharding.tp_mesh) the model is laid out and sharded for:
         the caches are sharded by KV head, the programs partitioned over it. mem_fraction: with
         num_pages None, the KV pool takes this share of the device memory left free after the
-        weights (SGLang's --mem-fraction-static), where the device reports its memory."""
+        weights (SGLang's --mem-fraction-static), where the device reports its memory.
+        spec_policy: 'fixed' (a device drafter verifies whenever its bucket has a tree) or
+        'measured' (spec_policy.py: verify or decode plainly by the programs' costs timed at warm-up
+        and the accept lengths seen)."""
         cfg = model.cfg
         self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -123,6 +128,10 @@ class Scheduler(Admission, Dispatch, Outputs):
         self.policy = (DraftPolicy(min_gain, spec_min_accept, spec_probe_every)
                        if drafter is not None and not self.device_drafter else None)
         self.overlap = overlap
+        if spec_policy not in ("fixed", "measured"):
+            raise ValueError(f"spec_policy must be 'fixed' or 'measured', got {spec_policy!r}")
+        self.spec_policy_kind = spec_policy
+        self.spec_costs, self.spec_policy = StepCosts(), None  # measured by warmup()
         # Plain decoding runs up to decode_steps steps a call while the batch is steady (see
         # _decode_steps_now); 1 launches a call a step.
         if not 1 <= decode_steps <= MAX_DECODE_STEPS:
@@ -200,7 +209,30 @@ class Scheduler(Admission, Dispatch, Outputs):
                 program_workers.build(groups, list(missing.values()), workers)
         for progs in groups:
             progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
+        if self.device_drafter and self.spec_policy_kind == "measured" and groups[0].jit:
+            self.spec_costs = self._time_steps(specs)
+            self.spec_policy = SpecPolicy(self.spec_costs)
         return dict(programs=sum(len(p.table) for p in groups), seconds=time.perf_counter() - t0)
+
+    def _time_steps(self, specs) -> StepCosts:
+        """ms a step of each greedy decode and verify program of the set, on its warm-up inputs
+        (every row idle: the programs' work does not depend on it), one step a call."""
+        costs = StepCosts()
+        for progs, name, flags, cache, args in specs:
+            if flags.sample or name not in ("decode", self._verify_name):
+                continue
+            inputs = [_to_device(args) for _ in range(4)]  # the programs donate some: a copy a call
+
+            def call(name=name, flags=flags):
+                if name == "decode":
+                    *out, tcache = self.plain_programs.decode(self.cache[0], *inputs.pop(), flags=flags)
+                    self.cache = (tcache, self.cache[1])
+                else:
+                    *out, self.cache = self.programs.verify_steps(self.cache, *inputs.pop(), flags=flags)
+                return out
+            kind = "decode" if name == "decode" else "verify"
+            costs.ms[(kind, args[0].shape[0])] = time_call(call, reps=3)
+        return costs
 
     @property
     def late_compiles(self) -> list:
@@ -293,6 +325,9 @@ class Scheduler(Admission, Dispatch, Outputs):
         nodes = self.tree_size(len(reqs))
         if nodes > 1 and self.policy is not None and not self.policy.should_verify(self._match_keys(reqs, nodes),
                                                                                    len(reqs)):
+            return 1
+        if nodes > 1 and self.spec_policy is not None and not self.spec_policy.should_verify(
+                bucket(len(reqs), BATCH_BUCKETS)):
             return 1
         return nodes
 

@@ -7,6 +7,7 @@ import time
 
 import jax
 
+from jaxspec.programs import BATCH_BUCKETS, bucket
 from jaxspec.scheduler.request import DraftRow, InFlight, DraftsOnDevice
 
 
@@ -58,6 +59,9 @@ class Outputs:
         if toks.ndim == 2:  # verify_tree: one step; as verify_steps' [B, steps, N]
             toks, count = toks[:, None], count[:, None]
             lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
+        if self.spec_policy is not None:
+            self.spec_policy.verified(bucket(len(f.reqs), BATCH_BUCKETS),
+                                      [int(c) for i, r in enumerate(f.reqs) if not r.finished for c in count[i] if c])
         for i, r in enumerate(f.reqs):
             if shared is not None and not r.finished:
                 r.draft = DraftRow(shared, i)

@@ -1,0 +1,53 @@
+"""Speculation sized by measured costs (spec_policy.py): the choice from a cost table and the
+accept lengths seen, and greedy output unchanged whichever way each step goes."""
+import numpy as np
+from flax import nnx
+
+from jaxspec import Generator, SamplingParams
+from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.spec_policy import SpecPolicy, StepCosts
+
+from conftest import TINY
+
+
+def test_the_choice_follows_tokens_per_millisecond():
+    costs = StepCosts({("decode", 1): 1.0, ("verify", 1): 1.5, ("decode", 8): 1.0, ("verify", 8): 3.0})
+    policy = SpecPolicy(costs, probe_every=4)
+    assert policy.should_verify(1) and policy.gain(1) is None  # nothing seen yet: verify, to learn
+    policy.verified(1, [3, 2, 4])  # 3 tokens a row-step for 1.5x a plain step's time: worth it
+    assert policy.gain(1) == 2.0 and policy.should_verify(1)
+    policy.verified(8, [2, 2, 3, 1])  # 2 tokens a row-step for 3x the time: plain is faster
+    assert policy.gain(8) == 2.0 / 3.0
+    assert [policy.should_verify(8) for _ in range(8)] == [False, False, False, True] * 2  # a probe every 4th
+    for _ in range(20):  # drafts that start to pay move the estimate (an average that forgets)
+        policy.verified(8, [5, 4, 4])
+    assert policy.gain(8) > 1.0 and policy.should_verify(8)
+    assert policy.should_verify(16)  # a bucket without costs verifies
+    assert "verify/decode" in costs.table() and "3.00" in costs.table()
+
+
+def test_greedy_output_is_plain_decoding_whichever_way_steps_go(tiny):
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(5)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    kw = dict(max_batch=8, max_seq_len=128, num_pages=200)
+    plain = [c.token_ids for c in Generator(tiny, None, **kw).generate(prompts, params)]
+    gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), spec_policy="measured",
+                    warmup=True, **kw)
+    sched = gen.scheduler
+    assert {k for k, _ in sched.spec_costs.ms} == {"decode", "verify"}  # timed at warm-up
+    assert all(ms > 0 for ms in sched.spec_costs.ms.values())
+    # verify steps made to look costly: after the first verify steps, batches decode plainly
+    sched.spec_costs.ms.update({k: 1e3 for k in sched.spec_costs.ms if k[0] == "verify"})
+    out = gen.generate(prompts, params)
+    assert [c.token_ids for c in out] == plain
+    stats = dict(sched.stats)
+    assert stats["verify_steps"] > 0 and stats["decode_time"] > 0  # verified to learn, then decoded plainly
+    # and cheap: every later step verifies again (new requests, whose heads are current)
+    sched.spec_costs.ms.update({k: 1e-3 for k in sched.spec_costs.ms if k[0] == "verify"})
+    out = gen.generate(prompts, params)
+    assert [c.token_ids for c in out] == plain
+    assert sched.stats["verify_steps"] > stats["verify_steps"] and sched.stats["decode_time"] == stats["decode_time"]
+    assert sched.pool.in_use == 0 and sched.late_compiles == []
