@@ -278,23 +278,8 @@ def build_app(argv=None):
     ap.add_argument("--served-model-name")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--speculative-algorithm", default="AUTO",
-                    help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH, NONE, or AUTO: EAGLE3 6:4:24 where a trained "
-                         "head ships for the model, else NONE")
-    ap.add_argument("--speculative-draft-model-path", help="EAGLE head or DFLASH drafter directory (default: the shipped one)")
-    ap.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
-    ap.add_argument("--speculative-token-map-refresh", type=int, default=0,
-                    help="refresh the token map from the emitted tokens every N of them (0: never)")
-    ap.add_argument("--speculative-num-steps", type=int)
-    ap.add_argument("--speculative-eagle-topk", type=int, default=4)
-    ap.add_argument("--speculative-policy", choices=["fixed", "measured"], default="fixed",
-                    help="EAGLE family: verify every step (fixed), or verify or decode plainly by the programs' costs "
-                         "timed at warm-up and the accept lengths seen (measured)")
-    ap.add_argument("--speculative-dflash-block-size", type=int,
-                      help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
-    ap.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
-    ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
-    ap.add_argument("--speculative-ngram-match-type", default="BFS")
+    from jaxspec.speculative import add_flags, config_from_flags
+    add_flags(ap)
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--max-queued-requests", type=int, default=1024,
                     help="waiting requests beyond which new ones get 503 + Retry-After")
@@ -312,19 +297,7 @@ def build_app(argv=None):
     ap.add_argument("--skip-warmup", action="store_true",
                     help="serve at once and compile each program when a request first needs it")
     args = ap.parse_args(argv)
-    from jaxspec import SpecConfig
-    from jaxspec.speculative import resolve_auto
-    resolve_auto(args)
-    spec = None
-    if args.speculative_algorithm.upper() != "NONE":
-        spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
-                          ngram_max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
-                          ngram_match_type=args.speculative_ngram_match_type,
-                          draft_model_path=args.speculative_draft_model_path,
-                          token_map=args.speculative_token_map,
-                          token_map_refresh=args.speculative_token_map_refresh, num_steps=args.speculative_num_steps,
-                          eagle_topk=args.speculative_eagle_topk,
-                          dflash_block_size=args.speculative_dflash_block_size)
+    spec = config_from_flags(args)
     import jax.numpy as jnp
     gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
                                     dtype=getattr(jnp, args.dtype) if args.dtype else None,

@@ -1,4 +1,5 @@
-"""Command line: `python -m jaxspec generate --model smollm2-135m --prompt "..."`."""
+"""Command line: `python -m jaxspec generate --model smollm2-135m --prompt "..."`, and
+`python -m jaxspec programs` (the engine's program set, built and timed with --build)."""
 from __future__ import annotations
 
 import argparse
@@ -6,11 +7,22 @@ import json
 import sys
 
 
+def _engine_flags(p):
+    from jaxspec.speculative import add_flags
+    p.add_argument("--model", default="smollm2-135m", help="short name, .gguf file or HF directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    add_flags(p)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--tp-size", type=int, default=1, help="devices to split the model over (tensor parallel)")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m jaxspec")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text")
-    g.add_argument("--model", default="smollm2-135m", help="short name, .gguf file or HF directory")
+    _engine_flags(g)
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     g.add_argument("--prompts-file", help="a file with one prompt per line (or JSONL with a 'prompt' field)")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -19,34 +31,50 @@ def main(argv=None):
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"])
-    g.add_argument("--speculative-algorithm", default="AUTO",
-                   help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH, NONE, or AUTO: EAGLE3 6:4:24 where a trained "
-                        "head ships for the model, else NONE")
-    g.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
-    g.add_argument("--speculative-draft-model-path", help="EAGLE head or DFLASH drafter directory (default: the shipped one)")
-    g.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
-    g.add_argument("--speculative-token-map-refresh", type=int, default=0,
-                    help="refresh the token map from the emitted tokens every N of them (0: never)")
-    g.add_argument("--speculative-num-steps", type=int)
-    g.add_argument("--speculative-eagle-topk", type=int, default=4)
-    g.add_argument("--speculative-policy", choices=["fixed", "measured"], default="fixed",
-                    help="EAGLE family: verify every step (fixed), or verify or decode plainly by the programs' costs "
-                         "timed at warm-up and the accept lengths seen (measured)")
-    g.add_argument("--speculative-dflash-block-size", type=int,
-                     help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
-    g.add_argument("--max-batch", type=int, default=32)
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--tp-size", type=int, default=1, help="devices to split the model over (tensor parallel)")
-    g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--json", action="store_true", help="print one JSON object per completion")
     g.add_argument("--no-warmup", action="store_true", help="compile programs as they are first needed")
+    p = sub.add_parser("programs", help="list the program set an engine builds at start-up")
+    _engine_flags(p)
+    p.add_argument("--build", action="store_true",
+                   help="compile it (JAX's cache and the program store are used) and, with --speculative-policy "
+                        "measured, print the step costs timed at warm-up")
     args = ap.parse_args(argv)
-
-    import jax.numpy as jnp
-    from jaxspec import Generator, SamplingParams, SpecConfig
-    from jaxspec.sampling import SamplerFlags
     from jaxspec.models.loading import CheckpointError
+    try:
+        return (generate if args.cmd == "generate" else programs)(args)
+    except (ValueError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generator(args, max_batch, **kw):
+    import jax.numpy as jnp
+    from jaxspec import Generator
+    from jaxspec.speculative import config_from_flags
+    return Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
+                                     speculative=config_from_flags(args), max_batch=max_batch,
+                                     page_size=args.page_size, max_seq_len=args.max_seq_len, tp_size=args.tp_size,
+                                     spec_policy=args.speculative_policy, **kw)
+
+
+def programs(args) -> int:
+    from jaxspec.programs import SHARED_SAMPLER
+    gen = _generator(args, args.max_batch, warmup=args.build)
+    sched = gen.scheduler
+    specs = sched.program_specs()
+    entries = {progs.entry(*spec): (spec[0], spec[1], spec[3]) for progs, *spec in specs}
+    print(f"{len(entries)} programs (max batch {args.max_batch}):")
+    for name, flags, call_args in sorted(entries.values(), key=lambda e: (e[0], e[2][0].shape, e[1].sample)):
+        sampled = "greedy and sampled" if name in SHARED_SAMPLER else "sampled" if flags.sample else "greedy"
+        print(f"  {name:12s} rows {call_args[0].shape[0]:4d}  tokens {call_args[0].shape[1]:4d}  {sampled}")
+    if args.build and sched.spec_costs.ms:
+        print(sched.spec_costs.table())
+    return 0
+
+
+def generate(args) -> int:
+    from jaxspec import SamplingParams
+    from jaxspec.sampling import SamplerFlags
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -56,32 +84,15 @@ def main(argv=None):
                 prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
     if not prompts:
         prompts = ["What is the capital of France?"]
-    from jaxspec.speculative import resolve_auto
-    resolve_auto(args)
-    spec = None
-    if args.speculative_algorithm.upper() != "NONE":
-        spec = SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
-                          draft_model_path=args.speculative_draft_model_path,
-                          token_map=args.speculative_token_map,
-                          token_map_refresh=args.speculative_token_map_refresh, num_steps=args.speculative_num_steps,
-                          eagle_topk=args.speculative_eagle_topk,
-                          dflash_block_size=args.speculative_dflash_block_size)
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
-        # the program set these prompts can meet (their batch, their sampler) is built before the
-        # first token, so no step waits for a compile mid-run
-        gen = Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
-                                        speculative=spec, max_batch=min(args.max_batch, len(prompts)),
-                                        page_size=args.page_size, max_seq_len=args.max_seq_len, tp_size=args.tp_size,
-                                        spec_policy=args.speculative_policy,
-                                        warmup=not args.no_warmup, warmup_flags=[SamplerFlags.of([params])])
-        chat = not args.raw and gen.tokenizer.chat_template is not None
-        inputs = [[{"role": "user", "content": p}] if chat else p for p in prompts]
-        outs = gen.generate(inputs, params, progress=len(inputs) > 1)
-    except (ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    # the program set these prompts can meet (their batch, their sampler) is built before the
+    # first token, so no step waits for a compile mid-run
+    gen = _generator(args, min(args.max_batch, len(prompts)), warmup=not args.no_warmup,
+                     warmup_flags=[SamplerFlags.of([params])])
+    chat = not args.raw and gen.tokenizer.chat_template is not None
+    inputs = [[{"role": "user", "content": p}] if chat else p for p in prompts]
+    outs = gen.generate(inputs, params, progress=len(inputs) > 1)
     for p, c in zip(prompts, outs):
         if args.json:
             print(json.dumps({"prompt": p, "text": c.text, "finish_reason": c.finish_reason,

@@ -19,6 +19,40 @@ def shipped_drafter(model_name: str | None, algorithm: str) -> str | None:
     return path if path and os.path.isdir(path) else None
 
 
+def add_flags(ap) -> None:
+    """The speculative flags of the server and the CLI (SGLang's names) on an argparse parser."""
+    ap.add_argument("--speculative-algorithm", default="AUTO",
+                    help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH, NONE, or AUTO: EAGLE3 6:4:24 where a trained "
+                         "head ships for the model, else NONE")
+    ap.add_argument("--speculative-draft-model-path", help="EAGLE head or DFLASH drafter directory (default: the shipped one)")
+    ap.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
+    ap.add_argument("--speculative-token-map-refresh", type=int, default=0,
+                    help="refresh the token map from the emitted tokens every N of them (0: never)")
+    ap.add_argument("--speculative-num-steps", type=int)
+    ap.add_argument("--speculative-eagle-topk", type=int, default=4)
+    ap.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
+    ap.add_argument("--speculative-dflash-block-size", type=int,
+                    help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
+    ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
+    ap.add_argument("--speculative-ngram-match-type", default="BFS")
+    ap.add_argument("--speculative-policy", choices=["fixed", "measured"], default="fixed",
+                    help="EAGLE family: verify every step (fixed), or verify or decode plainly by the programs' costs "
+                         "timed at warm-up and the accept lengths seen (measured)")
+
+
+def config_from_flags(args) -> "SpecConfig | None":
+    """The SpecConfig add_flags' flags describe (AUTO resolved), or None for plain decoding."""
+    resolve_auto(args)
+    if args.speculative_algorithm.upper() == "NONE":
+        return None
+    return SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
+                      ngram_max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+                      ngram_match_type=args.speculative_ngram_match_type,
+                      draft_model_path=args.speculative_draft_model_path, token_map=args.speculative_token_map,
+                      token_map_refresh=args.speculative_token_map_refresh, num_steps=args.speculative_num_steps,
+                      eagle_topk=args.speculative_eagle_topk, dflash_block_size=args.speculative_dflash_block_size)
+
+
 def resolve_auto(args) -> None:
     """The command lines' --speculative-algorithm AUTO, resolved in place on their parsed flags:
     EAGLE3 with a 6:4:24 tree (the tree flags given keep their values) where a trained head ships

@@ -33,3 +33,17 @@ def test_auto_picks_the_shipped_eagle3_head_or_no_drafter():
     assert resolved("smollm2-135m", speculative_num_draft_tokens=8) == ("EAGLE3", 6, 4, 8)
     assert resolved("some/hf-checkpoint")[0] == "NONE"
     assert resolved("smollm2-135m", speculative_algorithm="NGRAM")[0] == "NGRAM"
+
+
+def test_programs_lists_the_start_up_set():
+    def listed(*flags):
+        out = subprocess.run([sys.executable, "-m", "jaxspec", "programs", "--max-batch", "64", *flags],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    eagle3 = listed()  # AUTO: the shipped EAGLE-3 head
+    assert eagle3[0] == "22 programs (max batch 64):" and len(eagle3) == 23
+    assert sum("verify_steps" in line for line in eagle3) == 12
+    plain = listed("--speculative-algorithm", "NONE")
+    assert plain[0] == "10 programs (max batch 64):" and all("greedy and sampled" in line for line in plain[1:])
