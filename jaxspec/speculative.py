@@ -64,9 +64,8 @@ def resolve_auto(args) -> None:
     if args.speculative_draft_model_path is None and shipped_drafter(args.model, "EAGLE3") is None:
         args.speculative_algorithm = "NONE"
         return
-    args.speculative_algorithm = "EAGLE3"
-    for flag, value in (("speculative_num_steps", 6), ("speculative_eagle_topk", 4),
-                        ("speculative_num_draft_tokens", 24)):
+    args.speculative_algorithm = "EAGLE3"  # top-k 4 is the flag's own default
+    for flag, value in (("speculative_num_steps", 6), ("speculative_num_draft_tokens", 24)):
         if getattr(args, flag) is None:
             setattr(args, flag, value)
 

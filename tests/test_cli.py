@@ -18,13 +18,13 @@ def test_cli_unknown_model_is_a_clear_error():
 
 def test_auto_picks_the_shipped_eagle3_head_or_no_drafter():
     import argparse
-    from jaxspec.speculative import resolve_auto
+    from jaxspec.speculative import add_flags, resolve_auto
 
     def resolved(model, **given):
-        args = argparse.Namespace(model=model, speculative_algorithm="AUTO", speculative_draft_model_path=None,
-                                  speculative_num_steps=None, speculative_eagle_topk=None,
-                                  speculative_num_draft_tokens=None, **{})
-        vars(args).update(given)
+        ap = argparse.ArgumentParser()
+        add_flags(ap)
+        args = ap.parse_args([])  # the flags' own defaults
+        vars(args).update(model=model, **given)
         resolve_auto(args)
         return (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
                 args.speculative_num_draft_tokens)

@@ -217,11 +217,11 @@ class Scheduler(Admission, Dispatch, Outputs):
     def _time_steps(self, specs) -> StepCosts:
         """ms a step of each greedy decode and verify program of the set, on its warm-up inputs
         (every row idle: the programs' work does not depend on it), one step a call."""
-        costs = StepCosts()
+        costs, reps = StepCosts(), 3
         for progs, name, flags, cache, args in specs:
             if flags.sample or name not in ("decode", self._verify_name):
                 continue
-            inputs = [_to_device(args) for _ in range(4)]  # the programs donate some: a copy a call
+            inputs = [_to_device(args) for _ in range(reps + 1)]  # the programs donate some: a copy a call
 
             def call(name=name, flags=flags):
                 if name == "decode":
@@ -231,7 +231,7 @@ class Scheduler(Admission, Dispatch, Outputs):
                     *out, self.cache = self.programs.verify_steps(self.cache, *inputs.pop(), flags=flags)
                 return out
             kind = "decode" if name == "decode" else "verify"
-            costs.ms[(kind, args[0].shape[0])] = time_call(call, reps=3)
+            costs.ms[(kind, args[0].shape[0])] = time_call(call, reps=reps)
         return costs
 
     @property
