@@ -16,8 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxspec  # noqa: F401  (its XLA flag defaults, set before JAX starts a backend)
-
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 

@@ -68,6 +68,24 @@ def prefill_shapes(chunk: int) -> tuple:
     return tuple((r, max(1, chunk // r)) for r in (1, 4, 16))
 
 
+# XLA turns each GPU dot into a Triton GEMM fusion that it generates, autotunes and compiles apiece:
+# half of a verify or extend program's compile (bench/probes/compile_phases.py: 404 such fusions,
+# 13.5 s of compile, in SmolLM2's batch-1 EAGLE-3 verify program; 7.1 s as cuBLAS calls). cuBLAS
+# was as fast or faster past a few dozen rows and slower below (spec-cublas- against
+# spec-tritongemm-NVIDIA-H200.json, MT-bench: EAGLE-3 1.14x at batch 8 (128 rows a verify) and
+# 1.04x at 64; 0.86x at batch 1 (32 rows), plain decoding 0.96x at batch 8): so programs of more
+# rows than this compile their dots as cuBLAS calls.
+TRITON_GEMM_MAX_ROWS = 32
+
+
+def gemm_options(args) -> dict | None:
+    """XLA options a program compiles with, by the token rows of its first argument."""
+    if jax.default_backend() != "gpu":
+        return None
+    rows = int(args[0].shape[0]) * int(args[0].shape[1])
+    return None if rows <= TRITON_GEMM_MAX_ROWS else {"xla_gpu_enable_triton_gemm": False}
+
+
 # -- the persistent compilation cache and the compile counter --------------------------------------------
 def enable_compilation_cache(path: str | None = None) -> str | None:
     """Turn on JAX's persistent compilation cache (its keys hold the program, the jax version, the
@@ -190,7 +208,7 @@ class Programs:
         key = (name, flags, _signature((cache, args)))
         exe = self.table.get(key)
         if exe is None:
-            exe = self.table[key] = self._lower(name, flags, cache, args).compile()
+            exe = self.table[key] = self._lower(name, flags, cache, args).compile(gemm_options(args))
             if self.warm:
                 self.late_compiles.append(key)
         return exe(self.state, cache, *args)
@@ -238,7 +256,8 @@ class Programs:
                 from tqdm import tqdm
                 bar = tqdm(total=len(todo), desc="compiling programs", unit="program")
             with concurrent.futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
-                futures = {pool.submit(self._lower(*spec).compile): key for key, spec in todo.items()}
+                futures = {pool.submit(self._lower(*spec).compile, gemm_options(spec[3])): key
+                           for key, spec in todo.items()}
                 t1 = time.perf_counter()
                 self.build_seconds["lower"] += t1 - t0
                 for fut in concurrent.futures.as_completed(futures):
