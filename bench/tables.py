@@ -65,11 +65,11 @@ def spec() -> str:
     return "\n".join(out)
 
 
-def drafters() -> str:
-    """One row a drafter: vs plain (accept length) per dataset and batch, from one side-by-side run."""
-    d = _load("spec-frspec-dflash", "NVIDIA-H200")
+def _side_by_side(name: str, first: str) -> str:
+    """One row a configuration: vs plain (accept length) per dataset and batch, from one run."""
+    d = _load(name, "NVIDIA-H200")
     cols = sorted({(r["dataset"], r["batch"]) for r in d["rows"]}, key=lambda c: (c[0] != "mt-bench", c[1]))
-    d, out = _table("spec-frspec-dflash", ["drafter"] + [f"{ds} b{b}" for ds, b in cols], "NVIDIA-H200")
+    d, out = _table(name, [first] + [f"{ds} b{b}" for ds, b in cols], "NVIDIA-H200")
     for config in dict.fromkeys(r["config"] for r in d["rows"]):
         if config == "plain":
             continue
@@ -81,6 +81,14 @@ def drafters() -> str:
     return "\n".join(out)
 
 
+def drafters() -> str:
+    return _side_by_side("spec-frspec-dflash", "drafter")
+
+
+def policy() -> str:
+    return _side_by_side("spec-policy", "speculation")
+
+
 def rollout() -> str:
     d, out = _table("rollout", ["engine", "algorithm", "batch", "tok/s", "vs the Generator's plain decoding"])
     for r in d["rows"]:
@@ -89,7 +97,8 @@ def rollout() -> str:
     return "\n".join(out)
 
 
-TABLES = {"decode": decode, "startup": startup, "spec": spec, "drafters": drafters, "rollout": rollout}
+TABLES = {"decode": decode, "startup": startup, "spec": spec, "drafters": drafters, "policy": policy,
+          "rollout": rollout}
 
 
 def _cell(v):
