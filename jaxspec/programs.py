@@ -68,13 +68,13 @@ def prefill_shapes(chunk: int) -> tuple:
     return tuple((r, max(1, chunk // r)) for r in (1, 4, 16))
 
 
-# XLA turns each GPU dot into a Triton GEMM fusion that it generates, autotunes and compiles apiece:
-# half of a verify or extend program's compile (bench/probes/compile_phases.py: 404 such fusions,
-# 13.5 s of compile, in SmolLM2's batch-1 EAGLE-3 verify program; 7.1 s as cuBLAS calls). cuBLAS
-# was as fast or faster past a few dozen rows and slower below (spec-cublas- against
-# spec-tritongemm-NVIDIA-H200.json, MT-bench: EAGLE-3 1.14x at batch 8 (128 rows a verify) and
-# 1.04x at 64; 0.86x at batch 1 (32 rows), plain decoding 0.96x at batch 8): so programs of more
-# rows than this compile their dots as cuBLAS calls.
+# XLA turns each GPU dot into a Triton GEMM fusion that it generates, autotunes and compiles apiece
+# (bench/probes/compile_phases.py: hundreds in one SmolLM2 EAGLE-3 verify program, most of its
+# compile). As cuBLAS calls the EAGLE-3 start-up set built in 44.2 s instead of 59.8
+# (compile_probe-NVIDIA-H200.json), and cuBLAS was as fast or faster past a few dozen rows but
+# slower below (spec-cublas- against spec-tritongemm-NVIDIA-H200.json, MT-bench: EAGLE-3 1.14x at
+# batch 8, 128 rows a verify, and 1.04x at 64; 0.86x at batch 1, 32 rows; plain decoding 0.96x at
+# batch 8). So programs of more rows than this compile their dots as cuBLAS calls.
 TRITON_GEMM_MAX_ROWS = 32
 
 

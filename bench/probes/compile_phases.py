@@ -1,8 +1,9 @@
 """Where one program's compile goes: XLA's own phase timers (its VLOG'd scoped timers) for the
 EAGLE-3 engine's batch-1 verify_steps and a prefill extend (SmolLM2 shapes, random bf16 weights,
-no compilation cache), summed by phase name.
+no compilation cache), summed by phase name over XLA's compile threads (so a phase can sum to more
+than the compile's wall time).
 
-    TF_CPP_VMODULE=... is set here; run: python bench/probes/compile_phases.py
+    python bench/probes/compile_phases.py     (sets TF_CPP_VMODULE for the child it runs)
 """
 import collections
 import os
@@ -50,17 +51,21 @@ if __name__ == "__main__":
     env["TF_CPP_MIN_LOG_LEVEL"] = "0"
     env["TF_CPP_VMODULE"] = "gpu_compiler=1,nvptx_compiler=1,compile_module_to_llvm_ir=1,triton_fusion_emitter=1"
     r = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True)
-    prog, phases = None, collections.OrderedDict()
+    prog, phases, rows = None, collections.OrderedDict(), []
     timer = re.compile(r"\] (.*?)(?: time|:)? ?(?:took|:) *([0-9.]+) ?(s|ms|us|sec|msec|usec)\b")
+    done = re.compile(r"=== DONE (\S+) lower ([0-9.]+) s compile ([0-9.]+) s")
     for line in r.stderr.splitlines():
         if line.startswith("=== PROGRAM"):
             prog = line[12:]
             continue
         if line.startswith("=== DONE"):
             print(line)
+            m = done.match(line)
+            rows.append(dict(program=prog, phase="ALL", lower_s=float(m.group(2)), seconds=float(m.group(3))))
             for (p, name), (n, s) in phases.items():
                 if p == prog and s > 0.05:
                     print(f"  {s:8.2f} s  x{n:<5d} {name[:110]}")
+                    rows.append(dict(program=prog, phase=name[:110], count=n, seconds=s))
             continue
         m = timer.search(line)
         if m and prog:
@@ -68,8 +73,8 @@ if __name__ == "__main__":
             name = re.sub(r"[0-9]+", "#", m.group(1))[-120:]
             n, s = phases.get((prog, name), (0, 0.0))
             phases[(prog, name)] = (n + 1, s + float(m.group(2)) * unit)
-    print("exit", r.returncode)
     if r.returncode:
         print(r.stderr[-3000:])
-    sample = [l for l in r.stderr.splitlines() if "took" in l or "time" in l.lower()][:15]
-    print("\n".join(sample))
+        sys.exit(r.returncode)
+    from common import write_results
+    print(write_results("compile_phases", rows, {"xla_flags": os.environ.get("XLA_FLAGS", "")}))
