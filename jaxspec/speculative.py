@@ -35,9 +35,11 @@ def add_flags(ap) -> None:
                     help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
     ap.add_argument("--speculative-ngram-match-type", default="BFS")
-    ap.add_argument("--speculative-policy", choices=["fixed", "measured"], default="fixed",
+    # measured by default: over MT-bench and HumanEval at batch 1, 8, 32 and 64 on the H200 its worst
+    # cell was 0.89x plain decoding against the fixed tree's 0.74x (spec-policy-NVIDIA-H200.json)
+    ap.add_argument("--speculative-policy", choices=["fixed", "measured"], default="measured",
                     help="EAGLE family: verify every step (fixed), or verify or decode plainly by the programs' costs "
-                         "timed at warm-up and the accept lengths seen (measured)")
+                         "timed at warm-up and the accept lengths seen (measured, the default)")
 
 
 def config_from_flags(args) -> "SpecConfig | None":
