@@ -128,7 +128,7 @@ def results_md(max_rows: int = 40, max_cols: int = 14) -> str:
                     cols.append(k)
         cols = cols[:max_cols]
         out += [f"## {name[:-5]}", "", f"{d.get('device')}, {d.get('date')}, commit {str(d.get('commit'))[:40]}: "
-                f"`{d.get('command')}`", ""]
+                f"`{d.get('command')}`" + (f" (environment: {d['env']})" if d.get("env") else ""), ""]
         if cols:
             out += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
             out += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows[:max_rows]]
