@@ -51,3 +51,32 @@ def test_greedy_output_is_plain_decoding_whichever_way_steps_go(tiny):
     assert [c.token_ids for c in out] == plain
     assert sched.stats["verify_steps"] > stats["verify_steps"] and sched.stats["decode_time"] == stats["decode_time"]
     assert sched.pool.in_use == 0 and sched.late_compiles == []
+
+
+def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny):
+    """Requests whose heads fell behind (they decoded plainly) outnumber a fresh one: the whole
+    batch decodes plainly, one call a step rather than a verify call beside a decode call, and
+    its output is plain decoding's."""
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(max_batch=4, max_seq_len=128, num_pages=200)
+    plain = [c.token_ids for c in Generator(tiny, None, **kw).generate(prompts, params)]
+    gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), spec_policy="measured",
+                    warmup=True, **kw)
+    sched = gen.scheduler
+    sched.spec_costs.ms.update({k: 1e3 for k in sched.spec_costs.ms if k[0] == "verify"})  # plain pays
+    old = [sched.add(p, params) for p in prompts[:3]]
+    for _ in range(20):
+        if all(r.head_len is not None for r in old):
+            break
+        sched.step()
+    assert all(r.head_len is not None and not r.finished for r in old)  # decoding plainly, heads behind
+    sched.spec_costs.ms.update({k: 1e-3 for k in sched.spec_costs.ms if k[0] == "verify"})  # verifying pays
+    fresh = sched.add(prompts[3], params)
+    while any(not r.finished for r in old + [fresh]):
+        sched.step()
+    assert sched.stats["behind_plain_steps"] > 0 and fresh.head_len is not None
+    assert [r.output_ids for r in old + [fresh]] == plain
+    assert sched.pool.in_use == 0 and sched.late_compiles == []

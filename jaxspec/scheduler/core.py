@@ -144,7 +144,8 @@ class Scheduler(Admission, Dispatch, Outputs):
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
-                          draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0)
+                          draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0,
+                          behind_plain_steps=0)
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
 
@@ -298,7 +299,13 @@ class Scheduler(Admission, Dispatch, Outputs):
         if decode:
             nodes = self._nodes_for(decode)
             rows = bucket(len(decode), BATCH_BUCKETS)  # the bucket whose tree size `nodes` is
-            # a request whose EAGLE head fell behind (head_len set) decodes plainly to its end
+            # A request whose EAGLE head fell behind (head_len set) decodes plainly to its end. Where
+            # such requests are most of the batch (after a large batch decoded plainly, or a plain
+            # spell of the measured policy), all of it decodes plainly: mixing would run a verify
+            # call and a decode call each step, one step a call, neither chained.
+            if nodes > 1 and 2 * sum(r.head_len is not None for r in decode) > len(decode):
+                nodes = 1
+                self.stats["behind_plain_steps"] += 1
             all_plain = nodes == 1 or all(r.head_len is not None for r in decode)
             all_spec = nodes > 1 and all(r.head_len is None for r in decode)
             steps = self._decode_steps_now(decode) if all_plain else self._verify_steps_now(decode) if all_spec else 1
