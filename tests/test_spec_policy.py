@@ -27,15 +27,22 @@ def test_the_choice_follows_tokens_per_millisecond():
     assert "verify/decode" in costs.table() and "3.00" in costs.table()
 
 
-def test_greedy_output_is_plain_decoding_whichever_way_steps_go(tiny):
+def _plain_and_measured(tiny, seed, n, max_tokens, max_batch):
+    """n random prompts, their plain greedy outputs, and an EAGLE-3 engine (random head) with the
+    measured policy, warmed up."""
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
-    rng = np.random.default_rng(0)
-    prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(5)]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    kw = dict(max_batch=8, max_seq_len=128, num_pages=200)
+    rng = np.random.default_rng(seed)
+    prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    kw = dict(max_batch=max_batch, max_seq_len=128, num_pages=200)
     plain = [c.token_ids for c in Generator(tiny, None, **kw).generate(prompts, params)]
     gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), spec_policy="measured",
                     warmup=True, **kw)
+    return prompts, params, plain, gen
+
+
+def test_greedy_output_is_plain_decoding_whichever_way_steps_go(tiny):
+    prompts, params, plain, gen = _plain_and_measured(tiny, 0, 5, 20, 8)
     sched = gen.scheduler
     assert {k for k, _ in sched.spec_costs.ms} == {"decode", "verify"}  # timed at warm-up
     assert all(ms > 0 for ms in sched.spec_costs.ms.values())
@@ -57,14 +64,7 @@ def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny):
     """Requests whose heads fell behind (they decoded plainly) outnumber a fresh one: the whole
     batch decodes plainly, one call a step rather than a verify call beside a decode call, and
     its output is plain decoding's."""
-    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
-    rng = np.random.default_rng(1)
-    prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(4)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    kw = dict(max_batch=4, max_seq_len=128, num_pages=200)
-    plain = [c.token_ids for c in Generator(tiny, None, **kw).generate(prompts, params)]
-    gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), spec_policy="measured",
-                    warmup=True, **kw)
+    prompts, params, plain, gen = _plain_and_measured(tiny, 1, 4, 24, 4)
     sched = gen.scheduler
     sched.spec_costs.ms.update({k: 1e3 for k in sched.spec_costs.ms if k[0] == "verify"})  # plain pays
     old = [sched.add(p, params) for p in prompts[:3]]
