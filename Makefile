@@ -16,8 +16,9 @@ demo: install
 	$(BIN)/python -m jaxspec generate --model smollm2-135m --speculative-algorithm EAGLE3 --speculative-num-steps 6 \
 		--speculative-eagle-topk 4 --speculative-num-draft-tokens 24 --prompt "What is the capital of France?"
 
+# --dist loadfile: a test file's engines share programs, so one worker compiles them once
 test: install-dev
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 lint: $(BIN)/python
 	$(BIN)/pip install -q ruff && $(BIN)/ruff check jaxspec server.py bench tests
