@@ -3,8 +3,10 @@ decodes plainly, from what each precompiled program costs on this device and wha
 have been earning.
 
 At warm-up the engine times every decode and verify program of its set once built (StepCosts:
-ms a step per batch bucket). While serving, SpecPolicy keeps per bucket an average of the tokens
-a row emits per verify step. A batch verifies while
+ms a step per batch bucket), and keeps the table beside its programs in the program store: a
+later start of the same engine on the same device reads it back rather than timing again. While
+serving, SpecPolicy keeps per bucket an average of the tokens a row emits per verify step. A
+batch verifies while
 
     emitted per verify step x decode ms / verify ms >= min_gain,
 
@@ -16,6 +18,8 @@ EAGLE head left behind by a plain step cannot draft again: only newer requests c
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 
 import jax
@@ -25,6 +29,21 @@ import jax
 class StepCosts:
     """ms a step of each program kind ('decode', 'verify') at each batch bucket."""
     ms: dict = dataclasses.field(default_factory=dict)
+
+    def save(self, path: str) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump([[kind, rows, ms] for (kind, rows), ms in sorted(self.ms.items())], f)
+        os.replace(tmp, path)  # whole or not at all: another process may be reading it
+
+    @classmethod
+    def load(cls, path: str) -> "StepCosts | None":
+        """The table saved at path, or None where there is none or it is unreadable."""
+        try:
+            with open(path) as f:
+                return cls({(kind, int(rows)): float(ms) for kind, rows, ms in json.load(f)})
+        except (OSError, ValueError, TypeError):
+            return None
 
     def table(self) -> str:
         rows = sorted({r for _, r in self.ms})

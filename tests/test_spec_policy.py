@@ -1,6 +1,7 @@
 """Speculation sized by measured costs (spec_policy.py): the choice from a cost table and the
 accept lengths seen, and greedy output unchanged whichever way each step goes."""
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxspec import Generator, SamplingParams
@@ -80,3 +81,17 @@ def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny):
     assert sched.stats["behind_plain_steps"] > 0 and fresh.head_len is not None
     assert [r.output_ids for r in old + [fresh]] == plain
     assert sched.pool.in_use == 0 and sched.late_compiles == []
+
+
+def test_step_costs_are_kept_for_the_next_start(tiny, tmp_path, monkeypatch):
+    _, _, _, gen = _plain_and_measured(tiny, 2, 1, 4, 4)
+    sched = gen.scheduler
+    sched.programs.store = str(tmp_path)  # an empty store: this start times its programs
+    specs = sched.program_specs()
+    first = sched._step_costs(specs)
+    [kept] = tmp_path.glob("*.costs.json")
+    monkeypatch.setattr(type(sched), "_time_steps", lambda self, specs: pytest.fail("timed again"))
+    assert sched._step_costs(specs).ms == first.ms and first.ms  # read back, not timed
+    kept.write_text("[[")  # an unreadable table is timed again
+    monkeypatch.undo()
+    assert set(sched._step_costs(specs).ms) == set(first.ms)

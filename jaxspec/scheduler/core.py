@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
-from jaxspec import program_workers
+from jaxspec import program_store, program_workers
 from jaxspec.paging import PagePool
 from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
 from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
@@ -211,9 +211,25 @@ class Scheduler(Admission, Dispatch, Outputs):
         for progs in groups:
             progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
         if self.device_drafter and self.spec_policy_kind == "measured" and groups[0].jit:
-            self.spec_costs = self._time_steps(specs)
+            self.spec_costs = self._step_costs(specs)
             self.spec_policy = SpecPolicy(self.spec_costs)
         return dict(programs=sum(len(p.table) for p in groups), seconds=time.perf_counter() - t0)
+
+    def _step_costs(self, specs) -> StepCosts:
+        """The step costs an earlier start of this engine kept in the program store (same source,
+        jax, device, configs and program shapes), or timed now and kept there."""
+        store = self.programs.store
+        if store is None:
+            return self._time_steps(specs)
+        shapes = sorted((name, tuple(args[0].shape)) for _, name, _, _, args in specs)
+        path = os.path.join(store, program_store.entry_name(self.programs.config_key, "step_costs", shapes,
+                                                             self.max_pages_per_seq) + ".costs.json")
+        costs = StepCosts.load(path)
+        if costs is None:
+            costs = self._time_steps(specs)
+            os.makedirs(store, exist_ok=True)
+            costs.save(path)
+        return costs
 
     def _time_steps(self, specs) -> StepCosts:
         """ms a step of each greedy decode and verify program of the set, on its warm-up inputs
