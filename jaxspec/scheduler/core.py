@@ -183,17 +183,17 @@ class Scheduler(Admission, Dispatch, Outputs):
     def _verify_name(self):
         return "verify_steps" if self.device_drafter else "verify_tree"
 
-    def _dummy_verify(self, rows, n):
+    def _dummy_verify(self, rows, n, num_steps=1):
         args = self._dummy_inputs(rows, n, tree=True)
         if not self.device_drafter:
             return args
         z = lambda *shape: np.zeros(shape, np.int32)
-        return args[:5] + (z(rows), z(rows, STOP_ID_SLOTS), np.int32(1), np.int32(1)) + args[5:]
+        return args[:5] + (z(rows), z(rows, STOP_ID_SLOTS), np.int32(num_steps), np.int32(1)) + args[5:]
 
-    def _dummy_decode(self, rows):
+    def _dummy_decode(self, rows, num_steps=1):
         z = lambda *shape: np.zeros(shape, np.int32)
-        return (z(rows, 1), z(rows, self.max_pages_per_seq), z(rows), z(rows), z(rows, STOP_ID_SLOTS), np.int32(1),
-                SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
+        return (z(rows, 1), z(rows, self.max_pages_per_seq), z(rows), z(rows), z(rows, STOP_ID_SLOTS),
+                np.int32(num_steps), SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
 
     def warmup(self, flag_sets=None, progress=False) -> dict:
         """Compile the whole program set now (see program_specs); a compile after this is counted
@@ -241,8 +241,9 @@ class Scheduler(Admission, Dispatch, Outputs):
         for progs, name, flags, cache, args in specs:
             if flags.sample or name not in ("decode", self._verify_name):
                 continue
-            steps, at = (MAX_DECODE_STEPS, 5) if name == "decode" else (MAX_VERIFY_STEPS, 7)
-            args = args[:at] + (np.int32(steps),) + args[at + 1:]
+            rows, n = args[0].shape
+            steps = MAX_DECODE_STEPS if name == "decode" else MAX_VERIFY_STEPS
+            args = self._dummy_decode(rows, steps) if name == "decode" else self._dummy_verify(rows, n, steps)
             inputs = [_to_device(args) for _ in range(reps + 1)]  # the programs donate some: a copy a call
 
             def call(name=name, flags=flags):
@@ -253,7 +254,7 @@ class Scheduler(Admission, Dispatch, Outputs):
                     *out, self.cache = self.programs.verify_steps(self.cache, *inputs.pop(), flags=flags)
                 return out
             kind = "decode" if name == "decode" else "verify"
-            costs.ms[(kind, args[0].shape[0])] = time_call(call, reps=reps) / steps
+            costs.ms[(kind, rows)] = time_call(call, reps=reps) / steps
         return costs
 
     @property
