@@ -68,6 +68,7 @@ def child(model_path, algo, cache_dir, started, mixed, out):
                lower_s=sum(p.build_seconds["lower"] for p in groups),
                compile_s=sum(p.build_seconds["compile"] for p in groups),
                store_reads=sum(p.store_reads for p in groups),
+               executable_reads=sum(p.executable_reads for p in groups),
                cache_hits=events.get("/jax/compilation_cache/cache_hits", 0),
                cache_misses=events.get("/jax/compilation_cache/cache_misses", 0))
     rows = [row]
@@ -134,7 +135,7 @@ def main():
     print()
     print_table(rows, ["algorithm", "cache", "build_workers", "workload", "passno", "programs", "imported_s",
                        "backend_s", "weights_s", "load_s", "warmup_s", "lower_s", "compile_s",
-                       "store_reads", "cache_hits", "cache_misses", "first_token_s",
+                       "store_reads", "executable_reads", "cache_hits", "cache_misses", "first_token_s",
                        "tokens_per_s", "compiles", "late_compiles"])
     print(write_results("startup" + args.tag, rows))
 

@@ -171,6 +171,7 @@ class Programs:
         self.table: dict[tuple, object] = {}
         self.build_seconds = {"lower": 0.0, "compile": 0.0}  # of build(): tracing + lowering, then compiling
         self.store_reads = 0  # programs read back from the store rather than traced
+        self.executable_reads = 0  # of those, read back compiled
         self.warm = False  # set once the start-up set is built: compiles after it are late
         self.late_compiles: list[tuple] = []
 
@@ -208,10 +209,35 @@ class Programs:
         key = (name, flags, _signature((cache, args)))
         exe = self.table.get(key)
         if exe is None:
-            exe = self.table[key] = self._lower(name, flags, cache, args).compile(gemm_options(args))
+            exe = self.table[key] = self._count_read(self._read_executable(name, flags, cache, args)) or self._compile(
+                name, flags, cache, args)
             if self.warm:
                 self.late_compiles.append(key)
         return exe(self.state, cache, *args)
+
+    def _executable_name(self, name, flags, cache, args) -> str | None:
+        return self.store and program_store.executable_name(self.entry(name, flags, cache, args), gemm_options(args))
+
+    def _read_executable(self, name, flags, cache, args):
+        """The program's executable as an earlier start kept it in the store, or None."""
+        file = self._executable_name(name, flags, cache, args)
+        return file and program_store.load_executable(self.store, file)
+
+    def _count_read(self, exe):
+        if exe is not None:
+            self.store_reads += 1
+            self.executable_reads += 1
+        return exe
+
+    def _compile(self, name, flags, cache, args, lowered=None):
+        """Lowered (unless given) and compiled; kept in the store for the next start."""
+        lowered = lowered or self._lower(name, flags, cache, args)
+        if not self.store:
+            return lowered.compile(gemm_options(args))
+        exe, built_here = program_store.compile_lowered(lowered, gemm_options(args))
+        if built_here:
+            program_store.save_executable(self.store, self._executable_name(name, flags, cache, args), exe)
+        return exe
 
     def stored(self, name, flags, cache, args) -> bool:
         """Whether the store holds this program (exported by an earlier start or a worker)."""
@@ -255,13 +281,20 @@ class Programs:
             if progress:
                 from tqdm import tqdm
                 bar = tqdm(total=len(todo), desc="compiling programs", unit="program")
+            # executables kept by an earlier start are loaded in the threads; the rest are traced
+            # and lowered here (Python: the GIL) and compiled there
             with concurrent.futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
-                futures = {pool.submit(self._lower(*spec).compile, gemm_options(spec[3])): key
-                           for key, spec in todo.items()}
+                kept = {key for key, spec in todo.items()
+                        if self.store and os.path.exists(os.path.join(self.store, self._executable_name(*spec)))}
+                futures = {pool.submit(self._read_executable, *spec): key for key, spec in todo.items() if key in kept}
+                futures.update({pool.submit(self._compile, *spec, self._lower(*spec)): key
+                                for key, spec in todo.items() if key not in kept})
                 t1 = time.perf_counter()
                 self.build_seconds["lower"] += t1 - t0
                 for fut in concurrent.futures.as_completed(futures):
-                    self.table[futures[fut]] = fut.result()
+                    key = futures[fut]
+                    exe = self._count_read(fut.result()) if key in kept else fut.result()
+                    self.table[key] = exe or self._compile(*todo[key])  # an unreadable one is compiled again
                     if bar is not None:
                         bar.update(1)
             if bar is not None:

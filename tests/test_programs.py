@@ -1,5 +1,7 @@
 """The fixed program set: its size, built at start-up, and no compile after it."""
+import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import TINY
@@ -65,9 +67,22 @@ def test_eagle_engine_compiles_nothing_after_warmup_with_mixed_groups(tiny):
     assert sched.late_compiles == [] and compile_count() == before
 
 
-def test_a_second_start_reads_its_programs_back_from_the_store(tiny, tmp_path):
-    """Programs exported by one engine are read back (not traced) by the next engine of the same
-    model and drafter; a damaged entry is rebuilt; outputs equal those of programs traced anew."""
+@pytest.fixture
+def without_jax_cache():
+    """JAX's persistent cache (conftest shares one across the suite) off: every compile is XLA's own."""
+    from jax.experimental.compilation_cache import compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+
+
+def test_a_second_start_reads_its_programs_back_from_the_store(tiny, tmp_path, without_jax_cache):
+    """Programs kept by one engine (exported and compiled) are read back, not traced nor compiled,
+    by the next engine of the same model and drafter; a damaged executable is rebuilt from its
+    exported module, a program with both damaged is traced again; outputs equal those of
+    programs traced anew."""
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     kw = dict(max_batch=2, max_seq_len=128, prefill_chunk=32)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
@@ -77,17 +92,26 @@ def test_a_second_start_reads_its_programs_back_from_the_store(tiny, tmp_path):
         gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), **kw)
         for progs in (gen.scheduler.programs, gen.scheduler.plain_programs):
             progs.store = store
+        c0 = compile_count()
         info = gen.scheduler.warmup()
-        reads = gen.scheduler.programs.store_reads + gen.scheduler.plain_programs.store_reads
+        groups = (gen.scheduler.programs, gen.scheduler.plain_programs)
+        reads = [sum(p.store_reads for p in groups), sum(p.executable_reads for p in groups), compile_count() - c0]
         return gen, info["programs"], reads
 
     traced, n, _ = engine(None)
     first, n1, reads1 = engine(str(tmp_path))
-    entries = sorted(tmp_path.iterdir())
-    assert n1 == n and reads1 == 0 and len(entries) == n
-    entries[0].write_bytes(b"not an exported program")
+    exported, compiled = sorted(tmp_path.glob("*.jaxexport")), sorted(tmp_path.glob("*.xlaexe"))
+    assert n1 == n and reads1 == [0, 0, n] and len(exported) == len(compiled) == n
+    again, _, reads = engine(str(tmp_path))
+    assert reads == [n, n, 0], "a program was traced or compiled again"
+    files = [(tmp_path / progs.entry(*spec), tmp_path / progs._executable_name(*spec))
+             for progs, *spec in again.scheduler.program_specs()]
+    files = list(dict.fromkeys(files))  # one pair a program
+    assert {e for e, _ in files} == set(exported) and {x for _, x in files} == set(compiled)
+    for f in (*files[0], files[1][1]):  # the first program's both files, the second's executable
+        f.write_bytes(b"damaged")
     second, n2, reads2 = engine(str(tmp_path))
-    assert n2 == n and reads2 == n - 1
+    assert n2 == n and reads2 == [n - 1, n - 2, 2]
     expect = [o.token_ids for o in traced.generate(prompts, params)]
     assert [o.token_ids for o in second.generate(prompts, params)] == expect
     assert second.scheduler.late_compiles == []

@@ -12,7 +12,7 @@ one thing changed at a time, then the rollout's loop:
 
 Random bf16 weights of the model's shape. ms a step and kernels a step (from a profile).
 
-    python bench/probes/decode_variants.py [--model smollm2-135m] [--batches 1,8] [--context 1024]
+    python bench/probes/decode_variants.py [--model smollm2-135m] [--batches 1,8] [--contexts 256,1024]
 """
 from __future__ import annotations
 
@@ -88,25 +88,27 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--contexts", default="256,1024")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     cfg = ModelConfig(**(SMOLLM2 if args.model == "smollm2-135m" else LLAMA3_8B))
     model = random_model(cfg, jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
     rows = []
-    for b in map(int, args.batches.split(",")):
-        base = None
-        for v in args.variants.split(","):
-            ms, kernels = (rollout_step_ms(model, b, args.context, args.steps) if v == "rollout"
-                           else engine_step_ms(model, b, args.context, v, args.steps))
-            base = ms if v == "engine" else base
-            rows.append(dict(model=args.model, batch=b, context=args.context, variant=v, ms_per_step=ms,
-                             tokens_per_s=1e3 * b / ms, kernels_per_step=kernels,
-                             vs_engine=None if base is None else base / ms))
-            print_table(rows[-1:], ["batch", "variant", "ms_per_step", "kernels_per_step", "vs_engine"])
+    for context in map(int, args.contexts.split(",")):
+        for b in map(int, args.batches.split(",")):
+            base = None
+            for v in args.variants.split(","):
+                ms, kernels = (rollout_step_ms(model, b, context, args.steps) if v == "rollout"
+                               else engine_step_ms(model, b, context, v, args.steps))
+                base = ms if v == "engine" else base
+                rows.append(dict(model=args.model, batch=b, context=context, variant=v, ms_per_step=ms,
+                                 tokens_per_s=1e3 * b / ms, kernels_per_step=kernels,
+                                 vs_engine=None if base is None else base / ms))
+                print_table(rows[-1:], ["context", "batch", "variant", "ms_per_step", "kernels_per_step",
+                                        "vs_engine"])
     print()
-    print_table(rows, ["model", "batch", "variant", "ms_per_step", "tokens_per_s", "kernels_per_step", "vs_engine"])
+    print_table(rows, ["model", "context", "batch", "variant", "ms_per_step", "tokens_per_s", "kernels_per_step", "vs_engine"])
     print(write_results("decode_variants", rows))
 
 

@@ -245,7 +245,8 @@ def load_head(directory: str, target_cfg: ModelConfig, target=None, dtype=jnp.fl
         a = np.asarray(arr, np.float32)
         found[ours] = a.T if transpose else a
     if kind == "eagle3" and "lm_head" not in found and target is not None and cfg.draft_vocab_size == cfg.vocab_size:
-        found["lm_head"] = np.asarray(target.embed[...], np.float32).T  # tied to the target's embedding
+        found["lm_head"] = np.asarray(target.embed[...]).T  # tied to the target's embedding
+    host = {}
     for key, var in flat.items():
         name = key[0]
         if name == "draft_to_target":
@@ -254,15 +255,19 @@ def load_head(directory: str, target_cfg: ModelConfig, target=None, dtype=jnp.fl
                 if d2t.shape != (cfg.draft_vocab_size,):
                     raise CheckpointError(f"draft model {directory}: d2t has shape {d2t.shape}, "
                                           f"expected ({cfg.draft_vocab_size},)")
-                var.value = jnp.asarray(np.arange(cfg.draft_vocab_size) + d2t, jnp.int32)
+                host[key] = (np.arange(cfg.draft_vocab_size) + d2t).astype(np.int32)
             else:
-                var.value = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32)
+                host[key] = np.arange(cfg.draft_vocab_size, dtype=np.int32)
             continue
         if name not in found:
             raise CheckpointError(f"draft model {directory}: tensor for {name!r} is missing")
         if found[name].shape != var.value.shape:
             raise CheckpointError(f"draft model {directory}: {name} has shape {found[name].shape}, expected {var.value.shape}")
-        var.value = jnp.asarray(found[name], dtype)
+        host[key] = np.ascontiguousarray(found[name], np.dtype(dtype))
+    # cast on the host and put on the device in one transfer: a cast on the device compiled a
+    # program per weight shape at every start
+    for key, value in zip(host, jax.device_put(list(host.values()))):
+        flat[key].value = value
     nnx.update(head, nnx.from_flat_state(flat))
     return head
 
