@@ -78,12 +78,23 @@ def prefill_shapes(chunk: int) -> tuple:
 TRITON_GEMM_MAX_ROWS = 32
 
 
+# XLA runs a while loop (a multi-step call) and a conditional (the shared sampler) from the host:
+# it reads the condition back every iteration, so launching a decode call blocked the host until
+# the call's 8 steps were done (bench/probes/dispatch_probe.py) and the host's work between calls
+# left the GPU idle. As command buffer commands (CUDA graph conditional nodes) they run on the
+# device. None: XLA's default set.
+COMMAND_BUFFERS: str | None = None
+
+
 def gemm_options(args) -> dict | None:
     """XLA options a program compiles with, by the token rows of its first argument."""
     if jax.default_backend() != "gpu":
         return None
     rows = int(args[0].shape[0]) * int(args[0].shape[1])
-    return None if rows <= TRITON_GEMM_MAX_ROWS else {"xla_gpu_enable_triton_gemm": False}
+    opts = {} if rows <= TRITON_GEMM_MAX_ROWS else {"xla_gpu_enable_triton_gemm": False}
+    if COMMAND_BUFFERS:
+        opts["xla_gpu_enable_command_buffer"] = COMMAND_BUFFERS
+    return opts or None
 
 
 # -- the persistent compilation cache and the compile counter --------------------------------------------

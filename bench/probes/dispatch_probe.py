@@ -10,7 +10,7 @@ random bf16 weights:
   gen_tok_s      Generator tokens/s, batch 1 and 8, 64-token prompts, 128 new tokens (greedy)
   gen_ms_token   1000 / gen_tok_s * batch: the end-to-end time a decoding step costs
 
-    python bench/probes/dispatch_probe.py [--variants default,while]
+    python bench/probes/dispatch_probe.py [--variants default,while,unfused,prog-while,prog-while-unfused]
 """
 from __future__ import annotations
 
@@ -25,12 +25,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+WHILE = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+# name: (XLA_FLAGS, programs.COMMAND_BUFFERS, one-row forwards through the fused layer kernels)
 VARIANTS = {
-    "default": "",
+    "default": ("", None, True),
     # the loop and the sampler's cond as CUDA graph conditional nodes: no host round trip a step
-    "while": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL",
-    "while-min1": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
-                  "--xla_gpu_graph_min_graph_size=1",
+    "while": (f"--xla_gpu_enable_command_buffer={WHILE}", None, True),
+    "while-min1": (f"--xla_gpu_enable_command_buffer={WHILE} --xla_gpu_graph_min_graph_size=1", None, True),
+    "unfused": ("", None, False),
+    "prog-while": ("", WHILE, True),  # the same as a compile option of each program
+    "prog-while-unfused": ("", WHILE, False),
 }
 
 
@@ -38,6 +42,12 @@ def child(variant, batches, out):
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from jaxspec import programs
+    from jaxspec.models import llama
+    _, programs.COMMAND_BUFFERS, fused = VARIANTS[variant]
+    if not fused:
+        llama.FUSED_MAX_HIDDEN = 0
 
     from common import SMOLLM2, random_model
     from decode import decode_steps
@@ -58,7 +68,9 @@ def child(variant, batches, out):
             t0 = time.perf_counter()
             jax.block_until_ready(run(64))  # eight chained calls
             call.append((time.perf_counter() - t0) / 8)
-        gen = Generator(model, None, max_batch=64, max_seq_len=2048, warmup=True)
+        # a program store of the variant's own: its entries' names do not see the probe's patches
+        gen = Generator(model, None, max_batch=8, max_seq_len=2048, warmup=True,
+                        compile_cache=os.path.join(tempfile.gettempdir(), f"dispatch-probe-{variant}"))
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(3, SMOLLM2["vocab_size"], 64)] for _ in range(b)]
         params = SamplingParams(max_tokens=128, ignore_eos=True)
@@ -70,7 +82,8 @@ def child(variant, batches, out):
             walls.append(time.perf_counter() - t0)
         tokens = sum(len(o.token_ids) for o in outs)
         tok_s = tokens / float(np.median(walls))
-        rows.append(dict(variant=variant, xla_flags=os.environ.get("XLA_FLAGS", ""), batch=b,
+        rows.append(dict(variant=variant, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                         command_buffers=programs.COMMAND_BUFFERS, fused_one_row=fused, batch=b,
                          launch_ms=1e3 * float(np.median(launch)), call_ms=1e3 * float(np.median(call)),
                          gen_tok_s=tok_s, gen_ms_token=1e3 * b / tok_s))
     json.dump(rows, open(out, "w"))
@@ -90,7 +103,7 @@ def main():
     rows = []
     for v in args.variants.split(","):
         out = os.path.join(tempfile.mkdtemp(), "rows.json")
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[v]).strip())
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + VARIANTS[v][0]).strip())
         r = subprocess.run([sys.executable, __file__, "--child", v, "x", "--out", out, "--batches", args.batches],
                            env=env)
         if r.returncode != 0:
