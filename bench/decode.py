@@ -60,6 +60,7 @@ def decode_steps(model, batch, context, max_seq_len, page_size, attn_impl, per_c
         return tok
 
     jax.block_until_ready(run(3 * per_call))
+    run.programs = progs  # probes read the built executables
     return run
 
 

@@ -87,6 +87,9 @@ TRITON_GEMM_MAX_ROWS = 32
 # 'default'). At batch 1 the launch still waits for the loop (with or without the fused layers:
 # something else in that program keeps it on the host; 702 against 721 tok/s). None: XLA's default.
 COMMAND_BUFFERS: str | None = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+# A decode call's loop runs MAX_DECODE_STEPS times, rows past num_steps idle (a trip count XLA
+# knows), rather than num_steps times (bench/probes/cmdbuf_probe.py compares them).
+STATIC_DECODE_LOOP = False
 
 
 def gemm_options(args) -> dict | None:
@@ -379,12 +382,14 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
             tops = (tops[0].at[:, i].set(top_v[:, 0]), tops[1].at[:, i].set(top_i[:, 0]))
         tok = jnp.where(alive[:, None], nxt, tok)
         count, kv = count + q, kv + q
-        alive = alive & (count < budget) & ~jnp.any(nxt == stop_ids, axis=1)
+        alive = alive & (count < cap) & ~jnp.any(nxt == stop_ids, axis=1)
         return cache, tok, kv, count, alive, out, lps, tops
 
     count = jnp.zeros((b,), jnp.int32)
-    init = (cache, tokens, kv_lens, count, budget > 0, out, lps, tops)
-    cache, tok, kv, count, _, out, lps, tops = jax.lax.fori_loop(0, jnp.minimum(num_steps, m), step, init)
+    cap = jnp.minimum(budget, num_steps)  # a row stops after num_steps even where the loop runs on
+    init = (cache, tokens, kv_lens, count, cap > 0, out, lps, tops)
+    trips = m if STATIC_DECODE_LOOP else jnp.minimum(num_steps, m)
+    cache, tok, kv, count, _, out, lps, tops = jax.lax.fori_loop(0, trips, step, init)
     top_v, top_i = tops if k else (None, None)
     return out, count, lps, top_v, top_i, None, (tok, kv, dataclasses.replace(sb, step=sb.step + count),
                                                  budget - count), cache

@@ -1,0 +1,110 @@
+"""Why a batch-1 decode call still waits for its loop (dispatch_probe-NVIDIA-H200.json: launch
+10.6 ms of a 9.9 ms call at batch 1, 2.1 of 7.6 at batch 8, loops as command buffers). For the
+engine's decode program at each batch, with the loop's trip count a device value (`dynamic`, the
+engine's) and fixed at 8 with rows idle past num_steps (`static`):
+
+  launch_ms / call_ms   host time until a call returns / a call's time, calls chained
+  outside               what the optimized HLO leaves outside command buffers: op counts of the
+                        entry computation and of each while loop's body (a loop whose body holds
+                        anything but command buffers runs from the host)
+
+SmolLM2-shaped target, random bf16 weights, context 256.
+
+    python bench/probes/cmdbuf_probe.py [--batches 1,8] [--variants dynamic,static]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common import SMOLLM2, print_table, random_model, write_results
+from decode import decode_steps
+from jaxspec import programs
+from jaxspec.models import ModelConfig
+
+TRIVIAL = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "ROOT"}
+
+
+def computations(hlo: str) -> dict:
+    """name -> instruction lines of each computation in an HLO module's text."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            name = "ENTRY" if m.group(1) else m.group(2)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None and "=" in line:
+            comps[name].append(line.strip())
+    return comps
+
+
+def opcode(line: str) -> str:
+    rhs = line.split("=", 1)[1].strip()
+    m = re.search(r"\b([a-z][a-z\-]*)\(", rhs)
+    op = m.group(1) if m else "?"
+    if op == "custom-call":
+        t = re.search(r'custom_call_target="([^"]+)"', line)
+        op += f"[{t.group(1) if t else '?'}]"
+    if op == "call" and "command_buffer" in line:
+        op = "command_buffer"
+    return op
+
+
+def outside(hlo: str) -> dict:
+    comps = computations(hlo)
+    out = {"entry": collections.Counter(o for o in map(opcode, comps.get("ENTRY", [])) if o not in TRIVIAL)}
+    for line in comps.get("ENTRY", []) + [l for c in comps.values() for l in c]:
+        m = re.search(r"while\(.*body=%?([\w.\-]+)", line)
+        if m and m.group(1) in comps and f"while:{m.group(1)}" not in out and len(out) < 8:
+            out[f"while:{m.group(1)}"] = collections.Counter(
+                o for o in map(opcode, comps[m.group(1)]) if o not in TRIVIAL)
+    return {k: dict(v.most_common(12)) for k, v in out.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--variants", default="dynamic,static")
+    args = ap.parse_args()
+    model = random_model(ModelConfig(**SMOLLM2, max_position=8192),
+                         jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        for v in args.variants.split(","):
+            programs.STATIC_DECODE_LOOP = v == "static"
+            run = decode_steps(model, b, 256, 2048, 16, "auto")
+            launch, call = [], []
+            for _ in range(5):
+                jax.block_until_ready(run(8))
+                t0 = time.perf_counter()
+                res = run(8)
+                launch.append(time.perf_counter() - t0)
+                jax.block_until_ready(res)
+                t0 = time.perf_counter()
+                jax.block_until_ready(run(64))
+                call.append((time.perf_counter() - t0) / 8)
+            [exe] = [e for k, e in run.programs.table.items() if k[0] == "decode"]
+            rows.append(dict(batch=b, variant=v, command_buffers=programs.COMMAND_BUFFERS,
+                             launch_ms=1e3 * float(np.median(launch)), call_ms=1e3 * float(np.median(call)),
+                             outside=outside(exe.as_text())))
+            print_table(rows[-1:], ["batch", "variant", "launch_ms", "call_ms"])
+            print(rows[-1]["outside"])
+    print_table(rows, ["batch", "variant", "launch_ms", "call_ms"])
+    print(write_results("cmdbuf_probe", rows))
+
+
+if __name__ == "__main__":
+    main()
