@@ -71,7 +71,11 @@ def outside(hlo: str) -> dict:
         if m and m.group(1) in comps and f"while:{m.group(1)}" not in out and len(out) < 8:
             out[f"while:{m.group(1)}"] = collections.Counter(
                 o for o in map(opcode, comps[m.group(1)]) if o not in TRIVIAL)
-    return {k: dict(v.most_common(12)) for k, v in out.items()}
+    res = {k: dict(v.most_common(12)) for k, v in out.items()}
+    # the copies inside loop bodies, as written (one may be what keeps a loop on the host)
+    res["copies_in_loops"] = [l[:400] for k in out if k.startswith("while:")
+                              for l in comps[k[len("while:"):]] if opcode(l) == "copy"][:4]
+    return res
 
 
 def main():
