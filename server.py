@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from jaxspec.detokenize import IncrementalText
 from jaxspec.engine_thread import Engine
 from jaxspec.generator import Generator, streamable_text, text_of
 from jaxspec.openai_api import (APIError, ChatBody, CompletionBody, SamplingFields, choice, logprob_items,
@@ -168,6 +169,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
         async def events():
             sent_text = [0] * n
             sent_tok = [0] * n
+            readers = [IncrementalText(tok) for _ in range(n)]
             closed = [False] * n
             try:
                 merged: asyncio.Queue = asyncio.Queue()
@@ -190,7 +192,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
                         yield f"data: {json.dumps(err)}\n\n"
                         break
                     req = handles[i].req
-                    text = streamable_text(tok, req)
+                    text = streamable_text(tok, req, readers[i])
                     end = max(sent_text[i], len(text))
                     piece = text[sent_text[i]:end]
                     lp = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Sequence
 
+from jaxspec.detokenize import IncrementalText
 from jaxspec.models.loading import load
 from jaxspec.programs import enable_compilation_cache
 from jaxspec.speculative import SpecConfig
@@ -37,10 +38,16 @@ def text_of(tokenizer, req: Request) -> str:
     return text
 
 
-def streamable_text(tokenizer, req: Request) -> str:
+def streamable_text(tokenizer, req: Request, text: IncrementalText | None = None) -> str:
     """The part of the output text that can be sent now: while the request runs, hold back what a
-    stop string could still cut and a trailing incomplete multi-byte character."""
-    text = text_of(tokenizer, req)
+    stop string could still cut and a trailing incomplete multi-byte character. text: the
+    reader's own IncrementalText (the engine thread keeps another), so that each update decodes
+    only the new tokens."""
+    if req.finished or text is None or tokenizer is None:
+        text = text_of(tokenizer, req)
+    else:
+        text.update(req.output_ids[:])  # a copy: the engine thread appends to the list
+        text = text.text
     if req.finished:
         return text
     hold = max((len(s) for s in req.params.stop), default=1) - 1
@@ -151,11 +158,12 @@ class Generator:
         character may still be forming). Closing the iterator early aborts the request."""
         req = self.submit(prompt, params)
         sent = 0
+        reader = IncrementalText(self.tokenizer)
         try:
             while True:
                 if not req.finished:
                     self.scheduler.step()
-                text = streamable_text(self.tokenizer, req)
+                text = streamable_text(self.tokenizer, req, reader)
                 if len(text) > sent:
                     yield text[sent:]
                     sent = len(text)

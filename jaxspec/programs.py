@@ -87,9 +87,13 @@ TRITON_GEMM_MAX_ROWS = 32
 # 'default'). At batch 1 the launch still waits for the loop (with or without the fused layers:
 # something else in that program keeps it on the host; 702 against 721 tok/s). None: XLA's default.
 COMMAND_BUFFERS: str | None = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
-# A decode call's loop runs MAX_DECODE_STEPS times, rows past num_steps idle (a trip count XLA
-# knows), rather than num_steps times (bench/probes/cmdbuf_probe.py compares them).
-STATIC_DECODE_LOOP = False
+
+
+def loop_options() -> dict | None:
+    """XLA options that keep a program's loops and conditionals on the device (COMMAND_BUFFERS)."""
+    if jax.default_backend() != "gpu" or not COMMAND_BUFFERS:
+        return None
+    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS}
 
 
 def gemm_options(args) -> dict | None:
@@ -98,9 +102,7 @@ def gemm_options(args) -> dict | None:
         return None
     rows = int(args[0].shape[0]) * int(args[0].shape[1])
     opts = {} if rows <= TRITON_GEMM_MAX_ROWS else {"xla_gpu_enable_triton_gemm": False}
-    if COMMAND_BUFFERS:
-        opts["xla_gpu_enable_command_buffer"] = COMMAND_BUFFERS
-    return opts or None
+    return dict(opts, **(loop_options() or {})) or None
 
 
 # -- the persistent compilation cache and the compile counter --------------------------------------------
@@ -371,8 +373,12 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
     tops = (jnp.zeros((b, m, k), jnp.float32), jnp.zeros((b, m, k), jnp.int32)) if k else None
 
     def step(i, c):
-        cache, tok, kv, count, alive, out, lps, tops = c
+        cache, tok, count, alive, out, lps, tops = c
         q = alive.astype(jnp.int32)
+        # the kv lengths are derived, not carried: at batch 1 XLA copied the carried [1] lengths
+        # inside the loop for the kernels that read them, and the loop with that copy ran from the
+        # host (cmdbuf_probe-NVIDIA-H200.json)
+        kv = kv_lens + count
         h, cache, _ = model(tok, kv[:, None], cache, page_table, kv, q, attn_impl=attn_impl)
         logits = model.logits(h)  # [B, 1, V]
         nxt = sampling.sample(logits, dataclasses.replace(sb, step=sb.step + count), flags)
@@ -381,17 +387,15 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
         if k:
             tops = (tops[0].at[:, i].set(top_v[:, 0]), tops[1].at[:, i].set(top_i[:, 0]))
         tok = jnp.where(alive[:, None], nxt, tok)
-        count, kv = count + q, kv + q
-        alive = alive & (count < cap) & ~jnp.any(nxt == stop_ids, axis=1)
-        return cache, tok, kv, count, alive, out, lps, tops
+        count = count + q
+        alive = alive & (count < budget) & ~jnp.any(nxt == stop_ids, axis=1)
+        return cache, tok, count, alive, out, lps, tops
 
     count = jnp.zeros((b,), jnp.int32)
-    cap = jnp.minimum(budget, num_steps)  # a row stops after num_steps even where the loop runs on
-    init = (cache, tokens, kv_lens, count, cap > 0, out, lps, tops)
-    trips = m if STATIC_DECODE_LOOP else jnp.minimum(num_steps, m)
-    cache, tok, kv, count, _, out, lps, tops = jax.lax.fori_loop(0, trips, step, init)
+    init = (cache, tokens, count, budget > 0, out, lps, tops)
+    cache, tok, count, _, out, lps, tops = jax.lax.fori_loop(0, jnp.minimum(num_steps, m), step, init)
     top_v, top_i = tops if k else (None, None)
-    return out, count, lps, top_v, top_i, None, (tok, kv, dataclasses.replace(sb, step=sb.step + count),
+    return out, count, lps, top_v, top_i, None, (tok, kv_lens + count, dataclasses.replace(sb, step=sb.step + count),
                                                  budget - count), cache
 
 

@@ -1,16 +1,16 @@
-"""Why a batch-1 decode call still waits for its loop (dispatch_probe-NVIDIA-H200.json: launch
+"""Why a batch-1 decode call still waited for its loop (dispatch_probe-NVIDIA-H200.json: launch
 10.6 ms of a 9.9 ms call at batch 1, 2.1 of 7.6 at batch 8, loops as command buffers). For the
-engine's decode program at each batch, with the loop's trip count a device value (`dynamic`, the
-engine's) and fixed at 8 with rows idle past num_steps (`static`):
+engine's decode program at each batch:
 
   launch_ms / call_ms   host time until a call returns / a call's time, calls chained
-  outside               what the optimized HLO leaves outside command buffers: op counts of the
-                        entry computation and of each while loop's body (a loop whose body holds
-                        anything but command buffers runs from the host)
+  outside               op counts of the optimized HLO's entry computation and of its while loops'
+                        bodies, and the copies inside those bodies as written
 
-SmolLM2-shaped target, random bf16 weights, context 256.
+SmolLM2-shaped target, random bf16 weights, context 256. At 06aa066 (rows `dynamic`; `static`
+fixed the trip count at 8, which changed nothing) the batch-1 loop body held one copy, of the
+carried [1] kv lengths the kernels read, and batch 8's none.
 
-    python bench/probes/cmdbuf_probe.py [--batches 1,8] [--variants dynamic,static]
+    python bench/probes/cmdbuf_probe.py [--batches 1,8]
 """
 from __future__ import annotations
 
@@ -81,14 +81,12 @@ def outside(hlo: str) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--variants", default="dynamic,static")
     args = ap.parse_args()
     model = random_model(ModelConfig(**SMOLLM2, max_position=8192),
                          jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
     rows = []
     for b in map(int, args.batches.split(",")):
-        for v in args.variants.split(","):
-            programs.STATIC_DECODE_LOOP = v == "static"
+        for v in ("engine",):
             run = decode_steps(model, b, 256, 2048, 16, "auto")
             launch, call = [], []
             for _ in range(5):

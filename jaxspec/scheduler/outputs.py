@@ -7,6 +7,7 @@ import time
 
 import jax
 
+from jaxspec.detokenize import IncrementalText
 from jaxspec.scheduler.request import DraftRow, InFlight, DraftsOnDevice
 
 
@@ -106,12 +107,15 @@ class Outputs:
             req.on_update(req, new)
 
     def _hits_stop_string(self, req):
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        tail = max(len(s) for s in req.params.stop) + 16
-        start = max(0, len(req.text) - tail)
-        req.text = text
-        cut = [text.find(s, start) for s in req.params.stop]
-        cut = [c for c in cut if c >= 0]
+        """Whether the text the last token completed ends a stop string: only that text and the
+        few characters before it are searched (a stop string may span them)."""
+        if req.text is None:
+            req.text = IncrementalText(self.tokenizer)
+        old = len(req.text.text)
+        if not req.text.update(req.output_ids):
+            return False
+        start = max(0, old - max(len(s) for s in req.params.stop) + 1)
+        cut = [c for c in (req.text.text.find(s, start) for s in req.params.stop) if c >= 0]
         if cut:
             req.stop_text_len = min(cut)
             return True

@@ -24,7 +24,7 @@ class Request:
     kv_len: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     error: str | None = None
-    text: str = ""
+    text: object = None  # the output's text, for stop strings (detokenize.IncrementalText), the engine's own
     stop_text_len: int | None = None  # where a stop string cut the text
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
