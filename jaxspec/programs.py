@@ -97,11 +97,17 @@ def loop_options() -> dict | None:
 
 
 def gemm_options(args) -> dict | None:
-    """XLA options a program compiles with, by the token rows of its first argument."""
+    """XLA options a program compiles with, by the shape of its first argument (tokens [B, T])."""
     if jax.default_backend() != "gpu":
         return None
     rows = int(args[0].shape[0]) * int(args[0].shape[1])
     opts = {} if rows <= TRITON_GEMM_MAX_ROWS else {"xla_gpu_enable_triton_gemm": False}
+    if args[0].shape[0] == 1:
+        # the batch-1 decode loop stayed on the host (cmdbuf_probe-NVIDIA-H200.json). Beside the
+        # kv-length copy (now gone, see _decode) it held a CUB sort of the vocabulary (a custom
+        # call, in the sampler's filter branch), which may not be a command buffer command; XLA's
+        # own sort is. Whether batch 8's program has one, and what this changes, is not measured.
+        opts["xla_gpu_enable_cub_radix_sort"] = False
     return dict(opts, **(loop_options() or {})) or None
 
 

@@ -4,7 +4,9 @@ engine's decode program at each batch:
 
   launch_ms / call_ms   host time until a call returns / a call's time, calls chained
   outside               op counts of the optimized HLO's entry computation and of its while loops'
-                        bodies, and the copies inside those bodies as written
+                        bodies, the copies inside those bodies as written, and the module's
+                        custom calls by target (at 1a0384a batch 1 had a CUB sort, in the
+                        sampler's conditional)
 
 SmolLM2-shaped target, random bf16 weights, context 256. At 06aa066 (rows `dynamic`; `static`
 fixed the trip count at 8, which changed nothing) the batch-1 loop body held one copy, of the
@@ -72,6 +74,7 @@ def outside(hlo: str) -> dict:
             out[f"while:{m.group(1)}"] = collections.Counter(
                 o for o in map(opcode, comps[m.group(1)]) if o not in TRIVIAL)
     res = {k: dict(v.most_common(12)) for k, v in out.items()}
+    res["custom_calls"] = dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo)))
     # the copies inside loop bodies, as written (one may be what keeps a loop on the host)
     res["copies_in_loops"] = [l[:400] for k in out if k.startswith("while:")
                               for l in comps[k[len("while:"):]] if opcode(l) == "copy"][:4]
