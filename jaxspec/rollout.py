@@ -241,7 +241,7 @@ def _lookup_loop(target, prompts, lengths, sb, flags, stop_ids, config):
 def jit_rollout(model: nnx.Module, head=None, **config) -> tuple:
     """Convenience: (jitted fn(params, drafter_params, prompts, lengths, seeds, ...), params,
     drafter_params), compiled as the engine's programs are: on a GPU the loop runs as CUDA graph
-    conditional nodes (programs.loop_options; pass them to your own jax.jit likewise)."""
-    from jaxspec.programs import loop_options
+    conditional nodes (compile_options.loop_options; pass them to your own jax.jit likewise)."""
+    from jaxspec.compile_options import loop_options
     fn, params, drafter_params = make_rollout(model, head, RolloutConfig(**config))
     return jax.jit(fn, compiler_options=loop_options()), params, drafter_params

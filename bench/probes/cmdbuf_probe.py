@@ -32,7 +32,7 @@ import numpy as np
 
 from common import SMOLLM2, print_table, random_model, write_results
 from decode import decode_steps
-from jaxspec import programs
+from jaxspec import compile_options
 from jaxspec.models import ModelConfig
 
 TRIVIAL = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "ROOT"}
@@ -102,7 +102,7 @@ def main():
                 jax.block_until_ready(run(64))
                 call.append((time.perf_counter() - t0) / 8)
             [exe] = [e for k, e in run.programs.table.items() if k[0] == "decode"]
-            rows.append(dict(batch=b, variant=v, command_buffers=programs.COMMAND_BUFFERS,
+            rows.append(dict(batch=b, variant=v, command_buffers=compile_options.COMMAND_BUFFERS,
                              launch_ms=1e3 * float(np.median(launch)), call_ms=1e3 * float(np.median(call)),
                              outside=outside(exe.as_text())))
             print_table(rows[-1:], ["batch", "variant", "launch_ms", "call_ms"])

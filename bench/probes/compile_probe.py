@@ -28,7 +28,7 @@ def child(variant, out, flag_sets):
     from common import SMOLLM2, random_model
     from jaxspec import Generator, SpecConfig
     from jaxspec.models import ModelConfig
-    from jaxspec.programs import gemm_options
+    from jaxspec.compile_options import gemm_options
     from jaxspec.sampling import SamplerFlags
     model = random_model(ModelConfig(**SMOLLM2, max_position=8192), jnp.bfloat16)
     spec = SpecConfig("EAGLE3", num_steps=6, eagle_topk=4, num_draft_tokens=24)

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 WHILE = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
-# name: (XLA_FLAGS, programs.COMMAND_BUFFERS, one-row forwards through the fused layer kernels)
+# name: (XLA_FLAGS, compile_options.COMMAND_BUFFERS, one-row forwards through the fused layer kernels)
 VARIANTS = {
     "default": ("", None, True),
     # the loop and the sampler's cond as CUDA graph conditional nodes: no host round trip a step
@@ -43,9 +43,9 @@ def child(variant, batches, out):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxspec import programs
+    from jaxspec import compile_options
     from jaxspec.models import llama
-    _, programs.COMMAND_BUFFERS, fused = VARIANTS[variant]
+    _, compile_options.COMMAND_BUFFERS, fused = VARIANTS[variant]
     if not fused:
         llama.FUSED_MAX_HIDDEN = 0
 
@@ -83,7 +83,7 @@ def child(variant, batches, out):
         tokens = sum(len(o.token_ids) for o in outs)
         tok_s = tokens / float(np.median(walls))
         rows.append(dict(variant=variant, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                         command_buffers=programs.COMMAND_BUFFERS, fused_one_row=fused, batch=b,
+                         command_buffers=compile_options.COMMAND_BUFFERS, fused_one_row=fused, batch=b,
                          launch_ms=1e3 * float(np.median(launch)), call_ms=1e3 * float(np.median(call)),
                          gen_tok_s=tok_s, gen_ms_token=1e3 * b / tok_s))
     json.dump(rows, open(out, "w"))

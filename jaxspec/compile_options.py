@@ -1,0 +1,47 @@
+"""The XLA options each program compiles with (passed per compile, no process-wide flag): which
+GEMMs XLA's Triton emitter gets, and which loops and conditionals run on the device."""
+from __future__ import annotations
+
+import jax
+
+# XLA turns each GPU dot into a Triton GEMM fusion that it generates, autotunes and compiles apiece
+# (bench/probes/compile_phases.py: hundreds in one SmolLM2 EAGLE-3 verify program, most of its
+# compile). As cuBLAS calls the EAGLE-3 start-up set built in 44.2 s instead of 59.8
+# (compile_probe-NVIDIA-H200.json), and cuBLAS was as fast or faster past a few dozen rows but
+# slower below (spec-cublas- against spec-tritongemm-NVIDIA-H200.json, MT-bench: EAGLE-3 1.14x at
+# batch 8, 128 rows a verify, and 1.04x at 64; 0.86x at batch 1, 32 rows; plain decoding 0.96x at
+# batch 8). So programs of more rows than this compile their dots as cuBLAS calls.
+TRITON_GEMM_MAX_ROWS = 32
+
+
+# XLA runs a while loop (a multi-step call) and a conditional (the shared sampler) from the host:
+# it reads the condition back every iteration, so launching a decode call blocked the host until
+# the call's 8 steps were done, and the host's work between calls left the GPU idle. As command
+# buffer commands (CUDA graph conditional nodes) they run on the device: at batch 8 a call then
+# returned in 2.1 ms instead of 10.1, its 8 steps took 7.6 ms instead of 9.6, and the Generator
+# gave 6832 tok/s instead of 5119 (dispatch_probe-NVIDIA-H200.json, efd8914, 'prog-while' against
+# 'default'). At batch 1 the launch still waits for the loop (with or without the fused layers:
+# something else in that program keeps it on the host; 702 against 721 tok/s). None: XLA's default.
+COMMAND_BUFFERS: str | None = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+
+
+def loop_options() -> dict | None:
+    """XLA options that keep a program's loops and conditionals on the device (COMMAND_BUFFERS)."""
+    if jax.default_backend() != "gpu" or not COMMAND_BUFFERS:
+        return None
+    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS}
+
+
+def gemm_options(args) -> dict | None:
+    """XLA options a program compiles with, by the shape of its first argument (tokens [B, T])."""
+    if jax.default_backend() != "gpu":
+        return None
+    rows = int(args[0].shape[0]) * int(args[0].shape[1])
+    opts = {} if rows <= TRITON_GEMM_MAX_ROWS else {"xla_gpu_enable_triton_gemm": False}
+    if args[0].shape[0] == 1:
+        # the batch-1 decode loop stayed on the host (cmdbuf_probe-NVIDIA-H200.json). Beside the
+        # kv-length copy (now gone, see _decode) it held a CUB sort of the vocabulary (a custom
+        # call, in the sampler's filter branch), which may not be a command buffer command; XLA's
+        # own sort is. Whether batch 8's program has one, and what this changes, is not measured.
+        opts["xla_gpu_enable_cub_radix_sort"] = False
+    return dict(opts, **(loop_options() or {})) or None
