@@ -7,8 +7,10 @@ Closed loop: `c` clients, each sending its next request when the last one ends. 
 Poisson arrivals at `r` requests/s (a seeded schedule, the same for every algorithm), whatever
 the server's pace. Each request streams (SSE, with OpenAI's `stream_options.include_usage`):
 TTFT = first content chunk after sending, ITL = the gaps between content chunks (a speculative
-step can deliver several tokens in one), tokens from the usage chunk. A row: output tokens/s
-and requests/s over the load's wall time, TTFT / ITL / latency p50 and p99. One server per
+step can deliver several tokens in one, and a multi-step call of plain decoding up to 8), TPOT =
+a request's (latency - TTFT) / (tokens - 1), the time a token costs whatever the chunking,
+tokens from the usage chunk. A row: output tokens/s and requests/s over the load's wall time,
+TTFT / ITL / TPOT / latency p50 and p99. One server per
 algorithm, its programs built before the port opens, every load point warmed once untimed.
 `--plot` draws throughput against p50 ITL (closed loop) and against p50 TTFT (open loop).
 """
@@ -57,11 +59,13 @@ def summarize(results, wall):
     ttft = [r["ttft"] for r in results]
     itl = [g for r in results for g in r["itl"]] or [0.0]
     lat = [r["latency"] for r in results]
+    tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1] or [0.0]
     tokens = sum(r["tokens"] for r in results)
     pct = lambda xs, q: float(np.percentile(xs, q))
     return dict(requests=len(results), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
                 requests_per_s=len(results) / wall, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
-                itl_p50_s=pct(itl, 50), itl_p99_s=pct(itl, 99), latency_p50_s=pct(lat, 50), latency_p99_s=pct(lat, 99))
+                itl_p50_s=pct(itl, 50), itl_p99_s=pct(itl, 99), tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
+                latency_p50_s=pct(lat, 50), latency_p99_s=pct(lat, 99))
 
 
 def closed_loop(url, chats, concurrency, max_tokens):
@@ -153,7 +157,7 @@ def run(gen_for, algos, datasets, concurrency, rates, max_tokens, requests):
                         rows.append(dict(algorithm=algo, dataset=ds, load=kind,
                                          **({"concurrency": p} if kind == "closed" else {"rate": p}), **load(batch)))
                         print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
-                                                "ttft_p50_s", "itl_p50_s", "itl_p99_s"])
+                                                "ttft_p50_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s"])
         finally:
             server.should_exit = True
             th.join(timeout=30)
@@ -190,7 +194,7 @@ def main():
     rows = run(gen_for, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests)
     print()
     print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s", "requests_per_s",
-                       "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"])
+                       "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s", "tpot_p99_s"])
     if args.plot:
         print(plot(rows, os.path.join(RESULTS, f"serve-{device_name()}.png")))
     print(write_results("serve", rows, {"max_tokens": args.max_tokens}))

@@ -202,6 +202,7 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
         assert row["requests"] == 4 and 4 <= row["tokens"] <= 32
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
         assert row["ttft_p50_s"] <= row["latency_p50_s"] <= row["wall_s"]
+        assert 0 < row["tpot_p50_s"] <= row["latency_p50_s"]
     assert wait_idle(url)
 
 
