@@ -20,8 +20,12 @@ TRITON_GEMM_MAX_ROWS = 32
 # buffer commands (CUDA graph conditional nodes) they run on the device: at batch 8 a call then
 # returned in 2.1 ms instead of 10.1, its 8 steps took 7.6 ms instead of 9.6, and the Generator
 # gave 6832 tok/s instead of 5119 (dispatch_probe-NVIDIA-H200.json, efd8914, 'prog-while' against
-# 'default'). At batch 1 the launch still waits for the loop (with or without the fused layers:
-# something else in that program keeps it on the host; 702 against 721 tok/s). None: XLA's default.
+# 'default'). A loop or conditional becomes a command only if everything inside it is one
+# (XLA's command_buffer_scheduling.cc), and XLA registers its CUB sort (`xla.gpu.ext.cub_sort_*`,
+# which its SortRewriter puts in place of a large sort) without the command-buffer trait. The
+# batch-1 decode program had one, sorting the vocabulary in the sampler's filter branch
+# (cmdbuf_probe-NVIDIA-H200.json), and its launch still waited for the loop (702 against 721
+# tok/s). So the programs take XLA's own sort, which is a command. None: XLA's default.
 COMMAND_BUFFERS: str | None = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
 
 
@@ -29,19 +33,13 @@ def loop_options() -> dict | None:
     """XLA options that keep a program's loops and conditionals on the device (COMMAND_BUFFERS)."""
     if jax.default_backend() != "gpu" or not COMMAND_BUFFERS:
         return None
-    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS}
+    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_enable_cub_radix_sort": False}
 
 
 def gemm_options(args) -> dict | None:
-    """XLA options a program compiles with, by the shape of its first argument (tokens [B, T])."""
+    """XLA options a program compiles with, by the token rows of its first argument."""
     if jax.default_backend() != "gpu":
         return None
     rows = int(args[0].shape[0]) * int(args[0].shape[1])
     opts = {} if rows <= TRITON_GEMM_MAX_ROWS else {"xla_gpu_enable_triton_gemm": False}
-    if args[0].shape[0] == 1:
-        # the batch-1 decode loop stayed on the host (cmdbuf_probe-NVIDIA-H200.json). Beside the
-        # kv-length copy (now gone, see _decode) it held a CUB sort of the vocabulary (a custom
-        # call, in the sampler's filter branch), which may not be a command buffer command; XLA's
-        # own sort is. Whether batch 8's program has one, and what this changes, is not measured.
-        opts["xla_gpu_enable_cub_radix_sort"] = False
     return dict(opts, **(loop_options() or {})) or None

@@ -339,9 +339,8 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
     def step(i, c):
         cache, tok, count, alive, out, lps, tops = c
         q = alive.astype(jnp.int32)
-        # the kv lengths are derived, not carried: at batch 1 XLA copied the carried [1] lengths
-        # inside the loop for the kernels that read them, and the loop with that copy ran from the
-        # host (cmdbuf_probe-NVIDIA-H200.json)
+        # derived, not carried: at batch 1 XLA kept a copy of the carried lengths for the kernels
+        # that read them inside the loop (cmdbuf_probe-NVIDIA-H200.json)
         kv = kv_lens + count
         h, cache, _ = model(tok, kv[:, None], cache, page_table, kv, q, attn_impl=attn_impl)
         logits = model.logits(h)  # [B, 1, V]
