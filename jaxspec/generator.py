@@ -38,16 +38,16 @@ def text_of(tokenizer, req: Request) -> str:
     return text
 
 
-def streamable_text(tokenizer, req: Request, text: IncrementalText | None = None) -> str:
+def streamable_text(tokenizer, req: Request, reader: IncrementalText | None = None) -> str:
     """The part of the output text that can be sent now: while the request runs, hold back what a
-    stop string could still cut and a trailing incomplete multi-byte character. text: the
-    reader's own IncrementalText (the engine thread keeps another), so that each update decodes
+    stop string could still cut and a trailing incomplete multi-byte character. reader: the
+    caller's own IncrementalText (the engine thread keeps another), so that each update decodes
     only the new tokens."""
-    if req.finished or text is None or tokenizer is None:
+    if req.finished or reader is None or tokenizer is None:
         text = text_of(tokenizer, req)
     else:
-        text.update(req.output_ids[:])  # a copy: the engine thread appends to the list
-        text = text.text
+        reader.update(req.output_ids[:])  # a copy: the engine thread appends to the list
+        text = reader.text
     if req.finished:
         return text
     hold = max((len(s) for s in req.params.stop), default=1) - 1

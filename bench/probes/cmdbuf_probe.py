@@ -21,17 +21,16 @@ import collections
 import os
 import re
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from common import SMOLLM2, print_table, random_model, write_results
 from decode import decode_steps
+from dispatch_probe import launch_and_call_ms
 from jaxspec import compile_options
 from jaxspec.models import ModelConfig
 
@@ -89,24 +88,13 @@ def main():
                          jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
     rows = []
     for b in map(int, args.batches.split(",")):
-        for v in ("engine",):
-            run = decode_steps(model, b, 256, 2048, 16, "auto")
-            launch, call = [], []
-            for _ in range(5):
-                jax.block_until_ready(run(8))
-                t0 = time.perf_counter()
-                res = run(8)
-                launch.append(time.perf_counter() - t0)
-                jax.block_until_ready(res)
-                t0 = time.perf_counter()
-                jax.block_until_ready(run(64))
-                call.append((time.perf_counter() - t0) / 8)
-            [exe] = [e for k, e in run.programs.table.items() if k[0] == "decode"]
-            rows.append(dict(batch=b, variant=v, command_buffers=compile_options.COMMAND_BUFFERS,
-                             launch_ms=1e3 * float(np.median(launch)), call_ms=1e3 * float(np.median(call)),
-                             outside=outside(exe.as_text())))
-            print_table(rows[-1:], ["batch", "variant", "launch_ms", "call_ms"])
-            print(rows[-1]["outside"])
+        run = decode_steps(model, b, 256, 2048, 16, "auto")
+        launch_ms, call_ms = launch_and_call_ms(run)
+        [exe] = [e for k, e in run.programs.table.items() if k[0] == "decode"]
+        rows.append(dict(batch=b, variant="engine", command_buffers=compile_options.COMMAND_BUFFERS,
+                         launch_ms=launch_ms, call_ms=call_ms, outside=outside(exe.as_text())))
+        print_table(rows[-1:], ["batch", "variant", "launch_ms", "call_ms"])
+        print(rows[-1]["outside"])
     print_table(rows, ["batch", "variant", "launch_ms", "call_ms"])
     print(write_results("cmdbuf_probe", rows))
 

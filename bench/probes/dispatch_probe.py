@@ -38,8 +38,25 @@ VARIANTS = {
 }
 
 
-def child(variant, batches, out):
+def launch_and_call_ms(run, reps=5):
+    """(ms until one 8-step decode call returns, ms a call takes with calls chained), medians;
+    run(n): n decode steps as decode.decode_steps issues them, 8 a call."""
     import jax
+    import numpy as np
+    launch, call = [], []
+    for _ in range(reps):
+        jax.block_until_ready(run(8))
+        t0 = time.perf_counter()
+        out = run(8)  # one call: returns when the host is free again
+        launch.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(64))  # eight chained calls
+        call.append((time.perf_counter() - t0) / 8)
+    return 1e3 * float(np.median(launch)), 1e3 * float(np.median(call))
+
+
+def child(variant, batches, out):
     import jax.numpy as jnp
     import numpy as np
 
@@ -56,18 +73,7 @@ def child(variant, batches, out):
     model = random_model(ModelConfig(**SMOLLM2, max_position=8192), jnp.bfloat16)
     rows = []
     for b in batches:
-        run = decode_steps(model, b, 256, 2048, 16, "auto")
-        launch, call = [], []
-        for _ in range(5):
-            jax.block_until_ready(run(8))
-            t0 = time.perf_counter()
-            out_ = run(8)  # one call: returns when the host is free again
-            t1 = time.perf_counter()
-            jax.block_until_ready(out_)
-            launch.append(t1 - t0)
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(64))  # eight chained calls
-            call.append((time.perf_counter() - t0) / 8)
+        launch_ms, call_ms = launch_and_call_ms(decode_steps(model, b, 256, 2048, 16, "auto"))
         # a program store of the variant's own: its entries' names do not see the probe's patches
         gen = Generator(model, None, max_batch=8, max_seq_len=2048, warmup=True,
                         compile_cache=os.path.join(tempfile.gettempdir(), f"dispatch-probe-{variant}"))
@@ -84,7 +90,7 @@ def child(variant, batches, out):
         tok_s = tokens / float(np.median(walls))
         rows.append(dict(variant=variant, xla_flags=os.environ.get("XLA_FLAGS", ""),
                          command_buffers=compile_options.COMMAND_BUFFERS, fused_one_row=fused, batch=b,
-                         launch_ms=1e3 * float(np.median(launch)), call_ms=1e3 * float(np.median(call)),
+                         launch_ms=launch_ms, call_ms=call_ms,
                          gen_tok_s=tok_s, gen_ms_token=1e3 * b / tok_s))
     json.dump(rows, open(out, "w"))
 

@@ -7,6 +7,7 @@ from typing import Callable
 
 import jax
 
+from jaxspec.detokenize import IncrementalText
 from jaxspec.sampling import SamplerFlags, SamplingParams
 
 
@@ -24,7 +25,7 @@ class Request:
     kv_len: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
     error: str | None = None
-    text: object = None  # the output's text, for stop strings (detokenize.IncrementalText), the engine's own
+    text: IncrementalText | None = None  # the output's text as stop strings see it (the engine thread's own)
     stop_text_len: int | None = None  # where a stop string cut the text
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
