@@ -25,21 +25,27 @@ TRITON_GEMM_MAX_ROWS = 32
 # which its SortRewriter puts in place of a large sort) without the command-buffer trait. The
 # batch-1 decode program had one, sorting the vocabulary in the sampler's filter branch
 # (cmdbuf_probe-NVIDIA-H200.json), and its launch still waited for the loop (702 against 721
-# tok/s). So the programs take XLA's own sort, which is a command. None: XLA's default.
+# tok/s). XLA's own sort (a command) fixed that: plain decoding at batch 1 went from 696 to 799
+# tok/s, but the greedy EAGLE-3 verify program, whose loop converted either way, lost 10% with it
+# (1565 against 1421 tok/s; spec-cub1- against spec-cub0-NVIDIA-H200.json, one machine, MT-bench).
+# So only the programs that loop over the shared sampler (`decode`, the rollout's loop) take XLA's
+# sort; the rest keep CUB's. None: XLA's default.
 COMMAND_BUFFERS: str | None = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+XLA_SORT_PROGRAMS = ("decode",)
 
 
-def loop_options() -> dict | None:
-    """XLA options that keep a program's loops and conditionals on the device (COMMAND_BUFFERS)."""
+def loop_options(xla_sort: bool = True) -> dict | None:
+    """XLA options that keep a program's loops and conditionals on the device (COMMAND_BUFFERS);
+    xla_sort: sorts as XLA's own kernels, which a command buffer can hold, instead of CUB's."""
     if jax.default_backend() != "gpu" or not COMMAND_BUFFERS:
         return None
-    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_enable_cub_radix_sort": False}
+    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_enable_cub_radix_sort": not xla_sort}
 
 
-def gemm_options(args) -> dict | None:
-    """XLA options a program compiles with, by the token rows of its first argument."""
+def program_options(name: str, args) -> dict | None:
+    """XLA options the program `name` compiles with, by the token rows of its first argument."""
     if jax.default_backend() != "gpu":
         return None
     rows = int(args[0].shape[0]) * int(args[0].shape[1])
     opts = {} if rows <= TRITON_GEMM_MAX_ROWS else {"xla_gpu_enable_triton_gemm": False}
-    return dict(opts, **(loop_options() or {})) or None
+    return dict(opts, **(loop_options(name in XLA_SORT_PROGRAMS) or {})) or None

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import program_store, sampling
-from jaxspec.compile_options import gemm_options
+from jaxspec.compile_options import program_options
 from jaxspec.verify import verify_and_accept
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -199,7 +199,7 @@ class Programs:
         return exe(self.state, cache, *args)
 
     def _executable_name(self, name, flags, cache, args) -> str | None:
-        return self.store and program_store.executable_name(self.entry(name, flags, cache, args), gemm_options(args))
+        return self.store and program_store.executable_name(self.entry(name, flags, cache, args), program_options(name, args))
 
     def _read_executable(self, name, flags, cache, args):
         """The program's executable as an earlier start kept it in the store, or None."""
@@ -216,8 +216,8 @@ class Programs:
         """Lowered (unless given) and compiled; kept in the store for the next start."""
         lowered = lowered or self._lower(name, flags, cache, args)
         if not self.store:
-            return lowered.compile(gemm_options(args))
-        exe, built_here = program_store.compile_lowered(lowered, gemm_options(args))
+            return lowered.compile(program_options(name, args))
+        exe, built_here = program_store.compile_lowered(lowered, program_options(name, args))
         if built_here:
             program_store.save_executable(self.store, self._executable_name(name, flags, cache, args), exe)
         return exe

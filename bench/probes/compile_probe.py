@@ -28,7 +28,7 @@ def child(variant, out, flag_sets):
     from common import SMOLLM2, random_model
     from jaxspec import Generator, SpecConfig
     from jaxspec.models import ModelConfig
-    from jaxspec.compile_options import gemm_options
+    from jaxspec.compile_options import program_options
     from jaxspec.sampling import SamplerFlags
     model = random_model(ModelConfig(**SMOLLM2, max_position=8192), jnp.bfloat16)
     spec = SpecConfig("EAGLE3", num_steps=6, eagle_topk=4, num_draft_tokens=24)
@@ -44,7 +44,7 @@ def child(variant, out, flag_sets):
             t1 = time.perf_counter()
             lowered = progs._lower(name, fl, cache, args)
             t2 = time.perf_counter()
-            lowered.compile(gemm_options(args))
+            lowered.compile(program_options(name, args))
             t3 = time.perf_counter()
             rows.append(dict(variant=variant, program=name, group="plain" if progs is sched.plain_programs else "spec",
                              sample=fl.sample, rows=int(args[0].shape[0]), tokens=int(args[0].shape[1]),
