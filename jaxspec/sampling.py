@@ -7,6 +7,7 @@ or penalises, how many top logprobs) is the static `SamplerFlags`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -188,7 +189,7 @@ def filter_logits(logits, sb: SamplingBatch):
     return jnp.where(logits < floor, NEG_INF, logits)
 
 
-def sample(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None, depth=None):
+def sample(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None, depth=None, max_depth=None):
     """logits [B, N, V] float32 -> tokens [B, N].
 
     The key of a draw is (seed, position in the output): step_b + depth[b, n]. A speculative step
@@ -198,7 +199,9 @@ def sample(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None, de
 
     The draw and the filters run under a lax.cond on whether any row samples (filters): a greedy
     batch skips the [B, N, V] sort and random bits, so one program can serve greedy and sampled
-    batches alike (programs.SHARED_SAMPLER).
+    batches alike (programs.SHARED_SAMPLER). max_depth (static, > every node's depth): the nodes
+    of one depth share their key, so the noise is drawn once a depth ([B, max_depth, V] random
+    values instead of [B, N, V]: a 24-node tree of depth 6 draws 7 vectors a row, not 24).
     """
     if flags.penalties:
         logits = apply_penalties(logits, sb, extra_tokens)
@@ -214,12 +217,45 @@ def sample(logits, sb: SamplingBatch, flags: SamplerFlags, extra_tokens=None, de
             filtered = (sb.top_k > 0) | (sb.top_p < 1.0) | (sb.min_p > 0.0)
             scaled = jax.lax.cond(jnp.any(filtered & (sb.temperature > 0)), lambda s: filter_logits(s, sb),
                                   lambda s: s, scaled)
-        pos = sb.step[:, None] + depth
-        keys = jax.vmap(jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p), (None, 0)))(sb.seed, pos)
-        drawn = jax.vmap(jax.vmap(lambda k, l: jax.random.categorical(k, l)))(keys, scaled).astype(jnp.int32)
+        draw_noise = jax.vmap(jax.vmap(functools.partial(gumbel_noise, vocab=logits.shape[-1]), (None, 0)))
+        if max_depth is not None and max_depth < n:
+            per_depth = draw_noise(sb.seed, sb.step[:, None] + jnp.arange(max_depth)[None])  # [B, D, V]
+            noise = per_depth[jnp.arange(b)[:, None], jnp.minimum(depth, max_depth - 1)]
+        else:
+            noise = draw_noise(sb.seed, sb.step[:, None] + depth)
+        drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # Gumbel-max: a draw from softmax(scaled)
         return jnp.where(sb.temperature[:, None] > 0, drawn, greedy)
 
     return jax.lax.cond(jnp.any(sb.temperature > 0), draw, lambda _: greedy, logits)
+
+
+def gumbel_noise(seed, pos, vocab: int):
+    """The Gumbel noise the draw at output position `pos` of a request seeded `seed` adds to its
+    scaled logits ([vocab] float32; vmap it over rows): the target's draw and coupled drafts
+    (coupled_draft_logits) share it."""
+    return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), pos), (vocab,), jnp.float32)
+
+
+def coupled_draft_logits(logits, sb: SamplingBatch, pos, vocab: int, ids=None):
+    """A drafter's logits [B, ..., Vd] for the token the target will draw at output position
+    pos [B], made as the target makes its draw: scaled by the row's temperature and perturbed by
+    the same Gumbel noise (ids [Vd]: each draft id's target id; None: the same vocabulary). Where
+    the drafter agrees with the target, the draft's argmax is then the token the target's draw
+    picks (Gumbel-max coupling), not merely its most probable one: a sampled request accepts
+    about as often as 1 - TV(draft, target) instead of the target's probability of the draft's
+    argmax. Greedy rows keep their logits. Drafts stay proposals: verification is unchanged, so
+    outputs are exactly plain sampling's."""
+    sampled = sb.temperature > 0
+    lead = (-1,) + (1,) * (logits.ndim - 2)
+
+    def perturb(logits):
+        g = jax.vmap(functools.partial(gumbel_noise, vocab=vocab))(sb.seed, pos)  # [B, V]
+        g = g if ids is None else g[:, ids]
+        g = g.reshape(g.shape[:1] + (1,) * (logits.ndim - 2) + g.shape[1:])
+        t = jnp.where(sampled, sb.temperature, 1.0).reshape(lead + (1,))
+        return jnp.where(sampled.reshape(lead + (1,)), logits / t + g, logits)
+
+    return jax.lax.cond(jnp.any(sampled), perturb, lambda x: x, logits)
 
 
 def logprobs_of(logits, tokens, top_n: int):

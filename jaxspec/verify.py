@@ -12,7 +12,7 @@ from jaxspec.pallas.tree_mask import tree_attention_mask
 
 
 def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
-                      hidden_layers: tuple = ()):
+                      hidden_layers: tuple = (), max_depth: int | None = None):
     """The target over a draft tree, then accept. Shared by every tree-verifying step.
 
     tokens [B, N]: node 0 is the request's pending token (sampled last step, not yet cached),
@@ -20,6 +20,7 @@ def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_no
     padding). Returns (emitted tokens [B, N]: accepted drafts then the bonus token, their count
     [B], logprobs, top-n values, top-n ids, the accepted path [B, N], the target's final hidden
     [B, N, H] and hidden_layers' states, the cache with the accepted path's K/V moved into place).
+    max_depth: a static bound on the tree's depth + 1, where the drafter knows one (sampling.sample).
     """
     mask, depth = tree_attention_mask(parents, num_nodes)
     h, cache, layers = model(tokens, kv_lens[:, None] + depth, cache, page_table, kv_lens, num_nodes, tree_mask=mask,
@@ -30,7 +31,7 @@ def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_no
         n = tokens.shape[1]
         anc = mask & ~jnp.eye(n, dtype=bool)[None] & (jnp.arange(n)[None, None] > 0)
         extra = jnp.where(anc, tokens[:, None, :], -1)
-    target = sampling.sample(logits, sb, flags, extra, depth)  # the target's own token after each node
+    target = sampling.sample(logits, sb, flags, extra, depth, max_depth)  # the target's own token after each node
     path, num_accepted = accept_tree(tokens, parents, target, num_nodes, mask, depth)
     # Along the accepted path target[path[i]] == tokens[path[i + 1]], so the emitted tokens (the
     # accepted drafts, then the bonus) are simply the target's tokens at the path's nodes.

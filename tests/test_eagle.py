@@ -107,7 +107,7 @@ def test_eagle_overlapped_and_multi_step_calls_equal_synchronous(tiny):
     free = eagle_generator(tiny, head, TreeShape(3, 2, 6)).generate(
         prompts[:1], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     for params in ([SamplingParams(max_tokens=40, ignore_eos=True)] * 3 + [SamplingParams(max_tokens=13, ignore_eos=True)],
-                   SamplingParams(max_tokens=30, temperature=4.0, seed=2, ignore_eos=True),
+                   SamplingParams(max_tokens=60, temperature=4.0, seed=2, ignore_eos=True),
                    SamplingParams(max_tokens=40, stop_token_ids=[free.token_ids[17]])):
         sync = eagle_generator(tiny, head, TreeShape(3, 2, 6), overlap=False, decode_steps=1).generate(prompts, params)
         for kw in (dict(decode_steps=1), {}):
@@ -349,3 +349,87 @@ def test_large_batch_fallback_decodes_plainly_and_later_requests_draft(tiny, tin
     assert [c.token_ids for c in later] == [c.token_ids for c in plain[:2]]
     assert gen.scheduler.stats["verify_steps"] > 0 and max(c.mean_accept_length for c in later) > 1
     assert gen.scheduler.pool.in_use == 0
+
+
+# -- sampled requests: drafts coupled to the target's draw ----------------------------------------------
+def test_coupled_draft_ranks_first_the_token_the_targets_draw_picks():
+    """A drafter whose logits equal the target's proposes, first, exactly the token the target's
+    seeded draw at that output position picks (over a draft vocabulary too, when the draw falls
+    in it); greedy rows keep their logits."""
+    from jaxspec import sampling
+    rng = np.random.default_rng(0)
+    b, v = 64, 50
+    logits = jnp.asarray(rng.normal(0, 2, (b, v)), jnp.float32)
+    temps = np.where(np.arange(b) % 4 == 0, 0.0, rng.uniform(0.3, 1.5, b))
+    sb = sampling.SamplingBatch.build([SamplingParams(temperature=float(t), seed=int(s)) for t, s in
+                                       zip(temps, rng.integers(0, 1000, b))], list(rng.integers(0, 1000, b)),
+                                      list(rng.integers(0, 50, b)))
+    flags = sampling.SamplerFlags(sample=True)
+    drawn = np.asarray(sampling.sample(logits[:, None], sb, flags)[:, 0])
+    coupled = np.asarray(sampling.coupled_draft_logits(logits, sb, sb.step, v))
+    assert (coupled.argmax(-1) == drawn).all()
+    greedy = temps == 0
+    assert np.array_equal(coupled[greedy], np.asarray(logits)[greedy])
+    assert len(set(drawn[~greedy])) > 10  # draws, not argmaxes
+    assert (drawn[~greedy] != np.asarray(logits).argmax(-1)[~greedy]).sum() > 5
+    # a draft vocabulary of 20 target ids, the target's mass on them alone
+    ids = np.sort(rng.choice(v, 20, replace=False))
+    narrow = jnp.full((b, v), -1e9, jnp.float32).at[:, ids].set(logits[:, ids])
+    drawn = np.asarray(sampling.sample(narrow[:, None], sb, flags)[:, 0])
+    coupled = np.asarray(sampling.coupled_draft_logits(logits[:, ids], sb, sb.step, v, jnp.asarray(ids)))
+    assert (ids[coupled.argmax(-1)][~greedy] == drawn[~greedy]).all()
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_coupled_drafts_are_accepted_where_the_draw_is_noise(tiny, tiny_eagle3, tiny_dflash, kind):
+    """At temperature 1000 the target's draw is its Gumbel noise alone, which no drafter can
+    predict from text: the head's own most probable tokens are accepted about 1 / vocabulary of the
+    time, while a draft coupled to the same noise (keyed by the right output position at every
+    depth) is accepted whenever the draw falls in the drafter's vocabulary (the tiny EAGLE-3
+    head's 48 of 64 ids; DFLASH: all). Either way the tokens are plain sampling's, seed for seed."""
+    from unittest import mock
+
+    from jaxspec.drafters import dflash_step, eagle_step
+    from jaxspec.drafters.dflash import DFlashDrafter, load_dflash
+    prompts = random_prompts(31, 8)
+    params = [SamplingParams(max_tokens=24, temperature=1000.0, seed=i, ignore_eos=True) for i in range(8)]
+    plain = Generator(tiny, None, **KW).generate(prompts, params)
+    tree = TreeShape(3, 1, 4)  # a chain: its every node is the coupled child (a tree keeps those its scores rank)
+
+    def drafter():
+        if kind == "dflash":
+            return DFlashDrafter(load_dflash(str(tiny_dflash / "drafter"), TINY), tree)
+        return EagleDrafter(load_head(str(tiny_eagle3 / "head"), TINY, tiny), tree)
+
+    coupled = Generator(tiny, None, drafter=drafter(), **KW).generate(prompts, params)
+    with mock.patch.object(eagle_step, "coupled", lambda *a: None), \
+            mock.patch.object(dflash_step, "coupled", lambda *a: None):
+        # no program store: a stored program would skip the patched trace
+        own = Generator(tiny, None, drafter=drafter(), compile_cache="off", **KW).generate(prompts, params)
+    assert [c.token_ids for c in coupled] == [c.token_ids for c in own] == [c.token_ids for c in plain]
+    mean = lambda outs: np.mean([a for c in outs for a in c.accept_lengths])
+    covered = 1.0 if kind == "dflash" else 48 / TINY.vocab_size  # the chance a draw is a draftable id
+    expected = sum(covered ** d for d in range(tree.steps + 1))
+    assert mean(own) < 1.3 and mean(coupled) > 0.85 * expected, (mean(coupled), mean(own), expected)
+
+
+def test_noise_drawn_once_a_depth_gives_the_per_node_draws():
+    """sample()'s max_depth draws one noise vector per depth (nodes of a depth share their key):
+    the same tokens as one per node, for any tree, sampled and greedy rows mixed."""
+    from jaxspec import sampling
+    from jaxspec.pallas.tree_mask import tree_attention_mask
+    rng = np.random.default_rng(1)
+    b, n, v = 6, 10, 40
+    parents = np.full((b, n), -1, np.int32)
+    for r in range(b):
+        for i in range(1, n):
+            parents[r, i] = rng.integers(0, i)
+    _, depth = tree_attention_mask(jnp.asarray(parents), jnp.full(b, n, jnp.int32))
+    logits = jnp.asarray(rng.normal(0, 1, (b, n, v)), jnp.float32)
+    sb = sampling.SamplingBatch.build([SamplingParams(temperature=t) for t in (1.0, 0.0, 0.5, 2.0, 1.0, 0.0)],
+                                      list(range(b)), list(rng.integers(0, 9, b)))
+    flags = sampling.SamplerFlags(sample=True)
+    per_node = sampling.sample(logits, sb, flags, depth=depth)
+    per_depth = sampling.sample(logits, sb, flags, depth=depth, max_depth=int(depth.max()) + 1)
+    assert np.array_equal(per_node, per_depth)
+    assert not np.array_equal(per_node, jnp.argmax(logits, -1))

@@ -14,12 +14,12 @@ Only accepted positions get context K/V (seed 004's skip of dead positions, here
 """
 from __future__ import annotations
 
-
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import attention, sampling
-from jaxspec.drafters.eagle_step import next_inputs
+from jaxspec.drafters.eagle_step import coupled, next_inputs
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.models.llama import rope_frequencies, rope_table
 from jaxspec.verify import verify_and_accept
@@ -39,10 +39,12 @@ def write_context(head, dcache: KVCache, features, page_table, kv_lens, q_lens):
     return KVCache(kp, vp)
 
 
-def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, live, width: int, attn_impl):
+def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, live, width: int, attn_impl,
+                coupling=None):
     """The next chain of `width` nodes: root [B] (the pending token, at position prefix_len) and
-    the drafter's argmax at the block's other positions. Rows not live write nothing.
-    Returns ((tokens [B, width], parents [B, width]), cache)."""
+    the drafter's argmax at the block's other positions (coupling: as eagle_step.draft_tree's,
+    block position i drafting the token drawn at output position coupling[1] + i - 1). Rows not
+    live write nothing. Returns ((tokens [B, width], parents [B, width]), cache)."""
     b = root.shape[0]
     tokens = jnp.concatenate([root[:, None].astype(jnp.int32), jnp.full((b, width - 1), head.cfg.mask_token, jnp.int32)], 1)
     q_lens = jnp.where(live, width, 0).astype(jnp.int32)
@@ -56,7 +58,12 @@ def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, liv
         kp, vp = write_layer(kp, li, k, page, offset), write_layer(vp, li, v, page, offset)
         o = attention.paged_attention(q, kp, vp, li, page_table, prefix_len, q_lens, everything, impl=attn_impl)
         x = layer.finish(x, o)
-    drafted = jnp.argmax(head.logits(target, x[:, 1:]), axis=-1).astype(jnp.int32)
+    logits = head.logits(target, x[:, 1:])  # [B, width - 1, V]
+    if coupling is not None:
+        sb, first = coupling
+        logits = jax.vmap(lambda lg, p: sampling.coupled_draft_logits(lg, sb, first + p, logits.shape[-1]),
+                          in_axes=(1, 0), out_axes=1)(logits, jnp.arange(width - 1))
+    drafted = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     parents = jnp.broadcast_to(jnp.arange(-1, width - 1, dtype=jnp.int32), (b, width))
     return (tokens.at[:, 1:].set(drafted), parents), KVCache(kp, vp)
 
@@ -76,7 +83,7 @@ def extend(graphs, tree, attn_impl, state, cache, tokens, next_tokens, page_tabl
     follow = jnp.where(next_tokens >= 0, next_tokens, nxt)
     dcache = write_context(head, dcache, layers, page_table, kv_lens, q_lens)
     tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + q_lens, follow, q_lens > 0,
-                                   tree.num_draft_tokens, attn_impl)
+                                   tree.num_draft_tokens, attn_impl, coupled(sb, flags, sb.step + 1))
     squeeze = (lambda x: None if x is None else x[:, 0])
     return nxt, lp[:, 0], squeeze(top_v), squeeze(top_i), tree_out, nxt[:, None], (tcache, dcache)
 
@@ -95,6 +102,6 @@ def verify(graphs, tree, attn_impl, state, cache, tokens, parents, page_table, k
     rows = jnp.arange(tokens.shape[0])
     root = out[rows, jnp.maximum(count - 1, 0)]
     tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + count, root, count > 0,
-                                   tree.num_draft_tokens, attn_impl)
+                                   tree.num_draft_tokens, attn_impl, coupled(sb, flags, sb.step + count))
     chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
     return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
