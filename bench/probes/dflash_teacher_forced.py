@@ -1,0 +1,73 @@
+"""Is the shipped DFLASH drafter's low accept length the engine's doing or the drafter's?
+
+The drafter's card reports a teacher-forced accept length on held-out training text (2.7) while
+the engine accepted about 1.44 tokens a step on MT-bench. Here both are measured on the same
+text: the engine decodes greedily with DFLASH, then the drafter runs densely (train_dflash.
+block_forward, as training evaluates it) at every position of that greedy output, and a block's
+accept length is 1 + how many of its drafts match the output in a row. If the two agree, the
+engine drafts what the drafter was trained to draft, and the gap is the drafter's. SmolLM2 with
+the shipped drafter, MT-bench first turns (evaluation prompts; nothing here trains):
+
+    python bench/probes/dflash_teacher_forced.py [--prompts 4] [--max-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import mt_bench_prompts, print_table, write_results  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    from jaxspec import Generator, SamplingParams, SpecConfig
+    from jaxspec.drafters.dflash import load_dflash
+    from jaxspec.models.loading import load
+    from jaxspec.speculative import shipped_drafter
+    from jaxspec.train_dflash import block_forward, target_features
+    model, tok = load("smollm2-135m")
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
+               for q in mt_bench_prompts()[:args.prompts]]
+    gen = Generator(model, tok, drafter=SpecConfig("DFLASH").build(model, "smollm2-135m"), max_batch=len(prompts),
+                    max_seq_len=1024, warmup=False)
+    outs = gen.generate(prompts, SamplingParams(max_tokens=args.max_tokens))
+    head = load_dflash(shipped_drafter("smollm2-135m", "DFLASH"), model.cfg)
+    n = head.cfg.block_size
+    rows = []
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        seq = p + o.token_ids
+        width = 1 << int(np.ceil(np.log2(len(seq))))
+        padded = jnp.zeros((1, width), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+        _, layers = target_features(model, padded, jnp.asarray([len(seq)]), head.cfg.target_layer_ids)
+        anchors = list(range(len(p), len(seq) - n))  # every generated position with a whole block after it
+        blocks = jnp.full((1, len(anchors), n), head.cfg.mask_token, jnp.int32).at[0, :, 0].set(
+            jnp.asarray([seq[a] for a in anchors]))
+        out = block_forward(head, model, layers, jnp.asarray([anchors]), blocks)
+        drafts = np.asarray(jnp.argmax(head.logits(model, out[0, :, 1:]), -1))
+        lengths = []
+        for k, a in enumerate(anchors):
+            m = 0
+            while m < n - 1 and drafts[k, m] == seq[a + 1 + m]:
+                m += 1
+            lengths.append(1 + m)
+        rows.append(dict(prompt=i, tokens=len(o.token_ids), engine_accept_length=o.mean_accept_length,
+                         teacher_forced_accept_length=float(np.mean(lengths)),
+                         first_draft_right=float(np.mean(drafts[:, 0] == np.array([seq[a + 1] for a in anchors])))))
+        print(rows[-1], flush=True)
+    print_table(rows, ["prompt", "tokens", "engine_accept_length", "teacher_forced_accept_length", "first_draft_right"])
+    print(write_results("dflash_teacher_forced", rows))
+
+
+if __name__ == "__main__":
+    main()
