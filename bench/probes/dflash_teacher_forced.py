@@ -4,8 +4,11 @@ The drafter's card reports a teacher-forced accept length on held-out training t
 the engine accepted about 1.44 tokens a step on MT-bench. Here both are measured on the same
 text: the engine decodes greedily with DFLASH, then the drafter runs densely (train_dflash.
 block_forward, as training evaluates it) at every position of that greedy output, and a block's
-accept length is 1 + how many of its drafts match the output in a row. If the two agree, the
-engine drafts what the drafter was trained to draft, and the gap is the drafter's. SmolLM2 with
+accept length is 1 + how many of its drafts match the output in a row. Averaged over every
+position (as the card's number is) this counts the easy stretches inside long accepted runs
+that the engine steps over; walked as the engine walks (each step's block starts where the last
+step's accepted run ended) it must give the engine's own accept lengths, step for step. If it
+does, the engine drafts what the drafter was trained to draft, and the gap is the drafter's. SmolLM2 with
 the shipped drafter, MT-bench first turns (evaluation prompts; nothing here trains):
 
     python bench/probes/dflash_teacher_forced.py [--prompts 4] [--max-tokens 64]
@@ -61,11 +64,20 @@ def main():
             while m < n - 1 and drafts[k, m] == seq[a + 1 + m]:
                 m += 1
             lengths.append(1 + m)
+        # the engine's walk: a step at anchor a emits its accepted drafts and the bonus token, and
+        # the next step's block starts at the last of them (blocks past the text's end not judged)
+        walk, a = [], len(p)
+        while a - len(p) < len(lengths):
+            walk.append(lengths[a - len(p)])
+            a += walk[-1]
         rows.append(dict(prompt=i, tokens=len(o.token_ids), engine_accept_length=o.mean_accept_length,
+                         engine_steps=len(o.accept_lengths), walk_accept_length=float(np.mean(walk)),
+                         walk_steps=len(walk), walk_equals_engine=walk == o.accept_lengths[:len(walk)],
                          teacher_forced_accept_length=float(np.mean(lengths)),
                          first_draft_right=float(np.mean(drafts[:, 0] == np.array([seq[a + 1] for a in anchors])))))
         print(rows[-1], flush=True)
-    print_table(rows, ["prompt", "tokens", "engine_accept_length", "teacher_forced_accept_length", "first_draft_right"])
+    print_table(rows, ["prompt", "engine_accept_length", "walk_accept_length", "walk_equals_engine",
+                       "teacher_forced_accept_length", "first_draft_right"])
     print(write_results("dflash_teacher_forced", rows))
 
 
