@@ -90,7 +90,7 @@ def main():
     r = one_pass(gen, prompts, params)
     prof.disable()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    pstats.Stats(prof, stream=text).strip_dirs().sort_stats("tottime").print_stats(30)  # no machine paths
     profile = [l for l in text.getvalue().splitlines() if l.strip()][:45]
     print("\n".join(profile))
     write_results("host_probe" + args.tag, rows, {"xla_flags": os.environ.get("XLA_FLAGS", ""),
