@@ -237,21 +237,23 @@ def gumbel_noise(seed, pos, vocab: int):
 
 
 def coupled_draft_logits(logits, sb: SamplingBatch, pos, vocab: int, ids=None):
-    """A drafter's logits [B, ..., Vd] for the token the target will draw at output position
-    pos [B], made as the target makes its draw: scaled by the row's temperature and perturbed by
-    the same Gumbel noise (ids [Vd]: each draft id's target id; None: the same vocabulary). Where
-    the drafter agrees with the target, the draft's argmax is then the token the target's draw
-    picks (Gumbel-max coupling), not merely its most probable one: a sampled request accepts
-    about as often as 1 - TV(draft, target) instead of the target's probability of the draft's
-    argmax. Greedy rows keep their logits. Drafts stay proposals: verification is unchanged, so
-    outputs are exactly plain sampling's."""
+    """A drafter's logits [B, ..., Vd] for the tokens the target will draw at output positions
+    pos ([B], or [B, M] for logits [B, M, Vd]: one position per row of the middle axis), made as
+    the target makes its draw: scaled by the row's temperature and perturbed by the same Gumbel
+    noise (ids [Vd]: each draft id's target id; None: the same vocabulary). Where the drafter
+    agrees with the target, the draft's argmax is then the token the target's draw picks
+    (Gumbel-max coupling), not merely its most probable one: a sampled request accepts about as
+    often as 1 - TV(draft, target) instead of the target's probability of the draft's argmax.
+    Greedy rows keep their logits. Drafts stay proposals: verification is unchanged, so outputs
+    are exactly plain sampling's."""
     sampled = sb.temperature > 0
     lead = (-1,) + (1,) * (logits.ndim - 2)
 
     def perturb(logits):
-        g = jax.vmap(functools.partial(gumbel_noise, vocab=vocab))(sb.seed, pos)  # [B, V]
-        g = g if ids is None else g[:, ids]
-        g = g.reshape(g.shape[:1] + (1,) * (logits.ndim - 2) + g.shape[1:])
+        noise = functools.partial(gumbel_noise, vocab=vocab)
+        g = jax.vmap(noise)(sb.seed, pos) if pos.ndim == 1 else jax.vmap(jax.vmap(noise, (None, 0)))(sb.seed, pos)
+        g = g if ids is None else g[..., ids]
+        g = g.reshape(g.shape[:1] + (1,) * (logits.ndim - g.ndim) + g.shape[1:])
         t = jnp.where(sampled, sb.temperature, 1.0).reshape(lead + (1,))
         return jnp.where(sampled.reshape(lead + (1,)), logits / t + g, logits)
 

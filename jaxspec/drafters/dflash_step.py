@@ -14,7 +14,6 @@ Only accepted positions get context K/V (seed 004's skip of dead positions, here
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -61,8 +60,8 @@ def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, liv
     logits = head.logits(target, x[:, 1:])  # [B, width - 1, V]
     if coupling is not None:
         sb, first = coupling
-        logits = jax.vmap(lambda lg, p: sampling.coupled_draft_logits(lg, sb, first + p, logits.shape[-1]),
-                          in_axes=(1, 0), out_axes=1)(logits, jnp.arange(width - 1))
+        pos = first[:, None] + jnp.arange(width - 1)[None]
+        logits = sampling.coupled_draft_logits(logits, sb, pos, logits.shape[-1])
     drafted = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     parents = jnp.broadcast_to(jnp.arange(-1, width - 1, dtype=jnp.int32), (b, width))
     return (tokens.at[:, 1:].set(drafted), parents), KVCache(kp, vp)

@@ -100,6 +100,7 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
     """
     b = root.shape[0]
     k, n = tree.topk, tree.num_draft_tokens
+    draft_ids = None if head.borrows_target_head else head.to_target(jnp.arange(head.cfg.draft_vocab_size))
 
     def draft_logprobs(out, depth):
         logits = head.logits(target, out)
@@ -107,9 +108,10 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
         if coupling is None:
             return lp
         sb, first = coupling
-        ids = None if head.borrows_target_head else head.to_target(jnp.arange(logits.shape[-1]))
-        drawn = jnp.argmax(sampling.coupled_draft_logits(logits, sb, first + depth, target.cfg.vocab_size, ids), -1)
-        promote = (jnp.arange(lp.shape[-1]) == drawn[..., None]) & (sb.temperature > 0).reshape((-1,) + (1,) * (lp.ndim - 1))
+        coupled_logits = sampling.coupled_draft_logits(logits, sb, first + depth, target.cfg.vocab_size, draft_ids)
+        drawn = jnp.argmax(coupled_logits, -1)
+        sampled = (sb.temperature > 0).reshape((-1,) + (1,) * (lp.ndim - 1))
+        promote = (jnp.arange(lp.shape[-1]) == drawn[..., None]) & sampled
         return jnp.where(promote, jnp.max(lp, axis=-1, keepdims=True) + 1e-3, lp)  # ranks first
 
     score, tok = jax.lax.top_k(draft_logprobs(last_out, 0), k)  # [B, k]
