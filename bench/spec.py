@@ -1,7 +1,8 @@
 """Speculative vs plain decoding through the real engine (Generator), side by side in one run.
 
     python bench/spec.py --model smollm2-135m [--datasets humaneval,mt-bench] [--batches 1,8,64]
-        [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16,eagle:6:4:24/map4096,dflash:16]
+        [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16,eagle:6:4:24/map4096,dflash:16,
+                 eagle3:6:4:24=runs/new/head]
         (eagle3|eagle:steps:topk:tokens; dflash[:tokens]; /mapK restricts the head to the first K
         ids of --token-map (FR-Spec), /mapK/refreshN refreshes that map from the emitted tokens every
         N of them, from the start of each pass; a suffix @pallas / @mosaic / @ref picks the attention;
@@ -140,6 +141,7 @@ def main():
         label = a
         while any(lab == label for _, lab in gens):
             label += "#2"  # the same algorithm again: a control for the noise between rounds
+        a, _, head_dir = a.partition("=")  # "eagle3:6:4:24=runs/x/head": that head, not --draft-model
         a, measured = (a[:-len("/measured")], True) if a.endswith("/measured") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
@@ -155,7 +157,8 @@ def main():
         elif name == "dflash":
             spec = SpecConfig("DFLASH", draft_model_path=args.dflash_model, num_draft_tokens=nums[0] if nums else None)
         else:
-            spec = SpecConfig(name.upper(), draft_model_path=args.eagle_model if name == "eagle" else args.draft_model,
+            spec = SpecConfig(name.upper(), draft_model_path=head_dir or (args.eagle_model if name == "eagle"
+                                                                          else args.draft_model),
                               num_steps=nums[0], eagle_topk=nums[1], num_draft_tokens=nums[2],
                               token_map=map_prefix(args.token_map, int(map_size)) if map_size else None,
                               token_map_refresh=int(refresh or 0))
@@ -206,7 +209,8 @@ def main():
                 tps = [r["tokens"] / r["secs"] for r in runs]
                 outs = runs[0]["outs"]
                 row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
-                           algorithm=name, config=label, dataset=ds, batch=b,
+                           algorithm=name, config=label.split("=")[0], dataset=ds, batch=b,
+                           draft_model=os.path.relpath(label.split("=")[1]) if "=" in label else None,
                            policy="measured" if label.endswith("/measured") else "fixed",
                            token_map=(label.split("/map")[1].split("@")[0].split("/")[0] if "/map" in label
                                       else ("none" if name in ("eagle", "eagle3", "naive_eagle") else None)),

@@ -229,6 +229,8 @@ def parse_args(argv=None):
     ap.add_argument("--export-dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-only", action="store_true", help="generate the run's data.npz and stop")
+    ap.add_argument("--init-from", default=None,
+                    help="EAGLE/EAGLE-3: start from this exported head (its draft vocabulary kept), not a fresh one")
     ap.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, float32 on CPU)")
     ap.add_argument("--block-size", type=int, default=16, help="DFLASH: tokens a draft pass proposes, the root included")
     ap.add_argument("--draft-layers", type=int, default=3, help="DFLASH: drafter layers (and target feature layers)")
@@ -282,6 +284,18 @@ def train(args, target=None, tokenizer=None):
         graph, params, rest = nnx.split(head, nnx.Param, ...)
         step_fn, eval_fn, t_state = train_dflash.make_train_step(target, graph, rest, tx, cfg, args.anchors, args.seed)
         coverage = None
+    elif args.init_from:  # go on training a shipped head: its draft vocabulary stays
+        from jaxspec.drafters.eagle import load_head
+        head = load_head(args.init_from, target.cfg, target)
+        cfg = head.cfg
+        if cfg.kind != args.kind:
+            raise ValueError(f"--init-from {args.init_from} holds an {cfg.kind} head, not {args.kind}")
+        hot = np.asarray(head.draft_to_target[...]) if cfg.kind == "eagle3" else np.arange(target.cfg.vocab_size)
+        vd = len(hot)
+        counts = np.bincount(tr_tok[np.arange(tr_tok.shape[1])[None] < tr_len[:, None]], minlength=target.cfg.vocab_size)
+        coverage = float(counts[hot].sum() / max(counts.sum(), 1))
+        graph, params, rest = nnx.split(head, nnx.Param, ...)
+        step_fn, eval_fn, t_state = make_train_step(target, graph, rest, tx, jnp.asarray(hot), cfg, args.ttt)
     else:
         hot, coverage = draft_vocabulary(tr_tok, tr_len, target.cfg.vocab_size, vd)
         cfg = HeadConfig.for_target(target.cfg, args.kind, draft_vocab_size=vd, intermediate_size=args.intermediate_size)
@@ -361,6 +375,7 @@ def train(args, target=None, tokenizer=None):
                     sequences=int(len(tokens)), tokens=int(lengths.sum()),
                     train_sequences=int(len(tr_tok)), steps=int(step), planned_steps=args.steps, batch=args.batch,
                     seq_len=args.seq_len, lr=args.lr,
+                    **(dict(init_from=os.path.basename(os.path.normpath(args.init_from))) if args.init_from else {}),
                     **(dict(block_size=cfg.block_size, draft_layers=cfg.num_layers, anchors=args.anchors,
                             target_layer_ids=list(cfg.target_layer_ids), mask_token=cfg.mask_token)
                        if args.kind == "dflash" else dict(draft_vocab=int(vd), draft_vocab_coverage=coverage, ttt=args.ttt)),

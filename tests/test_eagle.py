@@ -71,6 +71,25 @@ def test_training_resumes_from_checkpoint(tmp_path, tiny):
     assert steps == [6, 9]  # the second run logged steps 7-9 only: nothing retrained
 
 
+
+def test_training_goes_on_from_an_exported_head(tmp_path, tiny, tiny_eagle3):
+    """--init-from starts from a shipped head on new data: its first logged accuracy is the trained
+    head's, far above a fresh head's, and its draft vocabulary is kept (not recounted)."""
+    from jaxspec import train
+    base = ["--kind", "eagle3", "--num-prompts", "48", "--max-new-tokens", "40", "--seq-len", "64", "--steps", "2",
+            "--batch", "8", "--ttt", "3", "--draft-vocab", "48", "--log-every", "1", "--save-every", "1000",
+            "--gen-batch", "48", "--lr", "1e-5", "--seed", "7", "--export-dtype", "float32"]
+    argv = base + ["--run", str(tmp_path / "on"), "--init-from", str(tiny_eagle3 / "head"), "--export",
+                   str(tmp_path / "on" / "head")]
+    train.train(train.parse_args(argv), tiny)
+    train.train(train.parse_args(base + ["--run", str(tmp_path / "fresh")]), tiny)
+    first = lambda run: [json.loads(l) for l in open(tmp_path / run / "metrics.jsonl")][0]["acc"][0]
+    assert first("on") > first("fresh") + 0.2
+    shipped = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    went_on = load_head(str(tmp_path / "on" / "head"), TINY, tiny)
+    assert np.array_equal(np.asarray(went_on.draft_to_target[...]), np.asarray(shipped.draft_to_target[...]))
+    assert json.load(open(tmp_path / "on" / "head" / "card.json"))["init_from"] == "head"  # no machine path
+
 TREES = [TreeShape(3, 2, 6), TreeShape(1, 1, 2), TreeShape(4, 1, 5), TreeShape(3, 4, 16)]
 
 
@@ -350,6 +369,30 @@ def test_large_batch_fallback_decodes_plainly_and_later_requests_draft(tiny, tin
     assert gen.scheduler.stats["verify_steps"] > 0 and max(c.mean_accept_length for c in later) > 1
     assert gen.scheduler.pool.in_use == 0
 
+
+
+def test_prefill_at_a_bucket_without_a_tree_runs_the_target_alone(tiny, tiny_eagle3):
+    """Where the running batch's bucket gets no tree, a prefill chunk skips the head (its catch-up
+    and first draft would be thrown away by the plain steps that follow): only the target's
+    extend program runs, the heads are behind from the prompt on, greedy output is plain's, and
+    a later small batch drafts again."""
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompts = random_prompts(22, 8)
+    params = [SamplingParams(max_tokens=5 + 2 * i, ignore_eos=True) for i in range(8)]
+    plain = Generator(tiny, None, **KW).generate(prompts, params)
+    gen = eagle_generator(tiny, head, TreeShape(2, 2, 4), spec_max_verify_tokens=16)
+    sched, calls = gen.scheduler, []
+    for progs, name in ((sched.programs, "eagle"), (sched.plain_programs, "target")):
+        run = progs.run
+        progs.run = lambda n, *a, run=run, name=name: calls.append((name, n)) or run(n, *a)
+    spec = gen.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert ("target", "extend") in calls and not any(who == "eagle" for who, _ in calls)
+    calls.clear()
+    later = gen.generate(prompts[:2], params[:2])  # batch 2 x 4 nodes fits: the head prefills and drafts
+    assert [c.token_ids for c in later] == [c.token_ids for c in plain[:2]]
+    assert ("eagle", "extend") in calls and ("target", "extend") not in calls
+    assert max(c.mean_accept_length for c in later) > 1 and sched.pool.in_use == 0
 
 # -- sampled requests: drafts coupled to the target's draw ----------------------------------------------
 def test_coupled_draft_ranks_first_the_token_the_targets_draw_picks():

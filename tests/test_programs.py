@@ -18,9 +18,10 @@ def test_program_set_is_small_and_listed(tiny):
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     eagle = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=256)
     specs = eagle.scheduler.program_specs()
-    # prefill 3, plain decode 7, and verify for the buckets whose tree keeps >= 4 nodes (1..32): 6, greedy and
-    # sampling apart (one program serves both for the others: programs.SHARED_SAMPLER)
-    assert len({eagle.scheduler.programs.entry(*s[1:]) for s in specs}) == 3 + 7 + 2 * 6
+    # prefill 3 (and 3 by the target alone, for bucket 64, which gets no tree), plain decode 7, and verify for
+    # the buckets whose tree keeps >= 4 nodes (1..32): 6, greedy and sampling apart (one program serves both
+    # for the others: programs.SHARED_SAMPLER)
+    assert len({progs.entry(*s) for progs, *s in specs}) == 3 + 3 + 7 + 2 * 6
     assert sum(s[1] == "verify_steps" for s in specs) == 2 * 6
     small = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=2, max_seq_len=256)
     info = small.scheduler.warmup()  # buckets 1 and 2: prefill 3 (rows <= 2), decode 2, verify 2 twice
@@ -46,21 +47,22 @@ def test_no_compile_after_warmup_over_varied_requests(tiny):
 
 
 def test_eagle_engine_compiles_nothing_after_warmup_with_mixed_groups(tiny):
-    """At 40 requests trees do not fit: they decode plainly and leave the head behind (and stay
-    plain). Once 20 finish, 3 new requests verify trees beside them: 23 decoding requests (bucket
-    32: 4-node trees), of which the 3 speculative ones are a group of their own, launched in the
-    whole batch's bucket, for which the start-up set holds that tree size."""
+    """At 40 requests trees do not fit: they prefill and decode plainly and leave the head behind
+    (and stay plain). Once 30 finish, 13 new requests verify trees beside them: 23 decoding
+    requests (bucket 32: 4-node trees), of which the 13 speculative ones are a group of their own,
+    launched in the whole batch's bucket, for which the start-up set holds that tree size."""
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=160,
                     prefill_chunk=64, warmup=True)
     before = compile_count()
     sched = gen.scheduler
-    reqs = [sched.add([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=12 if i % 2 else 60, ignore_eos=True))
+    reqs = [sched.add([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=12 if i % 4 else 60, ignore_eos=True))
             for i in range(40)]
-    while sum(r.finished for r in reqs) < 20:
+    while sum(r.finished for r in reqs) < 30:
         sched.step()
     assert all(r.head_len is not None for r in reqs if not r.finished)
-    reqs += [sched.add([5, 6, 7, 8], SamplingParams(max_tokens=30, ignore_eos=True)) for _ in range(3)]
+    assert sched.stats["verify_steps"] == 0
+    reqs += [sched.add([5, 6, 7, 8], SamplingParams(max_tokens=30, ignore_eos=True)) for _ in range(13)]
     while sched.has_work:
         sched.step()
     assert all(r.finished for r in reqs) and sched.stats["verify_steps"] > 0

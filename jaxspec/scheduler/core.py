@@ -161,9 +161,13 @@ class Scheduler(Admission, Dispatch, Outputs):
         if self.device_drafter:
             decode, target_cache = self.plain_programs, self.cache[0]
         specs = []
+        # a device drafter's prefill runs the target alone where the batch's bucket gets no tree
+        plain_prefill = self.device_drafter and self.tree_size(self.max_batch) == 1
         for flags in flag_sets:
             for rows, t in self.prefill_shapes:
                 specs.append((self.programs, "extend", flags, self.cache, self._dummy_inputs(rows, t)))
+                if plain_prefill:
+                    specs.append((decode, "extend", flags, target_cache, self._dummy_inputs(rows, t)))
             for rows in rows_all:
                 specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
                 if self.tree_size(rows) > 1:

@@ -104,10 +104,26 @@ class Dispatch:
         pt = self._page_table(reqs, rows)
         sb = self._sampling(reqs, rows, flags)
         args = _to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))  # one transfer
-        *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
+        if self._prefills_plainly(reqs):
+            for r in reqs:
+                if r.head_len is None:
+                    r.head_len = r.kv_len
+            *outputs, tcache = self.plain_programs.extend(self.cache[0], *args, flags=flags)
+            self.cache = (tcache, self.cache[1])
+        else:
+            *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
         f = InFlight("extend", reqs, tuple(outputs), {}, flags, host_s=time.perf_counter() - t0)
         self._host_work_while_device_runs(f)
         self._collect(f, [n for _, n in batch])
+
+    def _prefills_plainly(self, reqs) -> bool:
+        """Whether a device drafter's prefill chunk runs the target alone, leaving the head behind:
+        where the running batch's bucket gets no tree (it decodes plainly next, which leaves the
+        head behind anyway: its catch-up and first draft would be thrown away; at batch 64 they
+        made EAGLE-3 0.84x plain, spec-cmdbuf-NVIDIA-H200.json), or where every head in the chunk
+        is behind already."""
+        return self.device_drafter and (self.tree_size(len(self.running)) == 1
+                                        or all(r.head_len is not None for r in reqs))
 
     def _run_verify(self, reqs, nodes, rows, steps=1, overlap=True):
         t0 = time.perf_counter()
