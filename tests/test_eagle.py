@@ -389,6 +389,15 @@ def test_prefill_at_a_bucket_without_a_tree_runs_the_target_alone(tiny, tiny_eag
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert ("target", "extend") in calls and not any(who == "eagle" for who, _ in calls)
     calls.clear()
+    # prompts whose first page is cached with its head's K/V (from a small batch) decode from their
+    # first step while the others prefill: in a batch whose bucket gets no tree they decode plainly too
+    cached = [p[:16] + [7] for p in random_prompts(23, 2, 17, 18)]
+    gen.generate(cached, SamplingParams(max_tokens=3, ignore_eos=True))
+    calls.clear()
+    both = gen.generate(cached + prompts, [SamplingParams(max_tokens=4, ignore_eos=True)] * 2 + params)
+    assert [c.token_ids for c in both[2:]] == [c.token_ids for c in plain]
+    assert not any(who == "eagle" for who, _ in calls) and all(c.accept_lengths is None for c in both)
+    calls.clear()
     later = gen.generate(prompts[:2], params[:2])  # batch 2 x 4 nodes fits: the head prefills and drafts
     assert [c.token_ids for c in later] == [c.token_ids for c in plain[:2]]
     assert ("eagle", "extend") in calls and ("target", "extend") not in calls

@@ -356,6 +356,10 @@ class Scheduler(Admission, Dispatch, Outputs):
         """Nodes a step verifies now: the tree that fits, or 1 where a host drafter's policy says
         the batch decodes plainly."""
         nodes = self.tree_size(len(reqs))
+        if nodes > 1 and self.device_drafter and self.tree_size(len(self.running)) == 1:
+            # the batch fills to a bucket without trees, where the heads fall behind anyway: a few
+            # early decoders (prompts found in the prefix cache) would verify unchained steps first
+            return 1
         if nodes > 1 and self.policy is not None and not self.policy.should_verify(self._match_keys(reqs, nodes),
                                                                                    len(reqs)):
             return 1
