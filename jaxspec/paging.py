@@ -4,6 +4,11 @@ A full page whose K/V belong to a known token prefix is registered under the has
 (previous page's key, its tokens); a later request whose prompt starts with the same tokens takes
 those pages instead of recomputing them. Pages are reference-counted: a registered page nobody
 uses waits on an LRU list and is evicted only when the free list runs dry.
+
+With a device drafter a page holds two caches' K/V, the target's and the drafter's; a request
+decoded by the target alone leaves the drafter's part unwritten. Such pages are registered as
+target-only: they serve requests that decode plainly, and a later page holding both caches for the
+same tokens takes their place in the index.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ class PagePool:
         self.cached: dict[tuple, int] = {}  # chain key -> page
         self.key_of: dict[int, tuple] = {}  # page -> chain key
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.target_only: set[int] = set()  # registered pages whose drafter K/V were never written
         self.hits = 0  # tokens served from the prefix cache
 
     @property
@@ -46,6 +52,7 @@ class PagePool:
             else:
                 p, _ = self.evictable.popitem(last=False)
                 del self.cached[self.key_of.pop(p)]
+                self.target_only.discard(p)
             self.refs[p] = 1
             out.append(p)
         return out
@@ -56,13 +63,14 @@ class PagePool:
             key = (hash(key), tuple(tokens[i * ps:(i + 1) * ps]))
             yield key
 
-    def match_prefix(self, tokens) -> list[int]:
+    def match_prefix(self, tokens, target_only_ok: bool = True) -> list[int]:
         """Pages holding a cached prefix of tokens (references taken). At least one token is left
-        uncovered, since the last prompt token must run to produce logits."""
+        uncovered, since the last prompt token must run to produce logits. target_only_ok=False:
+        only pages holding the drafter's K/V too."""
         pages = []
         for key in self._chain(tokens, (len(tokens) - 1) // self.page_size):
             p = self.cached.get(key)
-            if p is None:
+            if p is None or (not target_only_ok and p in self.target_only):
                 break
             if self.refs[p] == 0:
                 del self.evictable[p]
@@ -71,15 +79,35 @@ class PagePool:
         self.hits += len(pages) * self.page_size
         return pages
 
-    def release(self, pages: list[int], tokens=()):
+    def full_prefix(self, pages: list[int]) -> int:
+        """How many leading pages hold every cache's K/V (the drafter's too)."""
+        return next((i for i, p in enumerate(pages) if p in self.target_only), len(pages))
+
+    def release(self, pages: list[int], tokens=(), complete: int | None = None):
         """Drop one reference to each page. tokens: the tokens whose K/V the pages hold, in order;
-        every full page among them is registered for reuse."""
+        every full page among them is registered for reuse. complete: how many of those tokens
+        have the drafter's K/V too (default: all); the pages past them are registered as
+        target-only, and a page holding both replaces a target-only one of the same tokens."""
         full = min(len(tokens) // self.page_size, len(pages))
+        complete = len(tokens) if complete is None else complete
         for i, key in enumerate(self._chain(tokens, full)):
             p = pages[i]
-            if p not in self.key_of and key not in self.cached:
-                self.cached[key] = p
-                self.key_of[p] = key
+            if p in self.key_of:
+                continue
+            whole = (i + 1) * self.page_size <= complete
+            old = self.cached.get(key)
+            if old is not None:
+                if not whole or old not in self.target_only:
+                    continue
+                del self.key_of[old]  # the page with both caches' K/V serves more requests
+                self.target_only.discard(old)
+                if self.refs[old] == 0:
+                    del self.evictable[old]
+                    self.free.append(old)
+            self.cached[key] = p
+            self.key_of[p] = key
+            if not whole:
+                self.target_only.add(p)
         for p in pages:
             self.refs[p] -= 1
             assert self.refs[p] >= 0, f"page {p} released twice"
@@ -96,5 +124,6 @@ class PagePool:
         assert len(free) == len(self.free), "duplicate page on the free list"
         assert not (free & ev) and not (free & used) and not (ev & used), "page in two states"
         assert free | ev | used == set(range(self.num_pages)) - {TRASH_PAGE}, "page lost"
-        assert all(self.key_of[p] in self.cached for p in self.key_of)
+        assert all(self.cached[self.key_of[p]] == p for p in self.key_of)
+        assert self.target_only <= set(self.key_of), "unregistered page marked target-only"
         return True

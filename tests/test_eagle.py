@@ -377,9 +377,10 @@ def test_prefill_at_a_bucket_without_a_tree_runs_the_target_alone(tiny, tiny_eag
     extend program runs, the heads are behind from the prompt on, greedy output is plain's, and
     a later small batch drafts again."""
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
-    prompts = random_prompts(22, 8)
+    prompts = random_prompts(22, 8, 20, 50)
     params = [SamplingParams(max_tokens=5 + 2 * i, ignore_eos=True) for i in range(8)]
-    plain = Generator(tiny, None, **KW).generate(prompts, params)
+    plain_gen = Generator(tiny, None, **KW)
+    plain = plain_gen.generate(prompts, params)
     gen = eagle_generator(tiny, head, TreeShape(2, 2, 4), spec_max_verify_tokens=16)
     sched, calls = gen.scheduler, []
     for progs, name in ((sched.programs, "eagle"), (sched.plain_programs, "target")):
@@ -388,6 +389,13 @@ def test_prefill_at_a_bucket_without_a_tree_runs_the_target_alone(tiny, tiny_eag
     spec = gen.generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert ("target", "extend") in calls and not any(who == "eagle" for who, _ in calls)
+    # their pages (target-only) serve the same prompts again as they serve the plain engine
+    prefilled = []
+    for g in (plain_gen, gen):
+        before = g.scheduler.stats["prefill_tokens"]
+        assert [c.token_ids for c in g.generate(prompts, params)] == [c.token_ids for c in plain]
+        prefilled.append(g.scheduler.stats["prefill_tokens"] - before)
+    assert prefilled[1] == prefilled[0] < sum(map(len, prompts)) // 2
     calls.clear()
     # prompts whose first page is cached with its head's K/V (from a small batch) decode from their
     # first step while the others prefill: in a batch whose bucket gets no tree they decode plainly too

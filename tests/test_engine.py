@@ -63,6 +63,32 @@ def test_page_pool_accounting_and_prefix_chain():
     pool.check()
 
 
+
+def test_target_only_pages_serve_plain_requests_until_full_pages_replace_them():
+    """Pages a request decoded without its drafter's K/V serve only requests that ask for the
+    target's alone; a later page holding both caches for the same tokens takes their place in the
+    index (the target-only page freed once unused)."""
+    pool = PagePool(12, 4)
+    toks = list(range(12))
+    a = pool.alloc(3)
+    pool.release(a, toks, complete=4)  # the drafter's K/V cover the first page only
+    pool.check()
+    assert pool.match_prefix(toks + [99], target_only_ok=False) == [a[0]]
+    pool.release([a[0]])
+    got = pool.match_prefix(toks + [99])
+    assert got == a and pool.full_prefix(got) == 1
+    # a request with both caches recomputes pages 2 and 3 while `got` still holds them
+    mine = pool.match_prefix(toks + [99], target_only_ok=False) + pool.alloc(2)
+    pool.release(mine, toks)
+    pool.check()
+    assert pool.match_prefix(toks + [99], target_only_ok=False) == mine
+    pool.release(got, toks, complete=4)  # the replaced pages go back to the free list, not the index
+    pool.check()
+    assert not (set(a[1:]) & set(pool.evictable)) and set(a[1:]) <= set(pool.free)
+    pool.release(mine)
+    pool.check()
+    assert pool.in_use == 0 and pool.full_prefix(pool.match_prefix(toks + [99])) == 3
+
 def make_gen(model, tok=None, **kw):
     kw.setdefault("max_batch", 8)
     kw.setdefault("max_seq_len", 256)

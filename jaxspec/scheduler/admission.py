@@ -19,7 +19,10 @@ class Admission:
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
             toks = req.tokens
-            matched = self.pool.match_prefix(toks)
+            # a request that will decode plainly (its batch's bucket gets no tree) takes pages without
+            # the drafter's K/V too; one that may draft only pages with both
+            plain = self.device_drafter and self.tree_size(min(self.max_batch, len(self.running) + len(self.waiting))) == 1
+            matched = self.pool.match_prefix(toks, target_only_ok=plain or not self.device_drafter)
             need = min(-(-(len(toks) + 1 + self.draft_slots) // self.page_size), self.max_pages_per_seq) - len(matched)
             # keep a page per running request in hand so admission does not starve decoding
             if need + len(self.running) > self.pool.available:
@@ -28,6 +31,8 @@ class Admission:
             self.waiting.pop(0)
             req.pages = matched + self.pool.alloc(need)
             req.kv_len = len(matched) * self.page_size
+            if self.device_drafter and self.pool.full_prefix(matched) < len(matched):
+                req.head_len = self.pool.full_prefix(matched) * self.page_size  # behind from the start
             self.running.append(req)
 
     def _reserve(self, reqs, extra):
@@ -52,13 +57,14 @@ class Admission:
             out.append(req)
         return out
 
-    def _cached_tokens(self, req):
-        """The tokens whose pages may serve later requests as a prefix: with an EAGLE head, only
-        those the head's cache holds too."""
-        return req.tokens[:req.kv_len if req.head_len is None else min(req.kv_len, req.head_len)]
+    def _release(self, req):
+        """Give the request's pages back; those of its cached tokens serve later requests as a
+        prefix (target-only past where an EAGLE head fell behind)."""
+        head = None if req.head_len is None else min(req.kv_len, req.head_len)
+        self.pool.release(req.pages, req.tokens[:req.kv_len], head)
 
     def _preempt(self, req):
-        self.pool.release(req.pages, self._cached_tokens(req))
+        self._release(req)
         req.pages, req.kv_len, req.draft, req.head_len = [], 0, None, None  # recomputed with the head
         self.running.remove(req)
         self.waiting.insert(0, req)

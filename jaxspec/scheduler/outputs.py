@@ -126,7 +126,7 @@ class Outputs:
         req.finish_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
-            self.pool.release(req.pages, self._cached_tokens(req))
+            self._release(req)
             req.pages = []
         if self.drafter is not None:
             self.drafter.finish(req)
