@@ -29,7 +29,7 @@ def _table(name, columns, device=DEVICE):
 
 def decode() -> str:
     d, out = _table("decode", ["model", "batch", "jaxspec ms (floor ratio)", "torch.compile ms (floor ratio)",
-                               "jaxspec vs torch", "kernels a step"])
+                               "jaxspec vs torch", "kernels a step"], "NVIDIA-H200")
     rows = {(r["model"], r["batch"], r["engine"]): r for r in d["rows"]}
     for (model, batch, engine), j in rows.items():
         t = rows.get((model, batch, "torch-compile"))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+
 from jaxspec.kv_cache import TRASH_PAGE
 
 
@@ -127,3 +129,22 @@ class PagePool:
         assert all(self.cached[self.key_of[p]] == p for p in self.key_of)
         assert self.target_only <= set(self.key_of), "unregistered page marked target-only"
         return True
+
+
+def pages_that_fit(cfg, drafter, page_size, dtype, fraction, mesh=None) -> int | None:
+    """KV pages (target and drafter caches) in `fraction` of the first device's free memory, or None
+    where the device reports none (the CPU). Each device holds 1/tp of a page under a mesh."""
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    if not 0 < fraction < 1:
+        raise ValueError(f"mem_fraction={fraction} must be in (0, 1)")
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    itemsize = np.dtype(dtype).itemsize
+    per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    if getattr(drafter, "head", None) is not None:
+        layers, kv_heads, head_dim = drafter.cache_shape()
+        per_page += 2 * layers * page_size * kv_heads * head_dim * itemsize
+    tp = 1 if mesh is None else mesh.devices.size
+    return int(fraction * free * tp // per_page)

@@ -19,10 +19,10 @@ def test_program_set_is_small_and_listed(tiny):
     eagle = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=256)
     specs = eagle.scheduler.program_specs()
     # prefill 3 (and 3 by the target alone, for bucket 64, which gets no tree), plain decode 7, and verify for
-    # the buckets whose tree keeps >= 4 nodes (1..32): 6, greedy and sampling apart (one program serves both
+    # the buckets whose tree keeps its 8 nodes (1..16): 5, greedy and sampling apart (one program serves both
     # for the others: programs.SHARED_SAMPLER)
-    assert len({progs.entry(*s) for progs, *s in specs}) == 3 + 3 + 7 + 2 * 6
-    assert sum(s[1] == "verify_steps" for s in specs) == 2 * 6
+    assert len({progs.entry(*s) for progs, *s in specs}) == 3 + 3 + 7 + 2 * 5
+    assert sum(s[1] == "verify_steps" for s in specs) == 2 * 5
     small = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=2, max_seq_len=256)
     info = small.scheduler.warmup()  # buckets 1 and 2: prefill 3 (rows <= 2), decode 2, verify 2 twice
     assert info["programs"] == 3 + 2 + 2 * 2
@@ -53,7 +53,7 @@ def test_eagle_engine_compiles_nothing_after_warmup_with_mixed_groups(tiny):
     launched in the whole batch's bucket, for which the start-up set holds that tree size."""
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=160,
-                    prefill_chunk=64, warmup=True)
+                    prefill_chunk=64, warmup=True, spec_min_nodes=4)
     before = compile_count()
     sched = gen.scheduler
     reqs = [sched.add([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=12 if i % 4 else 60, ignore_eos=True))

@@ -24,7 +24,7 @@ import numpy as np
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
 from jaxspec import program_store, program_workers
-from jaxspec.paging import PagePool
+from jaxspec.paging import PagePool, pages_that_fit
 from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
 from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
                               enable_compilation_cache, prefill_shapes)
@@ -40,31 +40,12 @@ from jaxspec.scheduler.request import InFlight, Request
 DEFAULT_SPEC_MIN_GAIN = 1.1  # see Scheduler.__init__ (tests set it to 0: drafting always pays)
 
 
-def pages_that_fit(cfg, drafter, page_size, dtype, fraction, mesh=None) -> int | None:
-    """KV pages (target and drafter caches) in `fraction` of the first device's free memory, or None
-    where the device reports none (the CPU). Each device holds 1/tp of a page under a mesh."""
-    import jax
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
-    if not 0 < fraction < 1:
-        raise ValueError(f"mem_fraction={fraction} must be in (0, 1)")
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    itemsize = np.dtype(dtype).itemsize
-    per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
-    if getattr(drafter, "head", None) is not None:
-        layers, kv_heads, head_dim = drafter.cache_shape()
-        per_page += 2 * layers * page_size * kv_heads * head_dim * itemsize
-    tp = 1 if mesh is None else mesh.devices.size
-    return int(fraction * free * tp // per_page)
-
-
 class Scheduler(Admission, Dispatch, Outputs):
     clock = staticmethod(time.perf_counter)  # times steps for the drafting policy (tests drive it)
 
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
-                 spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=4, spec_min_accept=2.0,
+                 spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=None, spec_min_accept=2.0,
                  spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
                  warmup_flags=None, compile_cache=None, build_workers=None, mesh=None, mem_fraction=None,
                  spec_policy="fixed"):
@@ -115,6 +96,14 @@ class Scheduler(Admission, Dispatch, Outputs):
         # falls back to plain decoding. A host drafter still sees every token; an EAGLE head is
         # left behind (its catch-up made the fallback 5-11% slower than plain on the H100,
         # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
+        # A device drafter's tree cut to fit drafts as deep as the whole tree but accepts less: 4-node
+        # trees at batch 32 ran at 0.74x plain on MT-bench and 0.83x on HumanEval, and 8-node trees at
+        # batch 16 cost the 64 + 16 MT-bench waves 12% (spec-policy-, spec-b64-NVIDIA-H200.json), while
+        # 16-node trees at batch 8 won (1.07-1.2x). So by default it verifies no tree below 16 nodes
+        # (4 for a host drafter, whose budget is spec_max_host_verify_tokens); a drafter's own smaller
+        # tree is kept whole.
+        if spec_min_nodes is None:
+            spec_min_nodes = 16 if self.device_drafter else 4
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
         # A host drafter's steps cannot chain (it drafts from the tokens just emitted), so their host time adds to the
         # device's: one costs about 1.5 plain steps on the H100 at batch 1, and more at larger batch, where NGRAM lost
