@@ -2,6 +2,8 @@
 # How the shipped SmolLM2-135M EAGLE-3 head is made on one GPU, in runs of < 10 minutes each:
 #   bash bench/train_head.sh data   GGUF RUN            # the target writes prompts and answers
 #   bash bench/train_head.sh train  GGUF RUN MINUTES    # train (resumes from RUN/checkpoints)
+# and to go on from the shipped head on a second corpus (another seed, so other invented prompts):
+#   bash bench/train_head.sh more-data GGUF RUN2; bash bench/train_head.sh more GGUF RUN2 MINUTES
 # Data and training run in separate processes on purpose (the training step once ran ~60x slower in
 # the process that had generated the data; bench/results/train-attempts/).
 set -euo pipefail
@@ -12,5 +14,8 @@ common=(--model "$gguf" --kind eagle3 --run "$run" --num-prompts 49152 --gen-bat
 case $stage in
   data) python -m jaxspec.train "${common[@]}" --data-only ;;
   train) python -m jaxspec.train "${common[@]}" --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data or train" >&2; exit 2 ;;
+  more-data) python -m jaxspec.train "${common[@]}" --num-prompts 32768 --seed 1 --data-only ;;
+  more) python -m jaxspec.train "${common[@]}" --num-prompts 32768 --seed 1 --steps 4000 --lr 3e-4 \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --max-minutes "$4" --export "$run/head" ;;
+  *) echo "stage must be data, train, more-data or more" >&2; exit 2 ;;
 esac
