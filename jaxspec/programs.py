@@ -304,6 +304,18 @@ def _with_state(treedef, fn):
 
 
 # -- the target-only step functions ----------------------------------------------------------------------
+def steps_while_alive(num_steps, body, init, alive):
+    """lax.fori_loop(0, num_steps, body, init) left as soon as alive(carry) [B] holds no live row:
+    steps after every row stopped (EOS, stop ids, max_tokens) would change nothing but cost a full
+    step each, and a call chained after such a call now costs a launch, not its steps."""
+    def cond(c):
+        return (c[0] < num_steps) & jnp.any(alive(c[1]))
+
+    def step(c):
+        return c[0] + 1, body(c[0], c[1])
+    return jax.lax.while_loop(cond, step, (jnp.int32(0), init))[1]
+
+
 def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, flags):
     """tokens [B, T] at positions kv_len.. -> next token [B], its logprob [B], top-n, None (no
     draft tree), the next decode step's tokens [B, 1], cache. next_tokens serves device drafters only."""
@@ -356,10 +368,12 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
 
     count = jnp.zeros((b,), jnp.int32)
     init = (cache, tokens, count, budget > 0, out, lps, tops)
-    cache, tok, count, _, out, lps, tops = jax.lax.fori_loop(0, jnp.minimum(num_steps, m), step, init)
+    cache, tok, count, alive, out, lps, tops = steps_while_alive(jnp.minimum(num_steps, m), step, init,
+                                                                 lambda c: c[3])
     top_v, top_i = tops if k else (None, None)
+    # a row that stopped has no budget left: a call chained on this one leaves it out at once
     return out, count, lps, top_v, top_i, None, (tok, kv_lens + count, dataclasses.replace(sb, step=sb.step + count),
-                                                 budget - count), cache
+                                                 jnp.where(alive, budget - count, 0)), cache
 
 
 def _verify_tree(graphdef, attn_impl, state, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags):

@@ -402,8 +402,8 @@ def test_prefill_at_a_bucket_without_a_tree_runs_the_target_alone(tiny, tiny_eag
     cached = [p[:16] + [7] for p in random_prompts(23, 2, 17, 18)]
     gen.generate(cached, SamplingParams(max_tokens=3, ignore_eos=True))
     calls.clear()
-    both = gen.generate(cached + prompts, [SamplingParams(max_tokens=4, ignore_eos=True)] * 2 + params)
-    assert [c.token_ids for c in both[2:]] == [c.token_ids for c in plain]
+    both = gen.generate(cached + prompts[:6], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2 + params[:6])
+    assert [c.token_ids for c in both[2:]] == [c.token_ids for c in plain[:6]]
     assert not any(who == "eagle" for who, _ in calls) and all(c.accept_lengths is None for c in both)
     calls.clear()
     later = gen.generate(prompts[:2], params[:2])  # batch 2 x 4 nodes fits: the head prefills and drafts
@@ -493,3 +493,24 @@ def test_noise_drawn_once_a_depth_gives_the_per_node_draws():
     per_depth = sampling.sample(logits, sb, flags, depth=depth, max_depth=int(depth.max()) + 1)
     assert np.array_equal(per_node, per_depth)
     assert not np.array_equal(per_node, jnp.argmax(logits, -1))
+
+
+def test_verify_calls_chain_to_a_requests_last_tokens(tiny, tiny_eagle3):
+    """A steady batch's verify calls chain up to its requests' last tokens: one reaching max_tokens
+    inside call t leaves call t + 1 its row as padding, and a call with no live row ends at once;
+    the output is plain greedy's."""
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompts, params = random_prompts(31, 1, 5, 9), SamplingParams(max_tokens=60, ignore_eos=True)
+    plain = Generator(tiny, None, **KW).generate(prompts, params)
+    gen = eagle_generator(tiny, head, TreeShape(3, 2, 6))
+    spec = gen.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    stats = gen.scheduler.stats
+    # every verify call but the first was launched from the one before, the one launched before the
+    # request's end was read too (at 4fd4eb9 chaining stopped 16 tokens before max_tokens)
+    assert stats["chained_steps"] == stats["verify_steps"] == 6
+    # a stop id inside a call: the chained call after it finds the row stopped (no budget left)
+    stop = dataclasses.replace(params, stop_token_ids=[plain[0].token_ids[30]])
+    want = Generator(tiny, None, **KW).generate(prompts, stop)[0].token_ids
+    assert gen.generate(prompts, stop)[0].token_ids == want and len(want) <= 31
+    assert gen.scheduler.pool.in_use == 0

@@ -26,6 +26,7 @@ from flax import nnx
 from jaxspec import attention, sampling
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.attention import NEG_INF
+from jaxspec.programs import steps_while_alive
 from jaxspec.verify import verify_and_accept
 
 
@@ -271,7 +272,8 @@ def verify_steps(verify_step, tree: TreeShape, state, cache, tokens, parents, pa
         return (cache, chained[0], chained[1], chained[2], chained[3], budget, nodes, outs, tree_out)
 
     init = (cache, tokens, parents, kv_lens, sb, budget, jnp.where(budget > 0, num_nodes, 0), outs, tree0)
-    cache, tokens, parents, kv_lens, sb, budget, _, outs, tree_out = jax.lax.fori_loop(
-        0, jnp.minimum(num_steps, m), body, init)
+    cache, tokens, parents, kv_lens, sb, budget, nodes, outs, tree_out = steps_while_alive(
+        jnp.minimum(num_steps, m), body, init, lambda c: c[6] > 0)
+    # a row that stopped (a stop id too) has no budget left: a call chained on this one leaves it out at once
     return (outs["tokens"], outs["counts"], outs["lp"], outs.get("top_v"), outs.get("top_i"), tree_out,
-            (tokens, parents, kv_lens, sb, budget), cache)
+            (tokens, parents, kv_lens, sb, jnp.where(nodes > 0, budget, 0)), cache)

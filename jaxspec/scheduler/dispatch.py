@@ -195,12 +195,10 @@ class Dispatch:
             return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
         if f.steps != (self._decode_steps_now(f.reqs) if f.kind == "decode" else self._verify_steps_now(f.reqs)):
             return False
-        # a request that may reach max_tokens in call t would waste call t + 1 (and may run past its
-        # pages' slack): end the chain there. A step emits at most the tree's depth + 1 tokens.
-        most = f.steps * (1 if f.kind == "decode" else min(f.nodes, self.drafter.tree.steps + 1))
-        if any(len(r.output_ids) + most >= r.params.max_tokens for r in f.reqs):
-            return False
-        # pages for both calls' worst case: every step accepting all it may
+        # A request may reach max_tokens (or a stop) in call t: call t + 1 then holds its row as
+        # padding (its token budget, counted on the device, is spent) and, where no row is left,
+        # ends at once (programs.steps_while_alive). Pages for both calls' worst case, every step
+        # accepting all it may (capped at a row's page-table width: the budget bounds its writes):
         span = f.steps if f.kind == "decode" else self._span(f.nodes, f.steps)
         need = [self._pages_needed(r, 2 * span - 1) - len(r.pages) for r in f.reqs]
         if sum(max(0, x) for x in need) > self.pool.available:
