@@ -10,9 +10,10 @@ Overlap: in steady decoding (same requests, nothing to prefill or admit) the ste
 launched from step t's outputs still on the device (the pending token, or EAGLE's next tree, and
 the kv lengths advanced by the accepted counts) before step t's tokens are read back. The host's
 reading, stop checks and streaming then run while the device computes, and the device never waits
-for the host between steps. A request that stops in step t wastes its row of step t+1, which is
-dropped; its K/V writes land past its committed tokens, in pages that later programs (dispatched
-after it, so ordered after it on the device) may reuse."""
+for the host between steps. A request that stops in step t on the device (max_tokens, a stop id)
+has no budget left in step t+1, which skips its row; one stopped by the host (a stop string)
+wastes its row of step t+1, which is dropped: its K/V writes land past its committed tokens, in
+pages that later programs (dispatched after it, so ordered after it on the device) may reuse."""
 from __future__ import annotations
 
 import itertools
