@@ -56,13 +56,13 @@ def test_eagle_engine_compiles_nothing_after_warmup_with_mixed_groups(tiny):
                     prefill_chunk=64, warmup=True, spec_min_nodes=4)
     before = compile_count()
     sched = gen.scheduler
-    reqs = [sched.add([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=12 if i % 4 else 60, ignore_eos=True))
+    reqs = [sched.add([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=6 if i % 4 else 30, ignore_eos=True))
             for i in range(40)]
     while sum(r.finished for r in reqs) < 30:
         sched.step()
     assert all(r.head_len is not None for r in reqs if not r.finished)
     assert sched.stats["verify_steps"] == 0
-    reqs += [sched.add([5, 6, 7, 8], SamplingParams(max_tokens=30, ignore_eos=True)) for _ in range(13)]
+    reqs += [sched.add([5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True)) for _ in range(13)]
     while sched.has_work:
         sched.step()
     assert all(r.finished for r in reqs) and sched.stats["verify_steps"] > 0
