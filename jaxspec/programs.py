@@ -303,7 +303,6 @@ def _with_state(treedef, fn):
     return with_leaves
 
 
-# -- the target-only step functions ----------------------------------------------------------------------
 def steps_while_alive(num_steps, body, init, alive):
     """lax.fori_loop(0, num_steps, body, init) left as soon as alive(carry) [B] holds no live row:
     steps after every row stopped (EOS, stop ids, max_tokens) would change nothing but cost a full
@@ -316,6 +315,7 @@ def steps_while_alive(num_steps, body, init, alive):
     return jax.lax.while_loop(cond, step, (jnp.int32(0), init))[1]
 
 
+# -- the target-only step functions ----------------------------------------------------------------------
 def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, flags):
     """tokens [B, T] at positions kv_len.. -> next token [B], its logprob [B], top-n, None (no
     draft tree), the next decode step's tokens [B, 1], cache. next_tokens serves device drafters only."""

@@ -21,7 +21,7 @@ class Admission:
             toks = req.tokens
             # a request that will decode plainly (its batch's bucket gets no tree) takes pages without
             # the drafter's K/V too; one that may draft only pages with both
-            plain = self.device_drafter and self.tree_size(min(self.max_batch, len(self.running) + len(self.waiting))) == 1
+            plain = self._no_tree_at(min(self.max_batch, len(self.running) + len(self.waiting)))
             matched = self.pool.match_prefix(toks, target_only_ok=plain or not self.device_drafter)
             need = min(-(-(len(toks) + 1 + self.draft_slots) // self.page_size), self.max_pages_per_seq) - len(matched)
             # keep a page per running request in hand so admission does not starve decoding
@@ -31,8 +31,9 @@ class Admission:
             self.waiting.pop(0)
             req.pages = matched + self.pool.alloc(need)
             req.kv_len = len(matched) * self.page_size
-            if self.device_drafter and self.pool.full_prefix(matched) < len(matched):
-                req.head_len = self.pool.full_prefix(matched) * self.page_size  # behind from the start
+            full = self.pool.full_prefix(matched)
+            if full < len(matched):  # target-only pages: the head is behind from the start
+                req.head_len = full * self.page_size
             self.running.append(req)
 
     def _reserve(self, reqs, extra):

@@ -151,8 +151,7 @@ class Scheduler(Admission, Dispatch, Outputs):
         if self.device_drafter:
             decode, target_cache = self.plain_programs, self.cache[0]
         specs = []
-        # a device drafter's prefill runs the target alone where the batch's bucket gets no tree
-        plain_prefill = self.device_drafter and self.tree_size(self.max_batch) == 1
+        plain_prefill = self._no_tree_at(self.max_batch)  # then a prefill may run the target alone
         for flags in flag_sets:
             for rows, t in self.prefill_shapes:
                 specs.append((self.programs, "extend", flags, self.cache, self._dummy_inputs(rows, t)))
@@ -342,14 +341,16 @@ class Scheduler(Admission, Dispatch, Outputs):
         nodes = min(self.drafter.num_nodes, budget // bucket(max(batch, 1), BATCH_BUCKETS))
         return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
 
+    def _no_tree_at(self, batch: int) -> bool:
+        """Whether a device drafter's batch of this size decodes plainly, leaving its heads behind."""
+        return self.device_drafter and self.tree_size(batch) == 1
+
     def _nodes_for(self, reqs) -> int:
         """Nodes a step verifies now: the tree that fits, or 1 where a host drafter's policy says
         the batch decodes plainly."""
         nodes = self.tree_size(len(reqs))
-        if nodes > 1 and self.device_drafter and self.tree_size(len(self.running)) == 1:
-            # the batch fills to a bucket without trees, where the heads fall behind anyway: a few
-            # early decoders (prompts found in the prefix cache) would verify unchained steps first
-            return 1
+        if nodes > 1 and self._no_tree_at(len(self.running)):
+            return 1  # the batch fills to a bucket without trees: its early decoders would verify in vain
         if nodes > 1 and self.policy is not None and not self.policy.should_verify(self._match_keys(reqs, nodes),
                                                                                    len(reqs)):
             return 1

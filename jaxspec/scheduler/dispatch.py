@@ -52,10 +52,7 @@ class Dispatch:
         device drafter falls back: its head is left behind)."""
         t0 = time.perf_counter()
         if self.device_drafter:
-            for r in reqs:
-                r.draft = None
-                if r.head_len is None:
-                    r.head_len = r.kv_len
+            self._leave_heads_behind(reqs)
         rows = bucket(len(reqs), BATCH_BUCKETS)
         tokens = np.zeros((rows, 1), np.int32)
         kv_lens = np.zeros(rows, np.int32)
@@ -67,7 +64,7 @@ class Dispatch:
         sb = self._sampling(reqs, rows, flags)
         pt = self._page_table(reqs, rows)
         args = _to_device((tokens, pt, kv_lens, budget, stop_ids, np.int32(steps), sb))
-        outputs = self._call_decode(self.device_drafter, args, flags)
+        outputs = self._call("decode", self.device_drafter, args, flags)
         f = InFlight("decode", reqs, outputs, dict(pt=args[1], stop_ids=args[4], num_steps=args[5],
                                                    pages=[len(r.pages) for r in reqs]),
                      flags, steps=steps, plain=self.device_drafter, host_s=time.perf_counter() - t0)
@@ -77,14 +74,24 @@ class Dispatch:
         else:
             self._collect(f)
 
-    def _call_decode(self, plain, args, flags):
-        """Launch a decode program (the target alone when plain); returns its outputs, cache aside."""
-        if plain:  # the target's cache alone
-            *outputs, tcache = self.plain_programs.decode(self.cache[0], *args, flags=flags)
+    def _call(self, name, plain, args, flags):
+        """Launch a decode or extend program (the target alone on its own cache when plain);
+        returns its outputs, cache aside."""
+        if plain:
+            *outputs, tcache = getattr(self.plain_programs, name)(self.cache[0], *args, flags=flags)
             self.cache = (tcache, self.cache[1])
         else:
-            *outputs, self.cache = self.programs.decode(self.cache, *args, flags=flags)
+            *outputs, self.cache = getattr(self.programs, name)(self.cache, *args, flags=flags)
         return tuple(outputs)
+
+    @staticmethod
+    def _leave_heads_behind(reqs):
+        """The target alone runs these requests' tokens: their heads' caches stop where they are,
+        and they decode plainly to their ends."""
+        for r in reqs:
+            r.draft = None
+            if r.head_len is None:
+                r.head_len = r.kv_len
 
     def _run_extend(self, batch, rows, t):
         """Feed n new tokens per request (a [rows, t] program: a prefill chunk); a request whose
@@ -104,15 +111,11 @@ class Dispatch:
         pt = self._page_table(reqs, rows)
         sb = self._sampling(reqs, rows, flags)
         args = _to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))  # one transfer
-        if self._prefills_plainly(reqs):
-            for r in reqs:
-                if r.head_len is None:
-                    r.head_len = r.kv_len
-            *outputs, tcache = self.plain_programs.extend(self.cache[0], *args, flags=flags)
-            self.cache = (tcache, self.cache[1])
-        else:
-            *outputs, self.cache = self.programs.extend(self.cache, *args, flags=flags)
-        f = InFlight("extend", reqs, tuple(outputs), {}, flags, host_s=time.perf_counter() - t0)
+        plain = self._prefills_plainly(reqs)
+        if plain:
+            self._leave_heads_behind(reqs)
+        outputs = self._call("extend", plain, args, flags)
+        f = InFlight("extend", reqs, outputs, {}, flags, host_s=time.perf_counter() - t0)
         self._host_work_while_device_runs(f)
         self._collect(f, [n for _, n in batch])
 
@@ -122,7 +125,7 @@ class Dispatch:
         head behind anyway: its catch-up and first draft would be thrown away; at batch 64 they
         made EAGLE-3 0.84x plain, spec-cmdbuf-NVIDIA-H200.json), or where every head in the chunk
         is behind already."""
-        return self.device_drafter and (self.tree_size(len(self.running)) == 1
+        return self.device_drafter and (self._no_tree_at(len(self.running))
                                         or all(r.head_len is not None for r in reqs))
 
     def _run_verify(self, reqs, nodes, rows, steps=1, overlap=True):
@@ -219,7 +222,7 @@ class Dispatch:
         if f.kind == "decode":
             tokens, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
             args = (tokens, pt, kv_lens, budget, ins["stop_ids"], ins["num_steps"], sb)
-            outputs = self._call_decode(f.plain, args, f.flags)
+            outputs = self._call("decode", f.plain, args, f.flags)
             g = InFlight("decode", reqs, outputs, dict(ins, pt=pt, pages=pages), f.flags, steps=f.steps,
                          plain=f.plain)
         else:
