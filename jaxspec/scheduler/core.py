@@ -98,8 +98,8 @@ class Scheduler(Admission, Dispatch, Outputs):
         # left behind (its catch-up made the fallback 5-11% slower than plain on the H100,
         # spec-v3-mtbench), so a request decoded plainly once stays plain to its end.
         # A device drafter's tree cut to fit drafts as deep as the whole tree but accepts less: 4-node
-        # trees at batch 32 ran at 0.74x plain on MT-bench and 0.83x on HumanEval, and 8-node trees at
-        # batch 16 cost the 64 + 16 MT-bench waves 12% (spec-policy-, spec-b64-NVIDIA-H200.json), while
+        # trees at batch 32 ran at 0.74x plain on MT-bench and 0.83x on HumanEval (spec-policy-NVIDIA-H200
+        # .json), the 64 + 16 MT-bench waves with 8-node trees for the 16 at 0.88x (spec-b64-), while
         # 16-node trees at batch 8 won (1.07-1.2x). So by default it verifies no tree below 16 nodes
         # (4 for a host drafter, whose budget is spec_max_host_verify_tokens); a drafter's own smaller
         # tree is kept whole.
