@@ -63,10 +63,17 @@ def bucket(n: int, buckets) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def prefill_shapes(chunk: int) -> tuple:
-    """(rows, tokens) of the prefill programs: one long prompt, or several shorter ones, within a
-    budget of `chunk` tokens a step."""
-    return tuple((r, max(1, chunk // r)) for r in (1, 4, 16))
+def prefill_shapes(chunk: int, rows_max: int) -> list:
+    """(rows, tokens) of the prefill programs, no wider than rows_max rows: one long prompt, or
+    several shorter ones, within a budget of `chunk` tokens a call; and where 64 rows fit, 64 rows
+    of a few tokens (a wave of prompts that hit the prefix cache) and 64 rows of 4x the budget (a
+    wave of new prompts). At batch 64 a call costs the small model about as much as a decode step
+    whatever its width, and its 64 cached prompts took four (16, 32) calls, a 1-step decode call
+    unchained after each (engine_gap-NVIDIA-H100-80GB-HBM3.json)."""
+    shapes = {(min(r, rows_max), max(1, chunk // r)) for r in (1, 4, 16)}
+    if rows_max >= 64:
+        shapes |= {(64, max(1, chunk // 64)), (64, max(1, chunk // 16))}
+    return sorted(shapes)
 
 
 # -- the persistent compilation cache and the compile counter --------------------------------------------

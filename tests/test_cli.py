@@ -42,11 +42,11 @@ def test_programs_lists_the_start_up_set():
         assert out.returncode == 0, out.stderr
         return out.stdout.splitlines()
 
-    # AUTO: the shipped EAGLE-3 head. 3 prefill shapes with the head and 3 by the target alone (bucket 64
+    # AUTO: the shipped EAGLE-3 head. 5 prefill shapes with the head and 5 by the target alone (bucket 64
     # gets no tree), 7 decode steps, a verify step for the buckets whose tree keeps 16 nodes (1..8), greedy
     # and sampled apart
     eagle3 = listed()
-    assert eagle3[0] == "21 programs (max batch 64):" and len(eagle3) == 22
+    assert eagle3[0] == "25 programs (max batch 64):" and len(eagle3) == 26
     assert sum("verify_steps" in line for line in eagle3) == 8
     plain = listed("--speculative-algorithm", "NONE")
-    assert plain[0] == "10 programs (max batch 64):" and all("greedy and sampled" in line for line in plain[1:])
+    assert plain[0] == "12 programs (max batch 64):" and all("greedy and sampled" in line for line in plain[1:])

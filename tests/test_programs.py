@@ -13,15 +13,16 @@ from jaxspec.programs import compile_count
 
 def test_program_set_is_small_and_listed(tiny):
     plain = Generator(tiny, None, max_batch=64, max_seq_len=256)
-    # 3 prefill shapes + a decode step for each of 7 batch buckets; one program serves greedy and sampled batches
-    assert len({plain.scheduler.programs.entry(*s[1:]) for s in plain.scheduler.program_specs()}) == 3 + 7
+    # 5 prefill shapes (3 of up to 16 rows, 2 of 64) + a decode step for each of 7 batch buckets; one program
+    # serves greedy and sampled batches
+    assert len({plain.scheduler.programs.entry(*s[1:]) for s in plain.scheduler.program_specs()}) == 5 + 7
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     eagle = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=256)
     specs = eagle.scheduler.program_specs()
-    # prefill 3 (and 3 by the target alone, for bucket 64, which gets no tree), plain decode 7, and verify for
+    # prefill 5 (and 5 by the target alone, for bucket 64, which gets no tree), plain decode 7, and verify for
     # the buckets whose tree keeps its 8 nodes (1..16): 5, greedy and sampling apart (one program serves both
     # for the others: programs.SHARED_SAMPLER)
-    assert len({progs.entry(*s) for progs, *s in specs}) == 3 + 3 + 7 + 2 * 5
+    assert len({progs.entry(*s) for progs, *s in specs}) == 5 + 5 + 7 + 2 * 5
     assert sum(s[1] == "verify_steps" for s in specs) == 2 * 5
     small = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=2, max_seq_len=256)
     info = small.scheduler.warmup()  # buckets 1 and 2: prefill 3 (rows <= 2), decode 2, verify 2 twice

@@ -62,7 +62,7 @@ class Scheduler(Admission, Dispatch, Outputs):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.page_size, self.max_batch = page_size, max_batch
         rows_max = bucket(max_batch, BATCH_BUCKETS)  # no prefill program wider than the batch can be
-        self.prefill_shapes = sorted({(min(r, rows_max), t) for r, t in prefill_shapes(prefill_chunk)})
+        self.prefill_shapes = prefill_shapes(prefill_chunk, rows_max)
         self.max_seq_len = min(max_seq_len or cfg.max_position, cfg.max_position)
         # a verify step writes a whole (padded) draft tree past the sequence's end, and DFLASH's
         # draft its block after the accepted tokens

@@ -36,12 +36,13 @@ class Dispatch:
         return budget, stop_ids
 
     def _run_prefill(self, reqs):
-        """One chunk of prefill in the prefill shape that takes the most prompt tokens now."""
+        """One chunk of prefill in the prefill shape that takes the most prompt tokens now (of
+        those, the smallest)."""
         best = None
         for rows, t in self.prefill_shapes:
             batch = [(r, min(r.todo, t)) for r in reqs[:rows]]
             got = sum(n for _, n in batch)
-            if best is None or got > best[0]:
+            if best is None or got > best[0] or (got == best[0] and rows * t < best[1] * best[2]):
                 best = (got, rows, t, batch)
         got, rows, t, batch = best
         self.stats["prefill_tokens"] += got
