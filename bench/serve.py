@@ -10,17 +10,22 @@ TTFT = first content chunk after sending, ITL = the gaps between content chunks 
 step can deliver several tokens in one, and a multi-step call of plain decoding up to 8), TPOT =
 a request's (latency - TTFT) / (tokens - 1), the time a token costs whatever the chunking,
 tokens from the usage chunk. A row: output tokens/s and requests/s over the load's wall time,
-TTFT / ITL / TPOT / latency p50 and p99. One server per
-algorithm, its programs built before the port opens, every load point warmed once untimed.
+TTFT / ITL / TPOT / latency p50 and p99. One server per algorithm: server.py in its own process
+with its defaults (the load's client threads hold this process's GIL, not the server's), its
+programs built before the port opens; every load point warmed once untimed.
 `--plot` draws throughput against p50 ITL (closed loop) and against p50 TTFT (open loop).
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -140,12 +145,59 @@ def plot(rows, path):
     return path
 
 
-def run(gen_for, algos, datasets, concurrency, rates, max_tokens, requests):
-    """Rows for every (algorithm, dataset, load point); gen_for(algo) builds that algorithm's engine."""
+def server_flags(algo) -> list:
+    """server.py's flags for a bench algorithm name."""
+    name, *nums = algo.split(":")
+    if name == "plain":
+        return ["--speculative-algorithm", "NONE"]
+    if name == "ngram":
+        return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", nums[0] if nums else "8"]
+    return ["--speculative-algorithm", name.upper(), "--speculative-num-steps", nums[0], "--speculative-eagle-topk",
+            nums[1], "--speculative-num-draft-tokens", nums[2]]
+
+
+@contextlib.contextmanager
+def server_process(model, algo, max_running, log_path, start_timeout=900):
+    """server.py in a process of its own (its GIL not shared with the load's client threads) on a
+    free loopback port; yields its url once /health answers (its programs are built before the
+    port opens), and stops it after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server.py"), "--model", model,
+           "--port", str(port), "--max-running-requests", str(max_running), "--context-length", "1024",
+           *server_flags(algo)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            t0 = time.perf_counter()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server.py exited with {proc.returncode}; see {log_path}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.perf_counter() - t0 > start_timeout:
+                    raise RuntimeError(f"server.py did not answer in {start_timeout} s; see {log_path}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def run(serve, algos, datasets, concurrency, rates, max_tokens, requests):
+    """Rows for every (algorithm, dataset, load point); serve(algo) is a context manager yielding
+    that algorithm's server's url."""
     rows = []
     for algo in algos:
-        url, server, th = srv.start_in_thread(srv.create_app(gen_for(algo), "bench"))
-        try:
+        with serve(algo) as url:
             for ds, chats in datasets.items():
                 for kind, points in (("closed", concurrency), ("open", rates)):
                     for p in points:
@@ -158,10 +210,18 @@ def run(gen_for, algos, datasets, concurrency, rates, max_tokens, requests):
                                          **({"concurrency": p} if kind == "closed" else {"rate": p}), **load(batch)))
                         print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
                                                 "ttft_p50_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s"])
-        finally:
-            server.should_exit = True
-            th.join(timeout=30)
     return rows
+
+
+@contextlib.contextmanager
+def in_thread(gen):
+    """The app over gen on a loopback port in this process (tests: no second process to start)."""
+    url, server, th = srv.start_in_thread(srv.create_app(gen, "bench"))
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        th.join(timeout=30)
 
 
 def main():
@@ -174,10 +234,11 @@ def main():
     ap.add_argument("--requests", type=int, default=128, help="requests a load point (closed loop: at least 2x clients)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--in-process", action="store_true",
+                    help="serve from a thread of this process, as before 0b426f6 (its GIL shared with the clients' "
+                         "threads: at concurrency 32-128 both algorithms flattened near 6k tok/s, serve-NVIDIA-H100-*"
+                         ".json at ffda8ed), rather than from server.py in a process of its own with its defaults")
     args = ap.parse_args()
-    from jaxspec import Generator
-    from jaxspec.models.loading import load
-    model, tok = load(args.model)
     conc = [int(x) for x in args.concurrency.split(",") if x]
     rates = [float(x) for x in args.rates.split(",") if x]
     datasets = {}
@@ -185,13 +246,22 @@ def main():
         qs = mt_bench_prompts() if ds == "mt-bench" else humaneval_prompts()
         datasets[ds] = [q if isinstance(q, list) else [{"role": "user", "content": q}] for q in qs]
 
-    def gen_for(algo):
-        spec = spec_of(algo)
-        drafter = spec.build(model, "smollm2-135m" if "smol" in args.model.lower() else args.model) if spec else None
-        return Generator(model, tok, drafter=drafter, max_batch=max(conc), max_seq_len=1024,
-                         num_pages=None, warmup=True)
+    if args.in_process:
+        from jaxspec import Generator
+        from jaxspec.models.loading import load
+        model, tok = load(args.model)
 
-    rows = run(gen_for, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests)
+        def serve(algo):
+            spec = spec_of(algo)
+            drafter = spec.build(model, "smollm2-135m" if "smol" in args.model.lower() else args.model) if spec else None
+            return in_thread(Generator(model, tok, drafter=drafter, max_batch=max(conc), max_seq_len=1024,
+                                       num_pages=None, warmup=True))
+    else:
+        def serve(algo):
+            log = os.path.join(tempfile.gettempdir(), f"jaxspec-serve-{algo.replace(':', '_')}.log")
+            return server_process(args.model, algo, max(conc), log)
+
+    rows = run(serve, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests)
     print()
     print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s", "requests_per_s",
                        "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s", "tpot_p99_s"])

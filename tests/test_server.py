@@ -195,6 +195,13 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     assert last["choices"] == [] and last["usage"] == full["usage"]
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
     import serve as bench
+    import argparse
+    from jaxspec.speculative import add_flags, config_from_flags
+    flags = argparse.ArgumentParser()
+    add_flags(flags)  # the load bench's server.py flags say what its algorithm names mean
+    cfg = config_from_flags(flags.parse_args(bench.server_flags("eagle3:6:4:24")))
+    assert (cfg.algorithm, cfg.num_steps, cfg.eagle_topk, cfg.num_draft_tokens) == ("EAGLE3", 6, 4, 24)
+    assert config_from_flags(flags.parse_args(bench.server_flags("plain"))) is None
     chats = [[{"role": "user", "content": q}] for q in ("Say hi.", "Name a fruit.", "Count to three.", "Spell cat.")]
     one = bench.stream_one(httpx.Client(), url, chats[0], 8)
     assert 0 < one["ttft"] <= one["latency"] and 0 < one["tokens"] <= 8
