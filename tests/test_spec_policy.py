@@ -95,3 +95,22 @@ def test_step_costs_are_kept_for_the_next_start(tiny, tmp_path, monkeypatch):
     kept.write_text("[[")  # an unreadable table is timed again
     monkeypatch.undo()
     assert set(sched._step_costs(specs).ms) == set(first.ms)
+
+
+def test_step_costs_time_calls_whose_rows_run_every_step(tiny, monkeypatch):
+    """The cost table times decode and verify calls in which every row is live for all the call's
+    steps: a call leaves its loop once no row is alive, so idle rows timed a launch (at e4329d1 the
+    measured policy then kept a batch-1 EAGLE-3 server decoding plainly)."""
+    import jaxspec.scheduler.core as core
+    from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
+    from jaxspec.programs import MAX_DECODE_STEPS
+    _, _, _, gen = _plain_and_measured(tiny, 3, 1, 4, 2)
+    sched, seen = gen.scheduler, []
+    monkeypatch.setattr(core, "time_call", lambda call, reps=3: seen.append(np.asarray(call()[1])) or 1.0)
+    costs = sched._time_steps(sched.program_specs())
+    assert set(costs.ms) == {(kind, rows) for kind in ("decode", "verify") for rows in (1, 2)}
+    decode_counts = [c for c in seen if c.ndim == 1]  # decode: tokens a row emitted in the call
+    verify_counts = [c for c in seen if c.ndim == 2]  # verify_steps: tokens a row emitted at each step
+    assert len(decode_counts) == len(verify_counts) == 2
+    assert all((c == MAX_DECODE_STEPS).all() for c in decode_counts)
+    assert all(c.shape[1] == MAX_VERIFY_STEPS and (c >= 1).all() for c in verify_counts)

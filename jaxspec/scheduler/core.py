@@ -176,17 +176,19 @@ class Scheduler(Admission, Dispatch, Outputs):
     def _verify_name(self):
         return "verify_steps" if self.device_drafter else "verify_tree"
 
-    def _dummy_verify(self, rows, n, num_steps=1):
-        args = self._dummy_inputs(rows, n, tree=True)
-        if not self.device_drafter:
-            return args
-        z = lambda *shape: np.zeros(shape, np.int32)
-        return args[:5] + (z(rows), z(rows, STOP_ID_SLOTS), np.int32(num_steps), np.int32(1)) + args[5:]
+    def _dummy_verify(self, rows, n, num_steps=1, alive=False):
+        """alive: every row verifies n nodes a step, budget to spare (a call leaves its loop once no
+        row is alive: idle rows timed a launch). Else zeros."""
+        args, full = self._dummy_inputs(rows, n, tree=True), lambda v: np.full(rows, v * alive, np.int32)
+        return args if not self.device_drafter else args[:4] + (
+            full(n), full(1 << 20), np.full((rows, STOP_ID_SLOTS), -1, np.int32), np.int32(num_steps),
+            np.int32(n if alive else 1)) + args[5:]
 
-    def _dummy_decode(self, rows, num_steps=1):
+    def _dummy_decode(self, rows, num_steps=1, alive=False):
         z = lambda *shape: np.zeros(shape, np.int32)
-        return (z(rows, 1), z(rows, self.max_pages_per_seq), z(rows), z(rows), z(rows, STOP_ID_SLOTS),
-                np.int32(num_steps), SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
+        return (z(rows, 1), z(rows, self.max_pages_per_seq), z(rows), np.full(rows, (1 << 20) * alive, np.int32),
+                z(rows, STOP_ID_SLOTS) - 1, np.int32(num_steps),
+                SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
 
     def warmup(self, flag_sets=None, progress=False) -> dict:
         """Compile the whole program set now (see program_specs); a compile after this is counted
@@ -225,8 +227,8 @@ class Scheduler(Admission, Dispatch, Outputs):
         return costs
 
     def _time_steps(self, specs) -> StepCosts:
-        """ms a step of each greedy decode and verify program of the set, on its warm-up inputs
-        (every row idle: the programs' work does not depend on it), timed at the most steps a call
+        """ms a step of each greedy decode and verify program of the set, every row live on zeros
+        (the programs' work does not depend on the values), timed at the most steps a call
         runs and divided: a steady batch runs that many, and one step a call also timed the call's
         launch and read-back (which made verifying look cheap against decoding at batch 32:
         spec-policy-NVIDIA-H200.json, 0091df7)."""
@@ -236,7 +238,8 @@ class Scheduler(Admission, Dispatch, Outputs):
                 continue
             rows, n = args[0].shape
             steps = MAX_DECODE_STEPS if name == "decode" else MAX_VERIFY_STEPS
-            args = self._dummy_decode(rows, steps) if name == "decode" else self._dummy_verify(rows, n, steps)
+            args = (self._dummy_decode(rows, steps, alive=True) if name == "decode"
+                    else self._dummy_verify(rows, n, steps, alive=True))
             inputs = [_to_device(args) for _ in range(reps + 1)]  # the programs donate some: a copy a call
 
             def call(name=name, flags=flags):
