@@ -54,30 +54,31 @@ def startup() -> str:
 
 
 def spec() -> str:
-    d, out = _table("spec-cmdbuf", ["algorithm", "batch", "tok/s", "vs plain (median of rounds)", "accept length",
-                                    "vs torch.compile plain"], "NVIDIA-H200")
+    d, out = _table("spec", ["dataset", "algorithm", "batch", "tok/s", "vs plain (median of rounds)", "accept length",
+                             "vs torch.compile plain"])
     for r in d["rows"]:
         if r["config"] == "torch-compile":
             continue
         speed = f"{r['speedup']:.2f}x" if "speedup" in r else ""
-        acc = f"{r['accept_length']:.2f}" if "accept_length" in r else ""
+        acc = f"{r['accept_length']:.2f}" if r.get("accept_length") else ""  # 0: the batch decoded plainly
         torch = f"{r['vs_torch']:.2f}x" if "vs_torch" in r else "not run"
-        out.append(f"| {r['config']} | {r['batch']} | {r['tokens_per_s']:.0f} | {speed} | {acc} | {torch} |")
+        out.append(f"| {r['dataset']} | {r['config']} | {r['batch']} | {r['tokens_per_s']:.0f} | {speed} | {acc} | {torch} |")
     return "\n".join(out)
 
 
-def _side_by_side(name: str, first: str) -> str:
+def _side_by_side(name: str, first: str, device: str = "NVIDIA-H200") -> str:
     """One row a configuration: vs plain (accept length) per dataset and batch, from one run."""
-    d = _load(name, "NVIDIA-H200")
+    d = _load(name, device)
     cols = sorted({(r["dataset"], r["batch"]) for r in d["rows"]}, key=lambda c: (c[0] != "mt-bench", c[1]))
-    d, out = _table(name, [first] + [f"{ds} b{b}" for ds, b in cols], "NVIDIA-H200")
+    d, out = _table(name, [first] + [f"{ds} b{b}" for ds, b in cols], device)
     for config in dict.fromkeys(r["config"] for r in d["rows"]):
         if config == "plain":
             continue
         cells = []
         for ds, b in cols:
             r = next(r for r in d["rows"] if (r["config"], r["dataset"], r["batch"]) == (config, ds, b))
-            cells.append(f"{r['speedup']:.2f}x ({r['accept_length']:.2f})")
+            acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "decoded plainly"
+            cells.append(f"{r['speedup']:.2f}x ({acc})")
         out.append(f"| {config} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -87,7 +88,7 @@ def drafters() -> str:
 
 
 def policy() -> str:
-    return _side_by_side("spec-policy", "speculation")
+    return _side_by_side("spec-policy", "speculation", DEVICE)
 
 
 def rollout() -> str:
