@@ -158,3 +158,32 @@ def test_rollout_config_errors():
         RolloutConfig("medusa")
     with pytest.raises(ValueError, match="needs its drafter module"):
         make_rollout(None, None, RolloutConfig("eagle3"))
+
+
+def test_a_large_batch_verifies_a_cut_tree_or_decodes_plainly(tiny, tiny_eagle3, tiny_dflash):
+    """The engine's rule: at most max_verify_tokens nodes a step over the batch; a tree cut below
+    min_nodes (or a DFLASH block cut at all) gives way to plain decoding. Tokens stay the target's."""
+    from jaxspec.drafters.eagle_step import TreeShape
+    cfg = RolloutConfig("eagle3", num_steps=3, topk=2, num_draft_tokens=6, max_verify_tokens=12, min_nodes=4)
+    assert cfg.tree(1) == TreeShape(3, 2, 6) and cfg.tree(3) == TreeShape(3, 2, 4) and cfg.tree(4) is None
+    assert RolloutConfig("eagle3", num_draft_tokens=8, max_verify_tokens=None).tree(1000) == TreeShape(3, 4, 8)
+    dflash = RolloutConfig("dflash", num_draft_tokens=4, max_verify_tokens=12)
+    assert dflash.tree(3) == TreeShape(3, 1, 4) and dflash.tree(4) is None  # its block is never cut
+    greedy, _ = reference(tiny)
+    toks, lens = padded(PROMPTS)
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    for budget, plain in ((12, False), (15, True)):  # 3 rows: a 4-node tree; 5 nodes < min_nodes 6
+        fn, params, dparams = jit_rollout(tiny, head, algorithm="eagle3", max_new_tokens=NEW, page_size=PAGE,
+                                          num_steps=3, topk=2, num_draft_tokens=6, max_verify_tokens=budget,
+                                          min_nodes=6 if plain else 4)
+        out = fn(params, dparams, toks, lens, jnp.array([1, 2, 3]), stop_ids=NO_STOP)
+        assert [np.asarray(t).tolist() for t in out.tokens] == [r.token_ids for r in greedy], budget
+        if plain:
+            assert out.steps.tolist() == [NEW] * 3  # one token a target pass after the prefill's
+        else:
+            assert (np.asarray(out.lengths) > np.asarray(out.steps) + 1).all()  # drafts were accepted
+    fn, params, dparams = jit_rollout(tiny, load_dflash(str(tiny_dflash / "drafter"), TINY), algorithm="dflash",
+                                      max_new_tokens=NEW, page_size=PAGE, num_draft_tokens=4, max_verify_tokens=8)
+    out = fn(params, dparams, toks, lens, jnp.array([1, 2, 3]), stop_ids=NO_STOP)
+    assert [np.asarray(t).tolist() for t in out.tokens] == [r.token_ids for r in greedy]
+    assert out.steps.tolist() == [NEW] * 3

@@ -185,10 +185,9 @@ class Scheduler(Admission, Dispatch, Outputs):
             np.int32(n if alive else 1)) + args[5:]
 
     def _dummy_decode(self, rows, num_steps=1, alive=False):
-        z = lambda *shape: np.zeros(shape, np.int32)
+        z, sb = (lambda *shape: np.zeros(shape, np.int32)), SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows)
         return (z(rows, 1), z(rows, self.max_pages_per_seq), z(rows), np.full(rows, (1 << 20) * alive, np.int32),
-                z(rows, STOP_ID_SLOTS) - 1, np.int32(num_steps),
-                SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
+                z(rows, STOP_ID_SLOTS) - 1, np.int32(num_steps), sb)
 
     def warmup(self, flag_sets=None, progress=False) -> dict:
         """Compile the whole program set now (see program_specs); a compile after this is counted
