@@ -164,7 +164,8 @@ def server_process(model, algo, max_running, log_path, start_timeout=900):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server.py"), "--model", model,
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(repo, "server.py"), "--model", model,
            "--port", str(port), "--max-running-requests", str(max_running), "--context-length", "1024",
            *server_flags(algo)]
     with open(log_path, "w") as log:
