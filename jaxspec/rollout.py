@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import sampling
-from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.drafters.eagle_step import TreeShape, nodes_that_fit
 from jaxspec.kv_cache import KVCache
 from jaxspec.pallas.tree_mask import chain_parents
 from jaxspec.verify import verify_and_accept
@@ -60,13 +60,12 @@ class RolloutConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
 
-    def tree(self, batch: int | None = None) -> TreeShape | None:
-        """The tree a step verifies at this batch size (None: every size), or None where the
-        batch decodes plainly."""
+    def tree(self, batch: int) -> TreeShape | None:
+        """The tree a step verifies at this batch size, or None where the batch decodes plainly."""
         n = self.num_draft_tokens
-        if batch is not None and self.max_verify_tokens is not None:
-            n = min(n, self.max_verify_tokens // batch)
-            if n < min(self.min_nodes, self.num_draft_tokens) or (self.algorithm == "dflash" and n < self.num_draft_tokens):
+        if self.max_verify_tokens is not None:
+            n = nodes_that_fit(n, self.max_verify_tokens, batch, self.min_nodes)
+            if n == 1 or (self.algorithm == "dflash" and n < self.num_draft_tokens):
                 return None
         if self.algorithm == "dflash":
             return TreeShape(n - 1, 1, n)

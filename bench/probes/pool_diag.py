@@ -1,8 +1,8 @@
 """A batch-1 EAGLE-3 Generator with server.py's settings (measured policy, KV pool by
 --mem-fraction-static 0.8), max batch 128 and then 64 in the same process: does it verify, and
-at what pace? Eight MT-bench first turns one at a time, 128 new tokens. Printed, not written:
-pool_diag-NVIDIA-H100-80GB-HBM3.json holds what it printed. bench/probes/pool_size.py separates
-the pool's size from the order of the engines (not yet run).
+at what pace? Eight MT-bench first turns one at a time, 128 new tokens. It prints and writes
+no results file; bench/probes/pool_size.py separates the pool's size from the order of the
+engines and writes pool_size-<device>.json.
 
     python bench/probes/pool_diag.py
 """

@@ -49,6 +49,14 @@ class TreeShape:
                              f"num_draft_tokens={self.num_draft_tokens} needs steps >= {self.num_draft_tokens - 1}")
 
 
+def nodes_that_fit(num_nodes: int, max_tokens: int, rows: int, min_nodes: int) -> int:
+    """Nodes a step verifies for each of `rows` rows within max_tokens over them all: the tree cut
+    to fit, or 1 (decode plainly) where the cut leaves fewer than min_nodes (a tree smaller than
+    min_nodes is kept whole). The engine's rule by batch bucket, and the rollout's by batch."""
+    nodes = min(num_nodes, max_tokens // max(rows, 1))
+    return nodes if nodes >= min(min_nodes, num_nodes) else 1
+
+
 def catch_up(head, target, dcache: KVCache, feats, next_tokens, page_table, kv_lens, q_lens, attn_impl):
     """Run the head on pairs (feats[:, i], next_tokens[:, i]) at slots kv_len + i, i < q_len, writing
     the draft cache; returns the head's outputs [B, T, H] and the cache."""

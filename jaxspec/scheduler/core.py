@@ -26,7 +26,7 @@ from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
 from jaxspec import program_store, program_workers
 from jaxspec.paging import PagePool, pages_that_fit
-from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
+from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS, nodes_that_fit
 from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
                               enable_compilation_cache, prefill_shapes)
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
@@ -185,9 +185,9 @@ class Scheduler(Admission, Dispatch, Outputs):
             np.int32(n if alive else 1)) + args[5:]
 
     def _dummy_decode(self, rows, num_steps=1, alive=False):
-        z, sb = (lambda *shape: np.zeros(shape, np.int32)), SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows)
-        return (z(rows, 1), z(rows, self.max_pages_per_seq), z(rows), np.full(rows, (1 << 20) * alive, np.int32),
-                z(rows, STOP_ID_SLOTS) - 1, np.int32(num_steps), sb)
+        tokens, _, page_table, kv_lens, _, sb = self._dummy_inputs(rows, 1)
+        return (tokens, page_table, kv_lens, np.full(rows, (1 << 20) * alive, np.int32),
+                np.full((rows, STOP_ID_SLOTS), -1, np.int32), np.int32(num_steps), sb)
 
     def warmup(self, flag_sets=None, progress=False) -> dict:
         """Compile the whole program set now (see program_specs); a compile after this is counted
@@ -340,8 +340,7 @@ class Scheduler(Admission, Dispatch, Outputs):
         if self.drafter is None:
             return 1
         budget = self.spec_max_verify_tokens if self.device_drafter else self.spec_max_host_verify_tokens
-        nodes = min(self.drafter.num_nodes, budget // bucket(max(batch, 1), BATCH_BUCKETS))
-        return nodes if nodes >= min(self.spec_min_nodes, self.drafter.num_nodes) else 1
+        return nodes_that_fit(self.drafter.num_nodes, budget, bucket(max(batch, 1), BATCH_BUCKETS), self.spec_min_nodes)
 
     def _no_tree_at(self, batch: int) -> bool:
         """Whether a device drafter's batch of this size decodes plainly, leaving its heads behind."""
