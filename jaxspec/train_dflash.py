@@ -33,19 +33,22 @@ def block_forward(head, target, features, anchors, block_tokens):
     rope_ctx = rope_table(jnp.broadcast_to(jnp.arange(t)[None], (b, t)), inv)
     rope_blk = rope_table((anchors[:, :, None] + jnp.arange(n)).reshape(b, k_blocks * n), inv)
     x = target.embed_tokens(block_tokens).reshape(b, k_blocks * n, -1).astype(ctx.dtype)
-    blk = jnp.repeat(jnp.arange(k_blocks), n)
-    ctx_ok = jnp.repeat(jnp.arange(t)[None, None, :] < anchors[:, :, None], n, axis=1)  # [B, K*n, T]
-    blk_ok = jnp.broadcast_to(blk[:, None] == blk[None, :], (b, k_blocks * n, k_blocks * n))
-    ok = jnp.concatenate([ctx_ok, blk_ok], axis=-1)[:, None, None]  # [B, 1, 1, Q, S]
+    # a block sees the context before its anchor and its own n positions, nothing of other blocks:
+    # scores against the context and block-diagonal scores against the block, never a dense
+    # [K*n, T + K*n] matrix (what lets training afford many anchors a sequence)
+    ctx_ok = (jnp.arange(t)[None, None, :] < anchors[:, :, None])[:, None, None, :, None, :]  # [B,1,1,K,1,T]
     hkv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     for layer in head.layers:
         kc, vc = layer.kv(ctx, rope_ctx)
         q, kb, vb = layer.qkv(x, rope_blk)
-        keys, values = jnp.concatenate([kc, kb], axis=1), jnp.concatenate([vc, vb], axis=1)
-        qg = q.reshape(b, k_blocks * n, hkv, g, d)
-        s = jnp.einsum("bqhgd,bshd->bhgqs", qg, keys, preferred_element_type=jnp.float32) * d ** -0.5
-        p = jax.nn.softmax(jnp.where(ok, s, NEG_INF), axis=-1)
-        o = jnp.einsum("bhgqs,bshd->bqhgd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        qg = q.reshape(b, k_blocks, n, hkv, g, d)
+        kb, vb = kb.reshape(b, k_blocks, n, hkv, d), vb.reshape(b, k_blocks, n, hkv, d)
+        s_ctx = jnp.einsum("bknhgd,bshd->bhgkns", qg, kc, preferred_element_type=jnp.float32)
+        s_blk = jnp.einsum("bknhgd,bkmhd->bhgknm", qg, kb, preferred_element_type=jnp.float32)
+        s = jnp.concatenate([jnp.where(ctx_ok, s_ctx, NEG_INF), s_blk], axis=-1) * d ** -0.5
+        p = jax.nn.softmax(s, axis=-1).astype(vc.dtype)
+        o = (jnp.einsum("bhgkns,bshd->bknhgd", p[..., :t], vc, preferred_element_type=jnp.float32)
+             + jnp.einsum("bhgknm,bkmhd->bknhgd", p[..., t:], vb, preferred_element_type=jnp.float32))
         x = layer.finish(x, o.reshape(b, k_blocks * n, cfg.num_heads, d).astype(x.dtype))
     return x.reshape(b, k_blocks, n, -1)
 

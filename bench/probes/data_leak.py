@@ -3,7 +3,7 @@ run's data.npz against MT-bench's first turns and HumanEval's prompts: for each 
 the longest run of words it shares with any training prompt, and how many benchmark prompts share
 a 13-word run (GPT-3's contamination test) with the data.
 
-    python bench/probes/data_leak.py RUN_DIR [--model smollm2-135m]
+    python bench/probes/data_leak.py RUN_DIR [--model smollm2-135m] [--tag=-seed0]
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("run")
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tag", default="", help="suffix of the results file (one file per corpus)")
     args = ap.parse_args()
     from jaxspec.models.loading import load
     _, tok = load(args.model)
@@ -62,7 +63,7 @@ def main():
                          with_13_word_run=sum(x >= N for x in longest), median_longest_run=float(np.median(longest)),
                          max_longest_run=int(max(longest))))
     print_table(rows, list(rows[0]))
-    write_results("data_leak", rows, {"run": os.path.basename(os.path.normpath(args.run))})
+    write_results(f"data_leak{args.tag}", rows, {"run": os.path.basename(os.path.normpath(args.run))})
 
 
 if __name__ == "__main__":
