@@ -3,7 +3,8 @@
     python bench/spec.py --model smollm2-135m [--datasets humaneval,mt-bench] [--batches 1,8,64]
         [--algos plain,ngram:8,naive_eagle,eagle3:3:1:4,eagle3:5:8:16,eagle:6:4:24/map4096,dflash:16,
                  eagle3:6:4:24=runs/new/head]
-        (eagle3|eagle:steps:topk:tokens; dflash[:tokens]; /mapK restricts the head to the first K
+        (eagle3|eagle:steps:topk:tokens; dflash[:block] a chain, dflash:steps:topk:tokens a tree;
+        /mapK restricts the head to the first K
         ids of --token-map (FR-Spec), /mapK/refreshN refreshes that map from the emitted tokens every
         N of them, from the start of each pass; a suffix @pallas / @mosaic / @ref picks the attention;
         a last /measured sizes speculation by measured costs: spec_policy.py, rows' `policy`)
@@ -155,7 +156,9 @@ def main():
         elif name == "naive_eagle":
             spec = SpecConfig("NAIVE_EAGLE", draft_model_path=args.draft_model, num_steps=nums[0] if nums else 1)
         elif name == "dflash":
-            spec = SpecConfig("DFLASH", draft_model_path=args.dflash_model, num_draft_tokens=nums[0] if nums else None)
+            spec = (SpecConfig("DFLASH", draft_model_path=args.dflash_model, num_draft_tokens=nums[0] if nums else None)
+                    if len(nums) < 3 else SpecConfig("DFLASH", draft_model_path=args.dflash_model, num_steps=nums[0],
+                                                     eagle_topk=nums[1], num_draft_tokens=nums[2]))
         else:
             spec = SpecConfig(name.upper(), draft_model_path=head_dir or (args.eagle_model if name == "eagle"
                                                                           else args.draft_model),

@@ -29,7 +29,8 @@ def add_flags(ap) -> None:
     ap.add_argument("--speculative-token-map-refresh", type=int, default=0,
                     help="refresh the token map from the emitted tokens every N of them (0: never)")
     ap.add_argument("--speculative-num-steps", type=int)
-    ap.add_argument("--speculative-eagle-topk", type=int, default=4)
+    ap.add_argument("--speculative-eagle-topk", type=int,
+                    help="branching per draft step (default 4; DFLASH: 1, a chain, or > 1 for a tree)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
     ap.add_argument("--speculative-dflash-block-size", type=int,
                     help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
@@ -66,8 +67,8 @@ def resolve_auto(args) -> None:
     if args.speculative_draft_model_path is None and shipped_drafter(args.model, "EAGLE3") is None:
         args.speculative_algorithm = "NONE"
         return
-    args.speculative_algorithm = "EAGLE3"  # top-k 4 is the flag's own default
-    for flag, value in (("speculative_num_steps", 6), ("speculative_num_draft_tokens", 24)):
+    args.speculative_algorithm = "EAGLE3"
+    for flag, value in (("speculative_num_steps", 6), ("speculative_eagle_topk", 4), ("speculative_num_draft_tokens", 24)):
         if getattr(args, flag) is None:
             setattr(args, flag, value)
 
@@ -84,7 +85,8 @@ class SpecConfig:
     # emitted tokens between refreshes of the token map from what the engine emits (0: the map stays)
     token_map_refresh: int = 0
     num_steps: int | None = None  # default 3, NAIVE_EAGLE 1 (seed 000's setting)
-    eagle_topk: int = 4
+    # branching per step (default 4; DFLASH: 1, SGLang's chain; > 1 a tree from the block's distributions)
+    eagle_topk: int | None = None
     # DFLASH: tokens a draft pass proposes, the root included (SGLang's --speculative-dflash-block-size);
     # None: num_draft_tokens if given, else the drafter's trained block size
     dflash_block_size: int | None = None
@@ -123,10 +125,16 @@ class SpecConfig:
         if algo == "DFLASH":
             from jaxspec.drafters.dflash import DFlashDrafter, load_dflash
             head = load_dflash(path, model.cfg, dtype=dtype)
-            n = self.dflash_block_size or self.num_draft_tokens or head.cfg.block_size
+            topk = self.eagle_topk or 1
+            n = self.dflash_block_size or (self.num_draft_tokens if topk == 1 else None) or head.cfg.block_size
             if n < 2 or n > 64:
                 raise ValueError(f"DFLASH block size {n} must be in [2, 64] (the root plus at least one draft)")
-            return DFlashDrafter(head, TreeShape(steps=n - 1, topk=1, num_draft_tokens=n))
+            if topk == 1:  # SGLang's DFLASH: the block verified as a chain
+                return DFlashDrafter(head, TreeShape(steps=n - 1, topk=1, num_draft_tokens=n))
+            steps = self.num_steps or n - 1
+            if steps > n - 1:
+                raise ValueError(f"DFLASH tree depth num_steps={steps} exceeds the block's {n - 1} drafted positions")
+            return DFlashDrafter(head, TreeShape(steps, topk, self.num_draft_tokens or 2 * n))
         from jaxspec.drafters.eagle import EagleDrafter, load_head
         head = load_head(path, model.cfg, model, dtype=dtype)
         if algo != "NAIVE_EAGLE" and head.cfg.kind != algo.lower():
@@ -143,7 +151,7 @@ class SpecConfig:
             steps = self.num_steps or 1
             tree = TreeShape(steps=steps, topk=1, num_draft_tokens=steps + 1)
         else:
-            tree = TreeShape(self.num_steps or 3, self.eagle_topk, nodes)
+            tree = TreeShape(self.num_steps or 3, self.eagle_topk or 4, nodes)
         if head.cfg.draft_vocab_size < tree.topk:
             raise ValueError(f"the token map lists {head.cfg.draft_vocab_size} ids, fewer than eagle_topk={tree.topk}")
         return EagleDrafter(head, tree, adaptive)

@@ -66,6 +66,29 @@ def test_dflash_greedy_equals_plain_and_drafts_are_accepted(tiny, tiny_dflash, b
     assert gen.scheduler.pool.in_use == 0
 
 
+def test_a_tree_from_the_block_is_exact_and_accepts_more_than_the_chain(tiny, tiny_dflash):
+    """topk > 1: the block's per-position distributions make an EAGLE-2 tree (every node at depth d
+    expanding by position d's top-k). Greedy stays plain greedy, sampling plain sampling with the
+    same seeds, with one step or several a call; the tree accepts more than the chain it contains."""
+    head = load_dflash(str(tiny_dflash / "drafter"), TINY)
+    prompts = random_prompts(11, 9)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = Generator(tiny, None, **KW).generate(prompts, greedy)
+    spec = {}
+    for name, shape in (("chain", chain(4)), ("tree", TreeShape(steps=3, topk=3, num_draft_tokens=10))):
+        gen = Generator(tiny, None, drafter=DFlashDrafter(head, shape), **KW)
+        spec[name] = gen.generate(prompts, greedy)
+        assert [c.token_ids for c in spec[name]] == [c.token_ids for c in plain]
+        assert gen.scheduler.pool.in_use == 0
+    accept = {k: np.mean([c.mean_accept_length for c in v]) for k, v in spec.items()}
+    assert accept["tree"] > accept["chain"] > 1.3, accept
+    sampled = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)
+    want = [c.token_ids for c in Generator(tiny, None, **KW).generate(prompts[:5], sampled)]
+    for kw in (dict(overlap=False, decode_steps=1), {}):
+        gen = Generator(tiny, None, drafter=DFlashDrafter(head, TreeShape(3, 3, 10)), **{**KW, **kw})
+        assert [c.token_ids for c in gen.generate(prompts[:5], sampled)] == want
+
+
 def test_paged_drafts_equal_a_dense_forward_over_the_committed_tokens(tiny, tiny_dflash):
     """After every step (prompts prefilled in several chunks, one prompt twice so that the second
     reuses the first's pages from the prefix cache), each request's drafted block equals the
@@ -255,6 +278,10 @@ def test_spec_config_builds_the_drafter_with_its_block_size(tmp_path, tiny, tiny
     assert isinstance(drafter, DFlashDrafter) and drafter.num_nodes == 4 and drafter.draft_slots == 4
     assert SpecConfig("dflash", draft_model_path=str(tiny_dflash / "drafter"), num_draft_tokens=3).build(tiny).num_nodes == 3
     assert SpecConfig("DFLASH", draft_model_path=str(tiny_dflash / "drafter"), dflash_block_size=2).build(tiny).num_nodes == 2
+    tree = SpecConfig("DFLASH", draft_model_path=str(tiny_dflash / "drafter"), eagle_topk=3).build(tiny)
+    assert (tree.tree.steps, tree.tree.topk, tree.num_nodes, tree.draft_slots) == (3, 3, 8, 4)
+    with pytest.raises(ValueError, match="DFLASH tree depth num_steps=4 exceeds the block's 3 drafted positions"):
+        SpecConfig("DFLASH", draft_model_path=str(tiny_dflash / "drafter"), eagle_topk=2, num_steps=4).build(tiny)
     with pytest.raises(ValueError, match="DFLASH block size 65 must be in"):
         SpecConfig("DFLASH", draft_model_path=str(tiny_dflash / "drafter"), dflash_block_size=65).build(tiny)
     head = DFlashHead(DFlashConfig.for_target(TINY, num_layers=1, block_size=4, mask_token=62), rngs=nnx.Rngs(0))

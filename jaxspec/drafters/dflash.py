@@ -274,11 +274,12 @@ def export_dflash(head: DFlashHead, directory: str, target_cfg: ModelConfig, ext
 
 
 class DFlashDrafter(DeviceDrafter):
-    """A DFLASH drafter and the chain it drafts: tree.num_draft_tokens = the block verified."""
+    """A DFLASH drafter and what it drafts: a block of tree.steps + 1 tokens a pass, verified as a
+    chain (tree.topk 1) or as a tree of tree.num_draft_tokens nodes."""
 
     def __init__(self, head: DFlashHead, tree):
         super().__init__(head, tree)
-        self.draft_slots = tree.num_draft_tokens  # the block's own K/V, written after the accepted tokens
+        self.draft_slots = tree.steps + 1  # the block's own K/V, written after the accepted tokens
 
     def cache_shape(self):
         c = self.head.cfg

@@ -2,9 +2,10 @@
 for the accepted positions -> the next block drafted in one pass, one jitted program with both
 caches donated (SGLang's DFLASH worker runs these as separate forwards; seed 003).
 
-The draft is a chain: the block [root, d_1 .. d_{n-1}] is verified as a tree whose node i has
-parent i - 1, by the same verify_and_accept as every drafter (so sampling stays lossless: drafts
-are the drafter's argmax, and the target's own sample decides each position).
+The draft is a chain, the block [root, d_1 .. d_{n-1}] verified as a tree whose node i has parent
+i - 1, or (topk > 1) a tree built from the block's per-position distributions; either goes
+through the same verify_and_accept as every drafter, so sampling stays lossless (drafts are
+proposals; the target's own sample decides each position).
 
 The drafter's cache, per drafter layer, in the target's pages: slot p < kv_len holds K/V
 projected from the target's features at position p. A draft pass writes the block's own K/V at
@@ -14,11 +15,12 @@ Only accepted positions get context K/V (seed 004's skip of dead positions, here
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import attention, sampling
-from jaxspec.drafters.eagle_step import coupled, next_inputs
+from jaxspec.drafters.eagle_step import coupled, next_inputs, select_tree, with_root
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.models.llama import rope_frequencies, rope_table
 from jaxspec.verify import verify_and_accept
@@ -38,13 +40,13 @@ def write_context(head, dcache: KVCache, features, page_table, kv_lens, q_lens):
     return KVCache(kp, vp)
 
 
-def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, live, width: int, attn_impl,
-                coupling=None):
-    """The next chain of `width` nodes: root [B] (the pending token, at position prefix_len) and
-    the drafter's argmax at the block's other positions (coupling: as eagle_step.draft_tree's,
-    block position i drafting the token drawn at output position coupling[1] + i - 1). Rows not
-    live write nothing. Returns ((tokens [B, width], parents [B, width]), cache)."""
-    b = root.shape[0]
+def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, live, tree, attn_impl, coupling=None):
+    """The next draft from one pass over the block [root, mask x tree.steps] at positions
+    prefix_len.. (root [B]: the pending token). tree.topk 1: a chain of the drafter's argmax at
+    block positions 1 .. num_draft_tokens - 1 (coupling: as eagle_step.draft_tree's, block
+    position i drafting the token drawn at output position coupling[1] + i - 1). topk > 1: a tree
+    (tree_from_marginals). Rows not live write nothing. Returns ((tokens, parents) [B, N], cache)."""
+    b, width = root.shape[0], tree.steps + 1
     tokens = jnp.concatenate([root[:, None].astype(jnp.int32), jnp.full((b, width - 1), head.cfg.mask_token, jnp.int32)], 1)
     q_lens = jnp.where(live, width, 0).astype(jnp.int32)
     rope = rope_table(prefix_len[:, None] + jnp.arange(width)[None], rope_frequencies(head.cfg))
@@ -57,14 +59,44 @@ def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, liv
         kp, vp = write_layer(kp, li, k, page, offset), write_layer(vp, li, v, page, offset)
         o = attention.paged_attention(q, kp, vp, li, page_table, prefix_len, q_lens, everything, impl=attn_impl)
         x = layer.finish(x, o)
-    logits = head.logits(target, x[:, 1:])  # [B, width - 1, V]
+    logits = head.logits(target, x[:, 1:])  # [B, steps, V]
+    coupled_logits = logits
     if coupling is not None:
         sb, first = coupling
         pos = first[:, None] + jnp.arange(width - 1)[None]
-        logits = sampling.coupled_draft_logits(logits, sb, pos, logits.shape[-1])
-    drafted = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    parents = jnp.broadcast_to(jnp.arange(-1, width - 1, dtype=jnp.int32), (b, width))
-    return (tokens.at[:, 1:].set(drafted), parents), KVCache(kp, vp)
+        coupled_logits = sampling.coupled_draft_logits(logits, sb, pos, logits.shape[-1])
+    if tree.topk == 1:
+        n = tree.num_draft_tokens
+        drafted = jnp.argmax(coupled_logits[:, :n - 1], axis=-1).astype(jnp.int32)
+        parents = jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (b, n))
+        return (jnp.concatenate([root[:, None].astype(jnp.int32), drafted], 1), parents), KVCache(kp, vp)
+    lp = jax.nn.log_softmax(logits)
+    if coupling is not None:  # a sampled row's draw ranks first at each position, as in draft_tree
+        drawn = jnp.argmax(coupled_logits, -1)
+        promote = (jnp.arange(lp.shape[-1]) == drawn[..., None]) & (coupling[0].temperature > 0)[:, None, None]
+        lp = jnp.where(promote, jnp.max(lp, axis=-1, keepdims=True) + 1e-3, lp)
+    return tree_from_marginals(lp, root, tree), KVCache(kp, vp)
+
+
+def tree_from_marginals(lp, root, tree):
+    """EAGLE-2's tree (eagle_step.draft_tree's rounds and selection) from one block's per-position
+    log-probs lp [B, steps, V]: the block is drafted in one pass, so every node at depth d expands
+    by the same distribution lp[:, d - 1] (Medusa's independence), whatever its ancestors."""
+    b, k = lp.shape[0], tree.topk
+    top_lp, top_tok = jax.lax.top_k(lp, k)  # [B, steps, k]
+    score = top_lp[:, 0]
+    cand_score, cand_tok, cand_parent = [score], [top_tok[:, 0]], [jnp.full((b, k), -1, jnp.int32)]
+    frontier_id, next_id = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)), k
+    for s in range(1, tree.steps):
+        expanded = (score[:, :, None] + top_lp[:, s, None, :]).reshape(b, k * k)
+        cand_score.append(expanded)
+        cand_tok.append(jnp.tile(top_tok[:, s], (1, k)))
+        cand_parent.append(jnp.repeat(frontier_id, k, axis=1))
+        score, pick = jax.lax.top_k(expanded, k)
+        frontier_id = next_id + pick
+        next_id += k * k
+    tokens, parents = select_tree(cand_score, cand_tok, cand_parent, tree.num_draft_tokens)
+    return with_root(root, tokens.astype(jnp.int32), parents)
 
 
 def extend(graphs, tree, attn_impl, state, cache, tokens, next_tokens, page_table, kv_lens, q_lens, sb, flags):
@@ -81,8 +113,8 @@ def extend(graphs, tree, attn_impl, state, cache, tokens, next_tokens, page_tabl
     lp, top_v, top_i = sampling.logprobs_of(logits, nxt[:, None], flags.top_logprobs)
     follow = jnp.where(next_tokens >= 0, next_tokens, nxt)
     dcache = write_context(head, dcache, layers, page_table, kv_lens, q_lens)
-    tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + q_lens, follow, q_lens > 0,
-                                   tree.num_draft_tokens, attn_impl, coupled(sb, flags, sb.step + 1))
+    tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + q_lens, follow, q_lens > 0, tree,
+                                   attn_impl, coupled(sb, flags, sb.step + 1))
     squeeze = (lambda x: None if x is None else x[:, 0])
     return nxt, lp[:, 0], squeeze(top_v), squeeze(top_i), tree_out, nxt[:, None], (tcache, dcache)
 
@@ -94,13 +126,13 @@ def verify(graphs, tree, attn_impl, state, cache, tokens, parents, page_table, k
     tcache, dcache = cache
     out, count, lp, top_v, top_i, path, _, layers, tcache = verify_and_accept(
         target, tcache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
-        hidden_layers=head.cfg.target_layer_ids)
+        hidden_layers=head.cfg.target_layer_ids, max_depth=tree.steps + 1)
     count = jnp.where(num_nodes > 0, count, 0)  # a row with no nodes (stopped in verify_steps) emits nothing
     accepted = jnp.take_along_axis(layers, path[None, :, :, None], axis=2)
     dcache = write_context(head, dcache, accepted, page_table, kv_lens, count)
     rows = jnp.arange(tokens.shape[0])
     root = out[rows, jnp.maximum(count - 1, 0)]
-    tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + count, root, count > 0,
-                                   tree.num_draft_tokens, attn_impl, coupled(sb, flags, sb.step + count))
+    tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + count, root, count > 0, tree,
+                                   attn_impl, coupled(sb, flags, sb.step + count))
     chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
     return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)

@@ -156,6 +156,13 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
         anc = jnp.take_along_axis(anc, row[:, :, None], axis=1)
         frontier_id = next_id + pick
         next_id += k * k
+    tokens, parents = select_tree(cand_score, cand_tok, cand_parent, n)
+    return with_root(root, head.to_target(tokens).astype(jnp.int32), parents)
+
+
+def select_tree(cand_score, cand_tok, cand_parent, n: int):
+    """The n - 1 best candidates (lists of [B, *] per round: cumulative log-prob, token, parent's
+    candidate id or -1) as drafted nodes 1 .. n-1: tokens and parents' node indices, parents first."""
     all_score = jnp.concatenate(cand_score, axis=1)
     all_tok = jnp.concatenate(cand_tok, axis=1)
     all_parent = jnp.concatenate(cand_parent, axis=1)
@@ -164,7 +171,12 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
     par_c = jnp.take_along_axis(all_parent, sel, axis=1)
     par_pos = jax.vmap(jnp.searchsorted)(sel, par_c)
     parents = jnp.where(par_c < 0, 0, par_pos + 1).astype(jnp.int32)
-    tokens = head.to_target(jnp.take_along_axis(all_tok, sel, axis=1)).astype(jnp.int32)
+    return jnp.take_along_axis(all_tok, sel, axis=1), parents
+
+
+def with_root(root, tokens, parents):
+    """Node 0 (the pending token, parent -1) before the drafted nodes."""
+    b = root.shape[0]
     return (jnp.concatenate([root[:, None].astype(jnp.int32), tokens], axis=1),
             jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1))
 
