@@ -80,7 +80,6 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
     @app.get("/metrics")
     def metrics():
         s, m, pool = engine.sched.stats, engine.metrics, engine.sched.pool
-        acc = s["emitted"] / max(s["verify_steps"], 1)
         lines = [
             ("jaxspec_requests_total", m["requests"]), ("jaxspec_requests_rejected_total", m["requests_failed"]),
             ("jaxspec_prompt_tokens_total", m["prompt_tokens"]), ("jaxspec_generation_tokens_total", m["generation_tokens"]),
@@ -91,8 +90,8 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
             ("jaxspec_late_compiles_total", len(engine.sched.late_compiles)),  # a request waited for a compile
         ]
         text = "".join(f"# TYPE {k} {'counter' if k.endswith('_total') else 'gauge'}\n{k} {v}\n" for k, v in lines)
-        accept = acc if s['verify_steps'] else 0
-        return PlainTextResponse(text + f"# TYPE jaxspec_accept_length gauge\njaxspec_accept_length {accept}\n")
+        return PlainTextResponse(text + "# TYPE jaxspec_accept_length gauge\n"
+                                 f"jaxspec_accept_length {engine.sched.mean_accept_length()}\n")
 
     def params_of(body: SamplingFields, logprobs: int | None) -> SamplingParams:
         return sampling_params(body, logprobs, model_name, gen.model.cfg.vocab_size)

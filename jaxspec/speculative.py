@@ -36,11 +36,13 @@ def add_flags(ap) -> None:
                     help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
     ap.add_argument("--speculative-ngram-match-type", default="BFS")
-    # measured by default: over MT-bench and HumanEval at batch 1, 8, 32 and 64 on the H200 its worst
-    # cell was 0.89x plain decoding against the fixed tree's 0.74x (spec-policy-NVIDIA-H200.json)
-    ap.add_argument("--speculative-policy", choices=["fixed", "measured"], default="measured",
-                    help="EAGLE family: verify every step (fixed), or verify or decode plainly by the programs' costs "
-                         "timed at warm-up and the accept lengths seen (measured, the default)")
+    # fixed by default: on the H100 the measured policy fell behind the fixed tree in the Generator
+    # (HumanEval batch 8: 1.00x plain against 1.13x, spec-policy-NVIDIA-H100-80GB-HBM3.json) and in
+    # server.py at concurrency 8 (0.50x plain, serve-NVIDIA-H100-80GB-HBM3.json at 4fcf356): one plain
+    # step leaves a request's head behind, and its poorer drafts then hold the bucket at plain decoding
+    ap.add_argument("--speculative-policy", choices=["fixed", "measured"], default="fixed",
+                    help="EAGLE family: verify every step the batch's tree fits (fixed, the default), or verify or "
+                         "decode plainly by the programs' costs timed at warm-up and the accept lengths seen (measured)")
 
 
 def config_from_flags(args) -> "SpecConfig | None":

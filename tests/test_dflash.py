@@ -140,6 +140,8 @@ def test_sampling_equals_plain_with_the_same_seeds_and_chains_equal_single_steps
         assert [c.token_ids for c in a] == [c.token_ids for c in b] == [c.token_ids for c in plain]
         assert [c.finish_reason for c in b] == [c.finish_reason for c in plain]
         assert [c.accept_lengths for c in a] == [c.accept_lengths for c in b]
+        # /metrics' jaxspec_accept_length: per request and step, though a call runs several steps over every row
+        assert many.scheduler.mean_accept_length() == pytest.approx(np.mean([x for c in b for x in c.accept_lengths or []]))
         assert many.scheduler.pool.in_use == 0
         chained += many.scheduler.stats["chained_steps"]
     assert chained > 4  # calls launched from the last call's device outputs

@@ -71,10 +71,17 @@ class Outputs:
                     break
                 r.kv_len += c
                 r.accept_lengths.append(c)
+                self.stats["verified_rows"] += 1
+                self.stats["accepted"] += c
                 self._emit(r, toks[i, s, :c].tolist(), None if lp is None else lp[i, s, :c].tolist(),
                            None if top_i is None else [(top_v[i, s, j], top_i[i, s, j]) for j in range(c)])
         self.stats["verify_steps"] += 1
         self.stats["verify_time"] += f.host_s + time.perf_counter() - t0
+
+    def mean_accept_length(self) -> float:
+        """Tokens a request emits per verify step, over every request's steps so far (0 before any):
+        a verify call runs several steps over many rows."""
+        return self.stats["accepted"] / max(self.stats["verified_rows"], 1)
 
     def _emit(self, req, toks, lps, tops):
         """Append tokens one by one; the first stop condition met ends the request there."""
