@@ -40,19 +40,6 @@ def decode() -> str:
     return "\n".join(out)
 
 
-def startup() -> str:
-    d, out = _table("startup", ["algorithm", "cache", "programs", "warm-up s", "process start to first token s"],
-                    "NVIDIA-H200")
-    for r in d["rows"]:
-        if "cache" in r and "run" not in r:
-            out.append(f"| {r['algorithm']} | {r['cache']} | {r['programs']} | {r['warmup_s']:.1f} | {r['first_token_s']:.1f} |")
-    mixed = [r for r in d["rows"] if r.get("workload") == "mixed"]
-    out += ["", "Mixed workload after warm-up, run twice: " + "; ".join(
-        f"{r['algorithm']} pass {r['passno']} {r['tokens_per_s']:.0f} tok/s with {r['compiles']} compiles" for r in mixed)
-        + "."]
-    return "\n".join(out)
-
-
 def spec() -> str:
     d, out = _table("spec", ["dataset", "algorithm", "batch", "tok/s", "vs plain (median of rounds)", "accept length",
                              "vs torch.compile plain"])
@@ -66,17 +53,20 @@ def spec() -> str:
     return "\n".join(out)
 
 
-def _side_by_side(name: str, first: str, device: str = "NVIDIA-H200") -> str:
-    """One row a configuration: vs plain (accept length) per dataset and batch, from one run."""
-    d = _load(name, device)
-    cols = sorted({(r["dataset"], r["batch"]) for r in d["rows"]}, key=lambda c: (c[0] != "mt-bench", c[1]))
-    d, out = _table(name, [first] + [f"{ds} b{b}" for ds, b in cols], device)
-    for config in dict.fromkeys(r["config"] for r in d["rows"]):
+def _side_by_side(names, first: str, device: str = "NVIDIA-H200") -> str:
+    """One row a configuration: vs plain (accept length) per dataset and batch, from one run a file."""
+    runs = [_load(name, device) for name in names]
+    cols = [(i, ds, b) for i, d in enumerate(runs)
+            for ds, b in sorted({(r["dataset"], r["batch"]) for r in d["rows"]}, key=lambda c: (c[0] != "mt-bench", c[1]))]
+    columns = [first] + [f"{ds} b{b}" for _, ds, b in cols]
+    out = [f"`{name}-{device}.json`, commit {d['commit'][:7]}: `{d['command']}`" for name, d in zip(names, runs)]
+    out = ["; ".join(out), "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for config in dict.fromkeys(r["config"] for d in runs for r in d["rows"]):
         if config == "plain":
             continue
         cells = []
-        for ds, b in cols:
-            r = next(r for r in d["rows"] if (r["config"], r["dataset"], r["batch"]) == (config, ds, b))
+        for i, ds, b in cols:
+            r = next(r for r in runs[i]["rows"] if (r["config"], r["dataset"], r["batch"]) == (config, ds, b))
             acc = f"{r['accept_length']:.2f}" if r["accept_length"] else "decoded plainly"
             cells.append(f"{r['speedup']:.2f}x ({acc})")
         out.append(f"| {config} | " + " | ".join(cells) + " |")
@@ -84,11 +74,12 @@ def _side_by_side(name: str, first: str, device: str = "NVIDIA-H200") -> str:
 
 
 def drafters() -> str:
-    return _side_by_side("spec-frspec-dflash", "drafter")
+    """The retrained DFLASH drafter (chain and tree) beside EAGLE-3 (a run a dataset)."""
+    return _side_by_side(("spec-dflash", "spec-dflash-humaneval"), "drafter", DEVICE)
 
 
 def policy() -> str:
-    return _side_by_side("spec-policy", "speculation", DEVICE)
+    return _side_by_side(("spec-policy",), "speculation", DEVICE)
 
 
 def rollout() -> str:
@@ -99,7 +90,7 @@ def rollout() -> str:
     return "\n".join(out)
 
 
-TABLES = {"decode": decode, "startup": startup, "spec": spec, "drafters": drafters, "policy": policy,
+TABLES = {"decode": decode, "spec": spec, "drafters": drafters, "policy": policy,
           "rollout": rollout}
 
 
