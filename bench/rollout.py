@@ -95,7 +95,7 @@ def main():
             for algo in args.algos.split(","):
                 name, *nums = algo.split(":")
                 shape = {}
-                if name in ("eagle", "eagle3"):
+                if len(nums) == 3:  # eagle3:6:4:24, dflash:15:4:32 (a tree from the block)
                     shape = dict(num_steps=int(nums[0]), topk=int(nums[1]), num_draft_tokens=int(nums[2]))
                 elif nums:
                     shape = dict(num_draft_tokens=int(nums[0]))
@@ -129,7 +129,8 @@ def main():
         for r in greedy:
             r["vs_generator_plain"] = r["tokens_per_s"] / plain_engine["tokens_per_s"]
         print_table(greedy, ["engine", "algorithm", "batch", "tokens_per_s", "speedup", "vs_generator_plain"])
-    print(write_results("rollout", rows, {"dtype": str(model.dtype)}))
+        path = write_results("rollout", rows, {"dtype": str(model.dtype)})  # after each batch: a cut-off run keeps its rows
+    print(path)
 
 
 if __name__ == "__main__":

@@ -40,15 +40,15 @@ class RolloutConfig:
     algorithm: str = "none"
     max_new_tokens: int = 64
     num_draft_tokens: int = 8  # nodes verified a step, the root included (prompt_lookup: drafts + 1; dflash: block)
-    num_steps: int = 3  # eagle / eagle3 tree depth
-    topk: int = 4  # eagle / eagle3 branching
+    num_steps: int = 3  # tree depth (dflash with topk > 1: its block is num_steps + 1 tokens)
+    topk: int | None = None  # branching: default 4, dflash 1 (a chain; > 1 a tree from the block's distributions)
     ngram: int = 2  # prompt_lookup: tokens matched
     sample: bool = False  # compile the sampler (rows at temperature 0 stay greedy); False: greedy only
     page_size: int = 16
     attn_impl: str = "auto"
     # A learned drafter's tree shrinks to fit max_verify_tokens nodes a step over the whole batch,
     # and where it would verify fewer than min_nodes (a smaller tree of the drafter's own is kept
-    # whole; DFLASH's block is not cut) the rollout decodes plainly: the engine's rule
+    # whole; DFLASH's chain is not cut) the rollout decodes plainly: the engine's rule
     # (scheduler.core.tree_size). At batch 64 the 6:4:24 tree ran at 0.68x plain greedy and 0.37x at
     # temperature 1 (rollout-NVIDIA-H100-80GB-HBM3.json, 5c18bf9). None: the tree as given.
     max_verify_tokens: int | None = 128
@@ -63,13 +63,14 @@ class RolloutConfig:
     def tree(self, batch: int) -> TreeShape | None:
         """The tree a step verifies at this batch size, or None where the batch decodes plainly."""
         n = self.num_draft_tokens
+        chain = self.algorithm == "dflash" and (self.topk or 1) == 1
         if self.max_verify_tokens is not None:
             n = nodes_that_fit(n, self.max_verify_tokens, batch, self.min_nodes)
-            if n == 1 or (self.algorithm == "dflash" and n < self.num_draft_tokens):
+            if n == 1 or (chain and n < self.num_draft_tokens):
                 return None
-        if self.algorithm == "dflash":
+        if chain:
             return TreeShape(n - 1, 1, n)
-        return TreeShape(self.num_steps, self.topk, n)
+        return TreeShape(self.num_steps, self.topk or 4, n)
 
 
 class RolloutOutput(NamedTuple):

@@ -229,7 +229,8 @@ def test_zlab_layout_matches_torch_reading(tmp_path, tiny):
     dc = KVCache.create(2, 8, 4, 2, 16, jnp.float32)
     pt = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
     dc = write_context(head, dc, jnp.asarray(feats), pt, jnp.asarray([0]), jnp.asarray([s]))
-    (toks, parents), _ = draft_block(head, tiny, dc, pt, jnp.asarray([s]), jnp.asarray([9]), jnp.asarray([True]), n, "ref")
+    (toks, parents), _ = draft_block(head, tiny, dc, pt, jnp.asarray([s]), jnp.asarray([9]), jnp.asarray([True]), chain(n),
+                                   "ref")
     want = np.argmax(np.asarray(tiny.logits(jnp.asarray(ref[1:]))), -1)
     assert np.asarray(toks)[0].tolist() == [9] + want.tolist()
     assert np.asarray(parents)[0].tolist() == [-1, 0, 1, 2, 3]

@@ -62,15 +62,18 @@ def drafter_for(algorithm, tiny, tiny_eagle3, tiny_dflash):
                                                                                         num_draft_tokens=4)
     if algorithm == "dflash":
         return load_dflash(str(tiny_dflash / "drafter"), TINY), dict(num_draft_tokens=4)
+    if algorithm == "dflash_tree":  # a tree from the block's per-position top-k
+        return load_dflash(str(tiny_dflash / "drafter"), TINY), dict(num_steps=3, topk=3, num_draft_tokens=8)
     return None, dict(num_draft_tokens=4 if algorithm == "prompt_lookup" else 8)
 
 
 NO_STOP = jnp.full((3, 1), -1, jnp.int32)
 
 
-@pytest.mark.parametrize("algorithm", ["none", "prompt_lookup", "eagle", "eagle3", "dflash"])
+@pytest.mark.parametrize("algorithm", ["none", "prompt_lookup", "eagle", "eagle3", "dflash", "dflash_tree"])
 def test_rollout_gives_the_generators_tokens_samples_and_logprobs(tiny, tiny_eagle3, tiny_dflash, algorithm):
     head, shape = drafter_for(algorithm, tiny, tiny_eagle3, tiny_dflash)
+    algorithm = algorithm.removesuffix("_tree")
     greedy, sampled = reference(tiny)
     toks, lens = padded(PROMPTS)
     seeds = jnp.array([1, 2, 3])
