@@ -229,8 +229,10 @@ def parse_args(argv=None):
     ap.add_argument("--export-dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-only", action="store_true", help="generate the run's data.npz and stop")
+    ap.add_argument("--data", default=None, help="train on this data.npz (e.g. a corpus in data/) rather than the run's")
     ap.add_argument("--init-from", default=None,
-                    help="EAGLE/EAGLE-3: start from this exported head (its draft vocabulary kept), not a fresh one")
+                    help="start from this exported head or DFLASH drafter, not a fresh one (an EAGLE-3 head's draft "
+                         "vocabulary, a DFLASH drafter's shape, layers and mask token kept)")
     ap.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, float32 on CPU)")
     ap.add_argument("--block-size", type=int, default=16, help="DFLASH: tokens a draft pass proposes, the root included")
     ap.add_argument("--draft-layers", type=int, default=3, help="DFLASH: drafter layers (and target feature layers)")
@@ -253,7 +255,9 @@ def train(args, target=None, tokenizer=None):
     os.makedirs(args.run, exist_ok=True)
     if target is None:
         target, tokenizer = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
-    data_path = os.path.join(args.run, "data.npz")
+    data_path = args.data or os.path.join(args.run, "data.npz")
+    if args.data and not os.path.exists(args.data):
+        raise FileNotFoundError(f"--data {args.data}: no such corpus (a data.npz that --data-only writes)")
     if os.path.exists(data_path):
         d = np.load(data_path)
         tokens, lengths = d["tokens"], d["lengths"]
@@ -276,11 +280,16 @@ def train(args, target=None, tokenizer=None):
     if args.kind == "dflash":
         from jaxspec import train_dflash
         from jaxspec.drafters.dflash import DFlashConfig, build_target_layer_ids
-        mask = train_dflash.mask_token_for(tokens, lengths, target.cfg.vocab_size, target.cfg.eos_token_ids)
-        ids = build_target_layer_ids(target.cfg.num_layers, args.feature_layers or args.draft_layers)
-        cfg = DFlashConfig.for_target(target.cfg, args.draft_layers, args.block_size, mask, ids,
-                                      intermediate_size=args.intermediate_size)
-        head = train_dflash.init_drafter(target, cfg, args.seed)
+        if args.init_from:  # go on training a drafter: its shape, layers and mask token stay
+            from jaxspec.drafters.dflash import load_dflash
+            head = load_dflash(args.init_from, target.cfg, dtype=jnp.float32)
+            cfg = head.cfg
+        else:
+            mask = train_dflash.mask_token_for(tokens, lengths, target.cfg.vocab_size, target.cfg.eos_token_ids)
+            ids = build_target_layer_ids(target.cfg.num_layers, args.feature_layers or args.draft_layers)
+            cfg = DFlashConfig.for_target(target.cfg, args.draft_layers, args.block_size, mask, ids,
+                                          intermediate_size=args.intermediate_size)
+            head = train_dflash.init_drafter(target, cfg, args.seed)
         graph, params, rest = nnx.split(head, nnx.Param, ...)
         step_fn, eval_fn, t_state = train_dflash.make_train_step(target, graph, rest, tx, cfg, args.anchors, args.seed)
         coverage = None

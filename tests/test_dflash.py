@@ -52,6 +52,28 @@ def test_training_learns_and_exports_the_zlab_layout(tiny_dflash, tiny):
     assert mask not in TINY.eos_token_ids and counts[mask] == counts[:63].min()
 
 
+def test_training_goes_on_from_a_shipped_drafter(tmp_path, tiny, tiny_dflash):
+    """--init-from: a second stage starts where the exported drafter ended (its loss, not a fresh
+    drafter's), keeps its mask token and layers, and its card names where it started; --data
+    trains on a corpus already written."""
+    from jaxspec import train
+    base = ["--drafter", "dflash", "--data", str(tiny_dflash / "data.npz"), "--seq-len", "64", "--steps", "4",
+            "--batch", "8", "--block-size", "4", "--draft-layers", "2", "--anchors", "8", "--log-every", "1",
+            "--save-every", "1000", "--lr", "1e-4", "--seed", "7", "--export-dtype", "float32"]
+    first = {}
+    for name, extra in (("fresh", []), ("more", ["--init-from", str(tiny_dflash / "drafter")])):
+        train.train(train.parse_args(["--run", str(tmp_path / name), "--export", str(tmp_path / name / "out")] + base + extra),
+                    tiny)
+        rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        first[name] = next(r for r in rows if r["split"] == "train")["loss"]
+    assert first["more"] < 0.7 * first["fresh"], first
+    shipped = json.load(open(tiny_dflash / "drafter" / "config.json"))["dflash_config"]
+    assert json.load(open(tmp_path / "more" / "out" / "config.json"))["dflash_config"] == shipped
+    assert json.load(open(tmp_path / "more" / "out" / "card.json"))["init_from"] == "drafter"
+    with pytest.raises(FileNotFoundError, match="--data nowhere.npz: no such corpus"):
+        train.train(train.parse_args(["--run", str(tmp_path / "x"), "--data", "nowhere.npz"]), tiny)
+
+
 @pytest.mark.parametrize("block", [4, 3, 2])
 def test_dflash_greedy_equals_plain_and_drafts_are_accepted(tiny, tiny_dflash, block):
     head = load_dflash(str(tiny_dflash / "drafter"), TINY)
