@@ -279,17 +279,8 @@ def train(args, target=None, tokenizer=None):
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(sched, b2=0.95, weight_decay=0.0))
     if args.kind == "dflash":
         from jaxspec import train_dflash
-        from jaxspec.drafters.dflash import DFlashConfig, build_target_layer_ids
-        if args.init_from:  # go on training a drafter: its shape, layers and mask token stay
-            from jaxspec.drafters.dflash import load_dflash
-            head = load_dflash(args.init_from, target.cfg, dtype=jnp.float32)
-            cfg = head.cfg
-        else:
-            mask = train_dflash.mask_token_for(tokens, lengths, target.cfg.vocab_size, target.cfg.eos_token_ids)
-            ids = build_target_layer_ids(target.cfg.num_layers, args.feature_layers or args.draft_layers)
-            cfg = DFlashConfig.for_target(target.cfg, args.draft_layers, args.block_size, mask, ids,
-                                          intermediate_size=args.intermediate_size)
-            head = train_dflash.init_drafter(target, cfg, args.seed)
+        head = train_dflash.drafter_for_run(args, target, tokens, lengths)
+        cfg = head.cfg
         graph, params, rest = nnx.split(head, nnx.Param, ...)
         step_fn, eval_fn, t_state = train_dflash.make_train_step(target, graph, rest, tx, cfg, args.anchors, args.seed)
         coverage = None

@@ -142,3 +142,17 @@ def init_drafter(target, cfg: DFlashConfig, seed: int) -> DFlashHead:
             layer.q_norm[...], layer.k_norm[...] = f32(src.q_norm), f32(src.k_norm)
     head.norm[...] = f32(target.final_norm)
     return head
+
+
+def drafter_for_run(args, target, tokens, lengths) -> DFlashHead:
+    """The drafter a training run starts from: --init-from's (its shape, layers and mask token
+    kept), or a fresh one shaped by the flags, its mask token the corpus's rarest id."""
+    if args.init_from:
+        from jaxspec.drafters.dflash import load_dflash
+        return load_dflash(args.init_from, target.cfg, dtype=jnp.float32)
+    from jaxspec.drafters.dflash import build_target_layer_ids
+    mask = mask_token_for(tokens, lengths, target.cfg.vocab_size, target.cfg.eos_token_ids)
+    ids = build_target_layer_ids(target.cfg.num_layers, args.feature_layers or args.draft_layers)
+    cfg = DFlashConfig.for_target(target.cfg, args.draft_layers, args.block_size, mask, ids,
+                                  intermediate_size=args.intermediate_size)
+    return init_drafter(target, cfg, args.seed)
