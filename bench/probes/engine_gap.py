@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import device_kernels, mt_bench_prompts, print_table, write_results
+from common import device_kernels, mt_bench_token_ids, print_table, write_results
 from jaxspec import Generator, SamplingParams
 from jaxspec import programs as programs_mod
 from jaxspec.models.loading import load
@@ -39,9 +39,7 @@ def main():
     ap.add_argument("--passes", type=int, default=3)
     args = ap.parse_args()
     model, tok = load("smollm2-135m")
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in mt_bench_prompts()]
-    ids = [tok.encode(c, add_special_tokens=False) for c in chats][:args.batch]
+    ids = mt_bench_token_ids(tok, args.batch)
     b = len(ids)
     params = SamplingParams(max_tokens=args.max_tokens)
     gen = Generator(model, tok, max_batch=64, max_seq_len=1024)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import attention, sampling
-from jaxspec.drafters.eagle_step import coupled, next_inputs, select_tree, with_root
+from jaxspec.drafters.eagle_step import coupled, first_round, next_inputs, next_round, select_tree, with_root
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.models.llama import rope_frequencies, rope_table
 from jaxspec.verify import verify_and_accept
@@ -68,8 +68,7 @@ def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, liv
     if tree.topk == 1:
         n = tree.num_draft_tokens
         drafted = jnp.argmax(coupled_logits[:, :n - 1], axis=-1).astype(jnp.int32)
-        parents = jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (b, n))
-        return (jnp.concatenate([root[:, None].astype(jnp.int32), drafted], 1), parents), KVCache(kp, vp)
+        return with_root(root, drafted, jnp.broadcast_to(jnp.arange(n - 1, dtype=jnp.int32), (b, n - 1))), KVCache(kp, vp)
     lp = jax.nn.log_softmax(logits)
     if coupling is not None:  # a sampled row's draw ranks first at each position, as in draft_tree
         drawn = jnp.argmax(coupled_logits, -1)
@@ -85,17 +84,11 @@ def tree_from_marginals(lp, root, tree):
     b, k = lp.shape[0], tree.topk
     top_lp, top_tok = jax.lax.top_k(lp, k)  # [B, steps, k]
     score = top_lp[:, 0]
-    cand_score, cand_tok, cand_parent = [score], [top_tok[:, 0]], [jnp.full((b, k), -1, jnp.int32)]
-    frontier_id, next_id = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)), k
+    cands, frontier_id = first_round(score, top_tok[:, 0])
     for s in range(1, tree.steps):
-        expanded = (score[:, :, None] + top_lp[:, s, None, :]).reshape(b, k * k)
-        cand_score.append(expanded)
-        cand_tok.append(jnp.tile(top_tok[:, s], (1, k)))
-        cand_parent.append(jnp.repeat(frontier_id, k, axis=1))
-        score, pick = jax.lax.top_k(expanded, k)
-        frontier_id = next_id + pick
-        next_id += k * k
-    tokens, parents = select_tree(cand_score, cand_tok, cand_parent, tree.num_draft_tokens)
+        every = lambda x: jnp.broadcast_to(x[:, s, None, :], (b, k, k))  # the same children for each frontier node
+        score, _, frontier_id = next_round(cands, score, frontier_id, every(top_lp), every(top_tok))
+    tokens, parents = select_tree(cands, tree.num_draft_tokens)
     return with_root(root, tokens.astype(jnp.int32), parents)
 
 

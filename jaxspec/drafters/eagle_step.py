@@ -124,8 +124,7 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
         return jnp.where(promote, jnp.max(lp, axis=-1, keepdims=True) + 1e-3, lp)  # ranks first
 
     score, tok = jax.lax.top_k(draft_logprobs(last_out, 0), k)  # [B, k]
-    cand_score, cand_tok, cand_parent = [score], [tok], [jnp.full((b, k), -1, jnp.int32)]
-    frontier_id = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate ids of the frontier
+    cands, frontier_id = first_round(score, tok)
     hidden = jnp.broadcast_to(last_out[:, None], (b, k, last_out.shape[-1]))
     if tree.steps > 1:
         hkv, d = dcache.k.shape[-2:]
@@ -135,7 +134,6 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
         tree_k = jnp.zeros((b, m, hkv, d), dcache.k.dtype)
         tree_v = jnp.zeros_like(tree_k)
         anc = jnp.zeros((b, k, m), bool)  # each frontier node's ancestors among drafted rows
-    next_id = k
     for s in range(1, tree.steps):
         slots = (s - 1) * k + jnp.arange(k)
         pos = jnp.broadcast_to((prefix_len + s - 1)[:, None], (b, k))
@@ -145,27 +143,41 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
         anc = anc | (jnp.arange(m)[None, None, :] == slots[None, :, None])
         out = head.finish(attend_prefix_and_tree(q, k_pre, v_pre, prefix_len, tree_k, tree_v, anc), res)
         child_lp, child_tok = jax.lax.top_k(draft_logprobs(out, s), k)  # [B, k, k]
-        expanded = (score[:, :, None] + child_lp).reshape(b, k * k)
-        cand_score.append(expanded)
-        cand_tok.append(child_tok.reshape(b, k * k))
-        cand_parent.append(jnp.repeat(frontier_id, k, axis=1))
-        score, pick = jax.lax.top_k(expanded, k)
+        score, pick, frontier_id = next_round(cands, score, frontier_id, child_lp, child_tok)
         row = pick // k
         tok = jnp.take_along_axis(child_tok.reshape(b, k * k), pick, axis=1)
         hidden = jnp.take_along_axis(out, row[:, :, None], axis=1)
         anc = jnp.take_along_axis(anc, row[:, :, None], axis=1)
-        frontier_id = next_id + pick
-        next_id += k * k
-    tokens, parents = select_tree(cand_score, cand_tok, cand_parent, n)
+    tokens, parents = select_tree(cands, n)
     return with_root(root, head.to_target(tokens).astype(jnp.int32), parents)
 
 
-def select_tree(cand_score, cand_tok, cand_parent, n: int):
-    """The n - 1 best candidates (lists of [B, *] per round: cumulative log-prob, token, parent's
-    candidate id or -1) as drafted nodes 1 .. n-1: tokens and parents' node indices, parents first."""
-    all_score = jnp.concatenate(cand_score, axis=1)
-    all_tok = jnp.concatenate(cand_tok, axis=1)
-    all_parent = jnp.concatenate(cand_parent, axis=1)
+def first_round(score, tok):
+    """EAGLE-2's candidates after the root's k best children (score, tok [B, k]): (cands, the
+    frontier's candidate ids). cands: lists of [B, *] per round of cumulative log-prob, token and
+    parent's candidate id (-1: the root), candidates numbered in creation order."""
+    b, k = score.shape
+    return ([score], [tok], [jnp.full((b, k), -1, jnp.int32)]), jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
+
+
+def next_round(cands, score, frontier_id, child_lp, child_tok):
+    """One EAGLE-2 round: each of the k frontier nodes (cumulative log-probs score [B, k]) takes
+    its k best children (child_lp, child_tok [B, k, k]); all k*k join cands and the k best are the
+    next frontier. Returns (their scores, their index among the k*k, their candidate ids)."""
+    b, k = score.shape
+    first_id = sum(c.shape[1] for c in cands[0])
+    expanded = (score[:, :, None] + child_lp).reshape(b, k * k)
+    cands[0].append(expanded)
+    cands[1].append(child_tok.reshape(b, k * k))
+    cands[2].append(jnp.repeat(frontier_id, k, axis=1))
+    score, pick = jax.lax.top_k(expanded, k)
+    return score, pick, first_id + pick
+
+
+def select_tree(cands, n: int):
+    """The n - 1 best of cands (first_round's) as drafted nodes 1 .. n-1: tokens and parents' node
+    indices, parents first."""
+    all_score, all_tok, all_parent = (jnp.concatenate(c, axis=1) for c in cands)
     _, sel = jax.lax.top_k(all_score, n - 1)  # ties go to the lower id, i.e. to the parent
     sel = jnp.sort(sel, axis=1)
     par_c = jnp.take_along_axis(all_parent, sel, axis=1)
