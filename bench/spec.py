@@ -7,7 +7,8 @@
         /mapK restricts the head to the first K
         ids of --token-map (FR-Spec), /mapK/refreshN refreshes that map from the emitted tokens every
         N of them, from the start of each pass; a suffix @pallas / @mosaic / @ref picks the attention;
-        a last /measured sizes speculation by measured costs: spec_policy.py, rows' `policy`)
+        a last /auto chooses the tree every call among the drafter's shapes by measured costs:
+        spec_policy.py, rows' `policy`, `auto_choices`, `step_costs`)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -65,8 +66,7 @@ def pooled_rate(runs) -> float:
 def compiled_programs(gen) -> int:
     """Shapes compiled so far by the generator's jitted programs (a compile inside the timed run
     is a stall the timing includes)."""
-    sched = gen.scheduler
-    return sum(len(p.table) for p in (sched.programs, sched.plain_programs) if p is not None)
+    return sum(len(p.table) for p in gen.scheduler.program_groups)
 
 
 def timed_run(gen, prompts, batch, max_tokens):
@@ -143,7 +143,7 @@ def main():
         while any(lab == label for _, lab in gens):
             label += "#2"  # the same algorithm again: a control for the noise between rounds
         a, _, head_dir = a.partition("=")  # "eagle3:6:4:24=runs/x/head": that head, not --draft-model
-        a, measured = (a[:-len("/measured")], True) if a.endswith("/measured") else (a, False)  # spec_policy.py
+        a, auto = (a[:-len("/auto")], True) if a.endswith("/auto") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
         map_size, _, refresh = map_size.partition("/refresh")  # ".../map4096/refresh256": adaptive, every 256 tokens
@@ -168,8 +168,8 @@ def main():
         drafter = spec.build(model, args.model) if spec else None
         kw = {} if args.spec_max_verify_tokens is None else dict(spec_max_verify_tokens=args.spec_max_verify_tokens)
         kw["attn_impl"] = attn_impl or "auto"
-        if measured:
-            kw["spec_policy"] = "measured"
+        if auto:
+            kw["spec_policy"] = "auto"
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, warmup=not args.lazy, **kw)
     rows = []
@@ -194,6 +194,9 @@ def main():
             # passes need not walk it (a pause of its own inside a timed pass is noise)
             gc.collect()
             gc.freeze()
+            for gen in gens.values():  # the auto policy's choices in the timed rounds alone
+                if gen.scheduler.spec_policy is not None:
+                    gen.scheduler.spec_policy.chosen.clear()
             # timed rounds, the algorithms interleaved within each round so that drift (clocks, host
             # noise) hits all of them alike; speedups are per round, then the median
             timed = {k: [] for k in gens}
@@ -214,7 +217,8 @@ def main():
                 row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
                            algorithm=name, config=label.split("=")[0], dataset=ds, batch=b,
                            draft_model=os.path.relpath(label.split("=")[1]) if "=" in label else None,
-                           policy="measured" if label.endswith("/measured") else "fixed",
+                           policy="auto" if label.endswith("/auto") else "fixed",
+                           tree=getattr(getattr(gen.scheduler.drafter, "tree", None), "label", None),
                            token_map=(label.split("/map")[1].split("@")[0].split("/")[0] if "/map" in label
                                       else ("none" if name in ("eagle", "eagle3", "naive_eagle") else None)),
                            token_map_refresh=int(label.split("/refresh")[1].split("@")[0]) if "/refresh" in label else None,
@@ -233,6 +237,13 @@ def main():
                                accept_length=sum(acc) / max(len(acc), 1),
                                identical_to_plain=[o.token_ids for o in outs] == base[1],
                                verify_steps=vs, emitted=sum(r["emitted"] for r in runs))
+                    policy = gen.scheduler.spec_policy
+                    if policy is not None:  # what the auto policy learned, and chose at this batch
+                        summary = policy.summary()
+                        row.update(auto_accept_length=summary["accept_length"],
+                                   auto_choices=summary["chosen"],  # "bucket:tree": calls, in the timed rounds
+                                   step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
+                                                                                          key=str)])
                     if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host
                         row["draft_host_ms_per_step"] = 1e3 * sum(r["host"] for r in runs) / max(vs, 1)
                         # trie insertion, done while the device runs a step (not on the critical path)

@@ -37,7 +37,7 @@ def main(argv=None):
     _engine_flags(p)
     p.add_argument("--build", action="store_true",
                    help="compile it (JAX's cache and the program store are used) and, with --speculative-policy "
-                        "measured, print the step costs timed at warm-up")
+                        "auto, print the step costs timed at warm-up")
     args = ap.parse_args(argv)
     from jaxspec.models.loading import CheckpointError
     try:
@@ -62,11 +62,13 @@ def programs(args) -> int:
     gen = _generator(args, args.max_batch, warmup=args.build)
     sched = gen.scheduler
     specs = sched.program_specs()
-    entries = {progs.entry(*spec): (spec[0], spec[1], spec[3]) for progs, *spec in specs}
+    entries = {progs.entry(*spec): (spec[0], getattr(progs.tree, "label", ""), spec[1], spec[3])
+               for progs, *spec in specs}
     print(f"{len(entries)} programs (max batch {args.max_batch}):")
-    for name, flags, call_args in sorted(entries.values(), key=lambda e: (e[0], e[2][0].shape, e[1].sample)):
+    for name, tree, flags, call_args in sorted(entries.values(), key=lambda e: (e[0], e[3][0].shape, e[1], e[2].sample)):
         sampled = "greedy and sampled" if name in SHARED_SAMPLER else "sampled" if flags.sample else "greedy"
-        print(f"  {name:12s} rows {call_args[0].shape[0]:4d}  tokens {call_args[0].shape[1]:4d}  {sampled}")
+        tree = f"  tree {tree}" if name == "verify_steps" else ""
+        print(f"  {name:12s} rows {call_args[0].shape[0]:4d}  tokens {call_args[0].shape[1]:4d}  {sampled}{tree}")
     if args.build and sched.spec_costs.ms:
         print(sched.spec_costs.table())
     return 0

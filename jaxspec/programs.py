@@ -134,6 +134,7 @@ class Programs:
         mesh: the tensor-parallel mesh the weights are sharded over (traced under it)."""
         self.jit, self.store, self.mesh = jit, store, mesh
         head = getattr(drafter, "head", None)
+        self.tree = getattr(drafter, "tree", None)  # the tree a device drafter's programs draft
         # what the programs' code depends on beyond their argument shapes (an exported entry's name)
         self.config_key = (repr(model.cfg), repr(getattr(head, "cfg", None)), repr(getattr(drafter, "tree", None)),
                            attn_impl)

@@ -1,22 +1,29 @@
-"""Speculation sized by measured costs: whether a device drafter's batch verifies its tree or
-decodes plainly, from what each precompiled program costs on this device and what the drafts
-have been earning.
+"""Speculation sized by measured costs: the draft tree a device drafter's batch verifies, or plain
+decoding, chosen every call among the shapes whose programs were built at start-up.
 
-At warm-up the engine times every decode and verify program of its set once built (StepCosts:
-ms a step per batch bucket), and keeps the table beside its programs in the program store: a
-later start of the same engine on the same device reads it back rather than timing again. While
-serving, SpecPolicy keeps per bucket an average of the tokens a row emits per verify step. A
-batch verifies while
+At warm-up the engine times every decode and verify program of its set (StepCosts: ms a step by
+kind, batch bucket and tree) and keeps the table beside its programs in the program store: a later
+start of the same engine on the same device reads it back rather than timing again. While serving,
+TreeChoice keeps for each tree shape an average of the tokens a row emits per verify step, pooled
+over batch sizes (what a tree accepts depends on the drafter and the text, not on the batch), and
+a histogram of them. A tree that contains another's shape (as deep, as wide, as many nodes) is
+expected to accept at least what that one did: on few calls, an unlucky first average would keep a
+good shape from being chosen again. A call at bucket `rows` verifies the shape with the most
+tokens per ms,
 
-    emitted per verify step x decode ms / verify ms >= min_gain,
+    expected(tree) / verify_ms(rows, tree),
 
-that is while a verify step brings more tokens per millisecond than plain steps would; before
-any verify step at a bucket it verifies (to learn). A bucket that decodes plainly still verifies
-every probe_every-th decision, so that its estimate follows the requests that arrive later (an
-EAGLE head left behind by a plain step cannot draft again: only newer requests can be probed).
+or decodes plainly where even that is below min_gain / decode_ms(rows). Every shape a bucket has
+is tried once before any is preferred, and every probe_every-th call tries a shape other than
+the best (the contenders in turn) so that the averages follow the requests that arrive later.
+
+Every shape keeps the drafter in step: switching costs one call that is not chained. Plain
+decoding does not (the target alone leaves an EAGLE head's cache behind, so those requests decode
+plainly to their ends): it is chosen only where no tree pays.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -24,16 +31,18 @@ import time
 
 import jax
 
+AUTO_MAX_VERIFY_TOKENS = 512  # a bucket gets the shapes whose rows x nodes fit: a program each
+
 
 @dataclasses.dataclass
 class StepCosts:
-    """ms a step of each program kind ('decode', 'verify') at each batch bucket."""
+    """ms a step of each program: ('decode', rows, None) and ('verify', rows, tree label)."""
     ms: dict = dataclasses.field(default_factory=dict)
 
     def save(self, path: str) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump([[kind, rows, ms] for (kind, rows), ms in sorted(self.ms.items())], f)
+            json.dump([[kind, rows, tree, ms] for (kind, rows, tree), ms in sorted(self.ms.items(), key=str)], f)
         os.replace(tmp, path)  # whole or not at all: another process may be reading it
 
     @classmethod
@@ -41,17 +50,18 @@ class StepCosts:
         """The table saved at path, or None where there is none or it is unreadable."""
         try:
             with open(path) as f:
-                return cls({(kind, int(rows)): float(ms) for kind, rows, ms in json.load(f)})
+                return cls({(kind, int(rows), tree): float(ms) for kind, rows, tree, ms in json.load(f)})
         except (OSError, ValueError, TypeError):
             return None
 
     def table(self) -> str:
-        rows = sorted({r for _, r in self.ms})
-        lines = ["rows  decode ms  verify ms  verify/decode"]
+        """ms a step: a row per batch bucket, plain decoding then each tree's verify step."""
+        rows = sorted({r for _, r, _ in self.ms})
+        trees = sorted({t for k, _, t in self.ms if k == "verify"}, key=lambda t: [int(x) for x in t.split(":")])
+        lines = ["rows  " + "  ".join(f"{c:>9s}" for c in ["decode"] + trees)]
         for r in rows:
-            d, v = self.ms.get(("decode", r)), self.ms.get(("verify", r))
-            ratio = f"{v / d:13.2f}" if d and v else " " * 13
-            lines.append(f"{r:4d}  {d or float('nan'):9.3f}  {v or float('nan'):9.3f}  {ratio}")
+            cells = [self.ms.get(("decode", r, None))] + [self.ms.get(("verify", r, t)) for t in trees]
+            lines.append(f"{r:4d}  " + "  ".join(" " * 9 if c is None else f"{c:9.3f}" for c in cells))
         return "\n".join(lines)
 
 
@@ -66,30 +76,75 @@ def time_call(call, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-class SpecPolicy:
-    def __init__(self, costs: StepCosts, min_gain: float = 1.0, probe_every: int = 32, alpha: float = 0.2):
-        self.costs, self.min_gain, self.probe_every, self.alpha = costs, min_gain, probe_every, alpha
-        self.emitted: dict[int, float] = {}  # bucket -> average tokens a row emits per verify step
-        self.plain_decisions: dict[int, int] = {}
+class TreeChoice:
+    def __init__(self, costs: StepCosts, trees_at: dict, min_gain: float = 1.0, probe_every: int = 16,
+                 alpha: float = 0.1):
+        """trees_at: batch bucket -> the tree shapes built for it (TreeShape, with .label)."""
+        self.costs, self.trees_at = costs, trees_at
+        self.min_gain, self.probe_every, self.alpha = min_gain, probe_every, alpha
+        self.emitted: dict = {}  # tree -> average tokens a live row emits per verify step
+        self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
+        self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
+        self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
+        self.chosen: collections.Counter = collections.Counter()  # (bucket, tree label or 'plain') -> decisions
 
-    def gain(self, rows: int) -> float | None:
-        """Tokens per ms of a verify step over a plain step's at this bucket, or None if unknown."""
-        d, v, e = self.costs.ms.get(("decode", rows)), self.costs.ms.get(("verify", rows)), self.emitted.get(rows)
-        if d is None or v is None or e is None:
+    def expected(self, tree) -> float | None:
+        """Tokens a row is expected to emit per verify step of `tree`: the most that it or any shape
+        it contains averaged, or None before it was seen."""
+        if tree not in self.emitted:
             return None
-        return e * d / v
+        return max(e for t, e in self.emitted.items() if t.steps <= tree.steps and t.topk <= tree.topk
+                   and t.num_draft_tokens <= tree.num_draft_tokens)
 
-    def should_verify(self, rows: int) -> bool:
-        g = self.gain(rows)
-        if g is None or g >= self.min_gain:
-            return True
-        n = self.plain_decisions[rows] = self.plain_decisions.get(rows, 0) + 1
-        return n % self.probe_every == 0
+    def rate(self, rows: int, tree) -> float | None:
+        """Tokens a row emits per ms of a verify step of `tree` at this bucket (per verify step where
+        the costs were not timed), or None before the shape was seen."""
+        e = self.expected(tree)
+        if e is None:
+            return None
+        ms = self.costs.ms.get(("verify", rows, tree.label))
+        return e / ms if ms else e
 
-    def verified(self, rows: int, emitted: list[int]) -> None:
-        """A verify call at this bucket: the tokens each live row emitted at each of its steps."""
+    def choose(self, rows: int):
+        """The tree a call at this bucket verifies, or None to decode plainly."""
+        pick = self._choose(rows)
+        self.chosen[(rows, pick.label if pick else "plain")] += 1
+        return pick
+
+    def _choose(self, rows):
+        trees = self.trees_at.get(rows, ())
+        if not trees:
+            return None
+        for t in trees:
+            if t not in self.emitted:
+                return t  # each shape once: learn what it accepts
+        n = self.calls[rows] = self.calls[rows] + 1
+        ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
+        best = ranked[0]
+        if n % self.probe_every == 0 and len(ranked) > 1:
+            # the shapes within 25% of the best in turn (at least the runner-up): they could overtake it
+            rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, best)] or ranked[1:2]
+            return rivals[(n // self.probe_every) % len(rivals)]
+        decode = self.costs.ms.get(("decode", rows, None))
+        if decode is not None and ("verify", rows, best.label) in self.costs.ms and \
+                self.rate(rows, best) * decode < self.min_gain:
+            return None
+        return best
+
+    def verified(self, tree, emitted: list[int]) -> None:
+        """A verify call of `tree`: the tokens each live row emitted at each of its steps."""
         if not emitted:
             return
+        self.accepts[tree].update(emitted)
         mean = sum(emitted) / len(emitted)
-        old = self.emitted.get(rows)
-        self.emitted[rows] = mean if old is None else (1 - self.alpha) * old + self.alpha * mean
+        n = self.seen[tree] = self.seen[tree] + 1
+        a = max(self.alpha, 1 / n)  # the plain mean of the first calls, then an average that forgets
+        self.emitted[tree] = a * mean + (1 - a) * self.emitted.get(tree, 0.0)
+
+    def summary(self) -> dict:
+        """What the policy learned and did: per tree its accept length and the histogram of tokens
+        a row-step emitted, and per bucket how many calls took each choice."""
+        return dict(accept_length={t.label: round(e, 3) for t, e in self.emitted.items()},
+                    accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
+                    chosen={str(r): {t: n for (r2, t), n in sorted(self.chosen.items()) if r2 == r}
+                            for r in sorted({r for r, _ in self.chosen})})

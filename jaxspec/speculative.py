@@ -28,25 +28,33 @@ def add_flags(ap) -> None:
     ap.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
     ap.add_argument("--speculative-token-map-refresh", type=int, default=0,
                     help="refresh the token map from the emitted tokens every N of them (0: never)")
-    ap.add_argument("--speculative-num-steps", type=int)
-    ap.add_argument("--speculative-eagle-topk", type=int,
-                    help="branching per draft step (default 4; DFLASH: 1, a chain, or > 1 for a tree)")
-    ap.add_argument("--speculative-num-draft-tokens", type=int, help="nodes verified a step (default 8; DFLASH: its block size)")
+    ap.add_argument("--speculative-num-steps", type=_int_or_auto, help="EAGLE tree depth, or auto (see --speculative-policy)")
+    ap.add_argument("--speculative-eagle-topk", type=_int_or_auto,
+                    help="branching per draft step (default 4; DFLASH: 1, a chain, or > 1 for a tree), or auto")
+    ap.add_argument("--speculative-num-draft-tokens", type=_int_or_auto,
+                    help="nodes verified a step (default 8; DFLASH: its block size), or auto")
     ap.add_argument("--speculative-dflash-block-size", type=int,
                     help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
     ap.add_argument("--speculative-ngram-match-type", default="BFS")
-    # fixed by default: on the H100 the measured policy fell behind the fixed tree in the Generator
-    # (HumanEval batch 8: 1.00x plain against 1.13x, spec-policy-NVIDIA-H100-80GB-HBM3.json) and in
-    # server.py at concurrency 8 (0.50x plain, serve-NVIDIA-H100-80GB-HBM3.json at 4fcf356): one plain
-    # step leaves a request's head behind, and its poorer drafts then hold the bucket at plain decoding
-    ap.add_argument("--speculative-policy", choices=["fixed", "measured"], default="fixed",
-                    help="EAGLE family: verify every step the batch's tree fits (fixed, the default), or verify or "
-                         "decode plainly by the programs' costs timed at warm-up and the accept lengths seen (measured)")
+    ap.add_argument("--speculative-policy", choices=["fixed", "auto"], default="fixed",
+                    help="EAGLE family and DFLASH: verify the given tree, cut to fit the batch (fixed), or choose "
+                         "every call among several tree shapes, or plain decoding, by the programs' costs timed at "
+                         "warm-up and the accept lengths seen (auto; also set by a tree flag's value auto)")
+
+
+def _int_or_auto(value: str):
+    return value if value == "auto" else int(value)
 
 
 def config_from_flags(args) -> "SpecConfig | None":
     """The SpecConfig add_flags' flags describe (AUTO resolved), or None for plain decoding."""
+    tree_flags = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    if any(getattr(args, f) == "auto" for f in tree_flags):
+        args.speculative_policy = "auto"  # the tree flags left as numbers size the prefill's first draft
+        for f in tree_flags:
+            if getattr(args, f) == "auto":
+                setattr(args, f, None)
     resolve_auto(args)
     if args.speculative_algorithm.upper() == "NONE":
         return None

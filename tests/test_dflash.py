@@ -144,6 +144,27 @@ def test_paged_drafts_equal_a_dense_forward_over_the_committed_tokens(tiny, tiny
     assert sched.stats["prefill_tokens"] < sum(map(len, prompts))  # the repeated prompt came from the cache
 
 
+def test_auto_shapes_share_the_block_and_keep_outputs_plain(tiny, tiny_dflash):
+    """spec_policy='auto': the block verified as chains of several lengths and as a tree, one
+    drafter pass each, the shape switched between calls: greedy and sampled output are plain's."""
+    head = load_dflash(str(tiny_dflash / "drafter"), TINY)
+    drafter = DFlashDrafter(head, chain(4))
+    assert [t.label for t in drafter.auto_trees()] == ["3:1:4", "3:4:8"]
+    with pytest.raises(ValueError, match="share its block of 4 tokens"):
+        drafter.with_tree(TreeShape(2, 1, 3))
+    prompts = random_prompts(13, 5)
+    for params in (SamplingParams(max_tokens=30, ignore_eos=True),
+                   [SamplingParams(max_tokens=30, temperature=1.0, seed=i, ignore_eos=True) for i in range(5)]):
+        plain = Generator(tiny, None, **KW).generate(prompts, params)
+        trees = (TreeShape(3, 1, 2), chain(4), TreeShape(3, 4, 8))
+        gen = Generator(tiny, None, drafter=DFlashDrafter(head, chain(4)), spec_policy="auto", spec_trees=trees, **KW)
+        assert gen.scheduler.draft_slots == 4
+        turns = iter([trees[1], trees[2], trees[2], trees[0], trees[1]] * 100)
+        gen.scheduler.spec_policy.choose = lambda rows: next(turns)
+        assert [c.token_ids for c in gen.generate(prompts, params)] == [c.token_ids for c in plain]
+        assert len(gen.scheduler.spec_policy.accepts) == 3 and gen.scheduler.pool.in_use == 0
+
+
 def test_sampling_equals_plain_with_the_same_seeds_and_chains_equal_single_steps(tiny, tiny_dflash):
     """The target's own seeded sample decides every position, so sampled DFLASH output is plain
     sampling's, token for token; several steps a call give the one-step scheduler's tokens, with

@@ -106,6 +106,26 @@ def test_eagle3_greedy_equals_plain(tiny, tiny_eagle3, tree, ps):
     assert gen.scheduler.pool.in_use == 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shapes_switched_between_calls_keep_outputs_plain(tiny, tiny_eagle3, temperature):
+    """spec_policy='auto' moving between a chain, a deep tree and a wide one (the last call's draft
+    cut to the next program's nodes and depth), with a trained head whose drafts are accepted:
+    greedy output is plain decoding's, and sampled output is plain sampling's with the same seeds."""
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompts = random_prompts(21, 6)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, seed=i) for i in range(6)]
+    plain = Generator(tiny, None, **KW).generate(prompts, params)
+    trees = (TreeShape(1, 1, 2), TreeShape(4, 1, 5), TreeShape(2, 4, 8))
+    gen = eagle_generator(tiny, head, trees[1], max_batch=4, spec_policy="auto", spec_trees=trees)
+    turns = iter([trees[1], trees[1], trees[2], trees[0], trees[1], trees[2], trees[2]] * 100)
+    gen.scheduler.spec_policy.choose = lambda rows: next(turns)
+    spec = gen.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    accepted = {t.label: max(c) for t, c in gen.scheduler.spec_policy.accepts.items()}
+    assert set(accepted) == {t.label for t in trees} and accepted["4:1:5"] >= 3 and accepted["2:4:8"] >= 2
+    assert gen.scheduler.pool.in_use == 0 and gen.scheduler.late_compiles == []
+
+
 def test_eagle_head_greedy_equals_plain_and_debug_mode_agrees(tiny):
     head = DraftHead(HeadConfig.for_target(TINY, "eagle"), rngs=nnx.Rngs(5))
     prompts = random_prompts(1, 3)

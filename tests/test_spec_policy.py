@@ -1,5 +1,6 @@
-"""Speculation sized by measured costs (spec_policy.py): the choice from a cost table and the
-accept lengths seen, and greedy output unchanged whichever way each step goes."""
+"""Speculation sized by measured costs (spec_policy.py, scheduler/trees.py): the choice among tree
+shapes from a cost table and the accept lengths seen, and outputs unchanged whichever shape each
+call takes."""
 import numpy as np
 import pytest
 from flax import nnx
@@ -7,57 +8,107 @@ from flax import nnx
 from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
-from jaxspec.spec_policy import SpecPolicy, StepCosts
+from jaxspec.scheduler.request import Request
+from jaxspec.spec_policy import StepCosts, TreeChoice
 
 from conftest import TINY
 
+SMALL, BIG = TreeShape(1, 1, 2), TreeShape(3, 2, 6)
+
 
 def test_the_choice_follows_tokens_per_millisecond():
-    costs = StepCosts({("decode", 1): 1.0, ("verify", 1): 1.5, ("decode", 8): 1.0, ("verify", 8): 3.0})
-    policy = SpecPolicy(costs, probe_every=4)
-    assert policy.should_verify(1) and policy.gain(1) is None  # nothing seen yet: verify, to learn
-    policy.verified(1, [3, 2, 4])  # 3 tokens a row-step for 1.5x a plain step's time: worth it
-    assert policy.gain(1) == 2.0 and policy.should_verify(1)
-    policy.verified(8, [2, 2, 3, 1])  # 2 tokens a row-step for 3x the time: plain is faster
-    assert policy.gain(8) == 2.0 / 3.0
-    assert [policy.should_verify(8) for _ in range(8)] == [False, False, False, True] * 2  # a probe every 4th
-    for _ in range(20):  # drafts that start to pay move the estimate (an average that forgets)
-        policy.verified(8, [5, 4, 4])
-    assert policy.gain(8) > 1.0 and policy.should_verify(8)
-    assert policy.should_verify(16)  # a bucket without costs verifies
-    assert "verify/decode" in costs.table() and "3.00" in costs.table()
+    costs = StepCosts({("decode", 1, None): 1.0, ("verify", 1, "1:1:2"): 1.2, ("verify", 1, "3:2:6"): 1.5,
+                       ("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0})
+    policy = TreeChoice(costs, {1: [SMALL, BIG], 8: [SMALL, BIG], 16: []}, probe_every=4)
+    assert policy.choose(1) == SMALL  # nothing seen: each shape once, to learn what it accepts
+    policy.verified(SMALL, [2, 1, 2, 2])
+    assert policy.choose(8) == BIG  # the estimates are pooled over buckets: SMALL is known
+    policy.verified(BIG, [3, 4, 2, 3])
+    # batch 1: 3 tokens / 1.5 ms beats 1.75 / 1.2; batch 8: 1.75 / 1.3 beats 3 / 3.0
+    assert [policy.choose(1) for _ in range(4)] == [BIG, BIG, BIG, SMALL]  # the 4th call probes the other
+    assert [policy.choose(8) for _ in range(4)] == [SMALL, SMALL, SMALL, BIG]
+    assert policy.choose(16) is None  # no program at this bucket
+    policy.verified(SMALL, [1] * 40)  # drafts that stop paying: the average forgets
+    policy.verified(BIG, [1] * 40)
+    for _ in range(30):
+        policy.verified(SMALL, [1, 1])
+        policy.verified(BIG, [1, 1])
+    assert policy.rate(8, SMALL) * 1.0 < 1.0 and policy.choose(8) is None  # plain decoding is faster
+    summary = policy.summary()
+    assert summary["accept_histogram"]["3:2:6"][3] == 2 and summary["chosen"]["8"]["plain"] == 1
+    assert "3:2:6" in costs.table() and "1.500" in costs.table()
 
 
-def _plain_and_measured(tiny, seed, n, max_tokens, max_batch):
-    """n random prompts, their plain greedy outputs, and an EAGLE-3 engine (random head) with the
-    measured policy, warmed up."""
+def test_a_tree_is_expected_to_accept_what_a_shape_it_contains_did():
+    policy = TreeChoice(StepCosts(), {1: [SMALL, BIG]})
+    policy.verified(SMALL, [3, 3])
+    policy.verified(BIG, [1, 2])  # one unlucky call
+    assert policy.expected(BIG) == 3.0 and policy.expected(SMALL) == 3.0
+    policy.verified(BIG, [6, 6])  # the first calls' plain mean: (1.5 + 6) / 2
+    assert policy.expected(BIG) == 3.75 and policy.expected(SMALL) == 3.0
+    assert policy.expected(TreeShape(2, 1, 3)) is None  # never seen
+
+
+def test_a_draft_of_another_shape_is_cut_to_the_programs_depth():
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(0))
+    drafter = EagleDrafter(head, BIG)
+    req = Request(0, [1], SamplingParams(), 0)
+    #           node: 0  1  2  3  4  5  6   (depths 0 1 1 2 3 2 4)
+    req.draft = ([9, 10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 3, 2, 4])
+    assert drafter.propose(req, 7) == ([10, 11, 12, 13, 14, 15], [0, 0, 1, 3, 2, 4])
+    assert drafter.propose(req, 7, max_depth=2) == ([10, 11, 12, 14], [0, 0, 1, 2])  # parents renumbered
+    assert drafter.propose(req, 4, max_depth=2) == ([10, 11, 12], [0, 0, 1])
+    assert drafter.propose(req, 3, max_depth=1) == ([10, 11], [0, 0])
+    assert drafter.with_tree(SMALL).num_nodes == 2 and drafter.num_nodes == 6
+
+
+def _plain_and_auto(tiny, seed, n, max_tokens, max_batch, temperature=0.0):
+    """n random prompts, their plain outputs, and an EAGLE-3 engine (random head) choosing among
+    two shapes, warmed up (its step costs timed)."""
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     rng = np.random.default_rng(seed)
     prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(n)]
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+              for i in range(n)]
     kw = dict(max_batch=max_batch, max_seq_len=128, num_pages=200)
     plain = [c.token_ids for c in Generator(tiny, None, **kw).generate(prompts, params)]
-    gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 6)), spec_policy="measured",
+    gen = Generator(tiny, None, drafter=EagleDrafter(head, BIG), spec_policy="auto", spec_trees=(SMALL, BIG),
                     warmup=True, **kw)
     return prompts, params, plain, gen
 
 
-def test_greedy_output_is_plain_decoding_whichever_way_steps_go(tiny):
-    prompts, params, plain, gen = _plain_and_measured(tiny, 0, 5, 20, 8)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_are_plain_decodings_whichever_shape_each_call_takes(tiny, temperature):
+    """Greedy: token-identical to plain. Sampled: each position draws with the key plain sampling
+    uses there, so the same seeds give plain sampling's tokens. Calls alternate between the two
+    shapes and plain decoding, one step a call and several."""
+    prompts, params, plain, gen = _plain_and_auto(tiny, 0, 5, 32, 4, temperature)
     sched = gen.scheduler
-    assert {k for k, _ in sched.spec_costs.ms} == {"decode", "verify"}  # timed at warm-up
+    assert set(sched.spec_costs.ms) == {(kind, rows, tree) for rows in (1, 2, 4) for kind, tree in
+                                        (("decode", None), ("verify", "1:1:2"), ("verify", "3:2:6"))}
     assert all(ms > 0 for ms in sched.spec_costs.ms.values())
-    # verify steps made to look costly: after the first verify steps, batches decode plainly
-    sched.spec_costs.ms.update({k: 1e3 for k in sched.spec_costs.ms if k[0] == "verify"})
+    turns = iter([SMALL, BIG, BIG, SMALL, SMALL, None] * 100)
+    sched.spec_policy.choose = lambda rows: next(turns)
     out = gen.generate(prompts, params)
     assert [c.token_ids for c in out] == plain
-    stats = dict(sched.stats)
-    assert stats["verify_steps"] > 0 and stats["decode_time"] > 0  # verified to learn, then decoded plainly
-    # and cheap: every later step verifies again (new requests, whose heads are current)
-    sched.spec_costs.ms.update({k: 1e-3 for k in sched.spec_costs.ms if k[0] == "verify"})
-    out = gen.generate(prompts, params)
-    assert [c.token_ids for c in out] == plain
-    assert sched.stats["verify_steps"] > stats["verify_steps"] and sched.stats["decode_time"] == stats["decode_time"]
+    assert sched.stats["verify_steps"] > 0 and sched.stats["decode_time"] > 0
+    assert {t.label for t in sched.spec_policy.accepts} == {"1:1:2", "3:2:6"}
+    assert sched.pool.in_use == 0 and sched.late_compiles == []
+
+
+def test_the_costs_decide_the_shape_and_plain_decoding(tiny):
+    prompts, params, plain, gen = _plain_and_auto(tiny, 1, 4, 24, 4)
+    sched = gen.scheduler
+    ms = sched.spec_costs.ms
+    ms.update({k: 1.0 for k in ms})
+    ms.update({k: 1e3 for k in ms if k[2] == "3:2:6"})  # the big tree is far too slow: after one try, never
+    assert [c.token_ids for c in gen.generate(prompts, params)] == plain
+    assert sum(n for (_, t), n in sched.spec_policy.chosen.items() if t == "1:1:2") > 4
+    assert sum(n for (_, t), n in sched.spec_policy.chosen.items() if t == "3:2:6") <= 4  # the tries, a probe
+    ms.update({k: 1e3 for k in ms if k[0] == "verify"})  # no tree pays: plain decoding
+    decode_time = sched.stats["decode_time"]
+    assert [c.token_ids for c in gen.generate(prompts, params)] == plain
+    assert sched.stats["decode_time"] > decode_time and sched.spec_policy.chosen[(4, "plain")] > 0
     assert sched.pool.in_use == 0 and sched.late_compiles == []
 
 
@@ -65,17 +116,19 @@ def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny):
     """Requests whose heads fell behind (they decoded plainly) outnumber a fresh one: the whole
     batch decodes plainly, one call a step rather than a verify call beside a decode call, and
     its output is plain decoding's."""
-    prompts, params, plain, gen = _plain_and_measured(tiny, 1, 4, 24, 4)
+    prompts, params, plain, gen = _plain_and_auto(tiny, 1, 4, 24, 4)
     sched = gen.scheduler
-    sched.spec_costs.ms.update({k: 1e3 for k in sched.spec_costs.ms if k[0] == "verify"})  # plain pays
-    old = [sched.add(p, params) for p in prompts[:3]]
+    ms = sched.spec_costs.ms
+    sched.spec_policy.emitted.update({SMALL: 1.0, BIG: 1.0})
+    ms.update({k: 1e3 for k in ms if k[0] == "verify"})  # plain pays
+    old = [sched.add(p, pa) for p, pa in zip(prompts[:3], params)]
     for _ in range(20):
         if all(r.head_len is not None for r in old):
             break
         sched.step()
     assert all(r.head_len is not None and not r.finished for r in old)  # decoding plainly, heads behind
-    sched.spec_costs.ms.update({k: 1e-3 for k in sched.spec_costs.ms if k[0] == "verify"})  # verifying pays
-    fresh = sched.add(prompts[3], params)
+    ms.update({k: 1e-3 for k in ms if k[0] == "verify"})  # verifying pays
+    fresh = sched.add(prompts[3], params[3])
     while any(not r.finished for r in old + [fresh]):
         sched.step()
     assert sched.stats["behind_plain_steps"] > 0 and fresh.head_len is not None
@@ -84,7 +137,7 @@ def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny):
 
 
 def test_step_costs_are_kept_for_the_next_start(tiny, tmp_path, monkeypatch):
-    _, _, _, gen = _plain_and_measured(tiny, 2, 1, 4, 4)
+    _, _, _, gen = _plain_and_auto(tiny, 2, 1, 4, 2)
     sched = gen.scheduler
     sched.programs.store = str(tmp_path)  # an empty store: this start times its programs
     specs = sched.program_specs()
@@ -101,16 +154,17 @@ def test_step_costs_time_calls_whose_rows_run_every_step(tiny, monkeypatch):
     """The cost table times decode and verify calls in which every row is live for all the call's
     steps: a call leaves its loop once no row is alive, so idle rows timed a launch (at e4329d1 the
     measured policy then kept a batch-1 EAGLE-3 server decoding plainly)."""
-    import jaxspec.scheduler.core as core
+    import jaxspec.scheduler.trees as trees
     from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
     from jaxspec.programs import MAX_DECODE_STEPS
-    _, _, _, gen = _plain_and_measured(tiny, 3, 1, 4, 2)
+    _, _, _, gen = _plain_and_auto(tiny, 3, 1, 4, 2)
     sched, seen = gen.scheduler, []
-    monkeypatch.setattr(core, "time_call", lambda call, reps=3: seen.append(np.asarray(call()[1])) or 1.0)
+    monkeypatch.setattr(trees, "time_call", lambda call, reps=3: seen.append(np.asarray(call()[1])) or 1.0)
     costs = sched._time_steps(sched.program_specs())
-    assert set(costs.ms) == {(kind, rows) for kind in ("decode", "verify") for rows in (1, 2)}
+    assert set(costs.ms) == {(kind, rows, tree) for rows in (1, 2) for kind, tree in
+                             (("decode", None), ("verify", "1:1:2"), ("verify", "3:2:6"))}
     decode_counts = [c for c in seen if c.ndim == 1]  # decode: tokens a row emitted in the call
     verify_counts = [c for c in seen if c.ndim == 2]  # verify_steps: tokens a row emitted at each step
-    assert len(decode_counts) == len(verify_counts) == 2
+    assert len(decode_counts) == 2 and len(verify_counts) == 4
     assert all((c == MAX_DECODE_STEPS).all() for c in decode_counts)
     assert all(c.shape[1] == MAX_VERIFY_STEPS and (c >= 1).all() for c in verify_counts)

@@ -3,6 +3,7 @@ EAGLE-3, DFLASH): the module and draft shape its programs are built from, its ca
 draft each request's last step produced (kept on the request) handed to the next verify."""
 from __future__ import annotations
 
+import copy
 import functools
 
 from jaxspec.kv_cache import KVCache
@@ -37,12 +38,33 @@ class DeviceDrafter:
         layers, kv_heads, head_dim = self.cache_shape()
         return KVCache.create(layers, num_pages, page_size, kv_heads, head_dim, dtype, cache_sharding(mesh, kv_heads))
 
-    def propose(self, req, max_nodes):
+    def with_tree(self, tree):
+        """This drafter drafting `tree` (same head and cache): one of auto_trees' programs."""
+        other = copy.copy(self)
+        other.tree, other.num_nodes = tree, tree.num_draft_tokens
+        return other
+
+    def auto_trees(self) -> tuple:
+        """The draft shapes spec_policy='auto' chooses among (each one verify program a bucket)."""
+        raise NotImplementedError
+
+    def propose(self, req, max_nodes, max_depth=None):
+        """The request's drafted tree cut to max_nodes nodes, none deeper than max_depth: a tree
+        drafted by another shape (the prefill's, or before the policy changed shape) verified by a
+        program that draws its sampling noise for max_depth + 1 depths."""
         if req.draft is None:  # e.g. the whole prompt came from the prefix cache: verify the root alone
             return [], []
         tokens, parents = req.draft
         m = min(max_nodes, len(tokens))  # nodes are parent-first, so any prefix is a tree
-        return tokens[1:m], parents[1:m]
+        if max_depth is None or max_depth + 1 >= m:  # m nodes are at most m - 1 deep
+            return tokens[1:m], parents[1:m]
+        depth, index, keep = [0] * len(tokens), [0] * len(tokens), [0]  # kept nodes' new indices, parents first
+        for i in range(1, len(tokens)):
+            depth[i] = depth[parents[i]] + 1
+            if depth[i] <= max_depth and len(keep) < m and (parents[i] == 0 or index[parents[i]]):
+                index[i] = len(keep)
+                keep.append(i)
+        return [tokens[i] for i in keep[1:]], [index[parents[i]] for i in keep[1:]]
 
     def finish(self, req):
         req.draft = None

@@ -285,6 +285,19 @@ class DFlashDrafter(DeviceDrafter):
         c = self.head.cfg
         return c.num_layers, c.num_kv_heads, c.head_dim
 
+    def auto_trees(self):
+        """The block verified as chains of 4, 8 and all its tokens, and as a top-4 tree of twice its
+        width: one drafter pass each (the block's width, hence draft_slots, stays)."""
+        from jaxspec.drafters.eagle_step import TreeShape
+        s = self.tree.steps
+        chains = tuple(dict.fromkeys(TreeShape(s, 1, min(n, s + 1)) for n in (4, 8, s + 1)))
+        return chains + (TreeShape(s, 4, 2 * (s + 1)),)
+
+    def with_tree(self, tree):
+        if tree.steps != self.tree.steps:
+            raise ValueError(f"a DFLASH drafter's trees share its block of {self.tree.steps + 1} tokens; got {tree.label}")
+        return super().with_tree(tree)
+
     def step_module(self):
         from jaxspec.drafters import dflash_step
         return dflash_step

@@ -48,6 +48,15 @@ class TreeShape:
             raise ValueError(f"a chain (topk=1) of {self.steps} steps drafts {self.steps} tokens; "
                              f"num_draft_tokens={self.num_draft_tokens} needs steps >= {self.num_draft_tokens - 1}")
 
+    @property
+    def label(self) -> str:
+        """steps:topk:num_draft_tokens, as the command lines and benches write a tree."""
+        return f"{self.steps}:{self.topk}:{self.num_draft_tokens}"
+
+    @classmethod
+    def parse(cls, label: str) -> "TreeShape":
+        return cls(*(int(x) for x in label.split(":")))
+
 
 def nodes_that_fit(num_nodes: int, max_tokens: int, rows: int, min_nodes: int) -> int:
     """Nodes a step verifies for each of `rows` rows within max_tokens over them all: the tree cut

@@ -24,24 +24,24 @@ import numpy as np
 
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
-from jaxspec import program_store, program_workers
+from jaxspec import program_workers
 from jaxspec.paging import PagePool, pages_that_fit
-from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS, nodes_that_fit
+from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
 from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
                               enable_compilation_cache, prefill_shapes)
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 from jaxspec.scheduler.admission import Admission
-from jaxspec.scheduler.dispatch import Dispatch, _to_device
+from jaxspec.scheduler.dispatch import Dispatch
 from jaxspec.scheduler.outputs import Outputs
+from jaxspec.scheduler.trees import PLAIN, TreeSizing
 from jaxspec.sharding import cache_sharding
-from jaxspec.spec_policy import SpecPolicy, StepCosts, time_call
 from jaxspec.scheduler.request import InFlight, Request
 
 
 DEFAULT_SPEC_MIN_GAIN = 1.1  # see Scheduler.__init__ (tests set it to 0: drafting always pays)
 
 
-class Scheduler(Admission, Dispatch, Outputs):
+class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
     clock = staticmethod(time.perf_counter)  # times steps for the drafting policy (tests drive it)
 
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
@@ -49,14 +49,15 @@ class Scheduler(Admission, Dispatch, Outputs):
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=None, spec_min_accept=2.0,
                  spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
                  warmup_flags=None, compile_cache=None, build_workers=None, mesh=None, mem_fraction=None,
-                 spec_policy="fixed"):
+                 spec_policy="fixed", spec_trees=None):
         """mesh: a tensor-parallel mesh (sharding.tp_mesh) the model is laid out and sharded for:
         the caches are sharded by KV head, the programs partitioned over it. mem_fraction: with
         num_pages None, the KV pool takes this share of the device memory left free after the
         weights (SGLang's --mem-fraction-static), where the device reports its memory.
-        spec_policy: 'fixed' (a device drafter verifies whenever its bucket has a tree) or
-        'measured' (spec_policy.py: verify or decode plainly by the programs' costs timed at warm-up
-        and the accept lengths seen)."""
+        spec_policy: 'fixed' (a device drafter verifies its tree, cut to fit its batch bucket) or
+        'auto' (trees.py: a tree of several shapes, or plain decoding, chosen every call by the
+        programs' costs timed at warm-up and the accept lengths seen); spec_trees: the shapes 'auto'
+        chooses among (default: the drafter's auto_trees())."""
         cfg = model.cfg
         self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -67,7 +68,10 @@ class Scheduler(Admission, Dispatch, Outputs):
         # a verify step writes a whole (padded) draft tree past the sequence's end, and DFLASH's
         # draft its block after the accepted tokens
         self.draft_slots = getattr(drafter, "draft_slots", 0)
-        slack = (bucket(drafter.num_nodes, TREE_BUCKETS) if drafter is not None else 1) + self.draft_slots
+        auto_trees = (tuple(spec_trees or drafter.auto_trees())
+                      if spec_policy == "auto" and getattr(drafter, "head", None) is not None else None)
+        nodes = max(t.num_draft_tokens for t in auto_trees) if auto_trees else getattr(drafter, "num_nodes", 1)
+        slack = bucket(nodes, TREE_BUCKETS) + self.draft_slots
         self.max_pages_per_seq = -(-(self.max_seq_len + slack) // page_size)
         dtype = kv_dtype or model.embed[...].dtype
         if num_pages is None:
@@ -86,10 +90,10 @@ class Scheduler(Admission, Dispatch, Outputs):
         folder = enable_compilation_cache(compile_cache) if jit else None
         # exported programs beside XLA's entries (not for a mesh: its programs are traced each start)
         store = os.path.join(folder, "jaxspec-programs") if folder and mesh is None else None
-        self.programs = Programs(model, attn_impl=attn_impl, jit=jit, drafter=drafter, store=store, mesh=mesh)
+        programs_kw = dict(attn_impl=attn_impl, jit=jit, store=store, mesh=mesh)
+        self.programs = Programs(model, drafter=drafter, **programs_kw)
         # a device drafter's large-batch fallback: the target alone, no head catch-up
-        self.plain_programs = (Programs(model, attn_impl=attn_impl, jit=jit, store=store, mesh=mesh)
-                               if self.device_drafter else None)
+        self.plain_programs = Programs(model, **programs_kw) if self.device_drafter else None
         self.drafter = drafter
         self.build_workers = build_workers  # processes for a cold start's programs (None: program_workers decides)
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.
@@ -118,10 +122,7 @@ class Scheduler(Admission, Dispatch, Outputs):
         self.policy = (DraftPolicy(min_gain, spec_min_accept, spec_probe_every)
                        if drafter is not None and not self.device_drafter else None)
         self.overlap = overlap
-        if spec_policy not in ("fixed", "measured"):
-            raise ValueError(f"spec_policy must be 'fixed' or 'measured', got {spec_policy!r}")
-        self.spec_policy_kind = spec_policy
-        self.spec_costs, self.spec_policy = StepCosts(), None  # measured by warmup()
+        self._setup_trees(model, drafter, spec_policy, auto_trees, programs_kw)
         # Plain decoding runs up to decode_steps steps a call while the batch is steady (see
         # _decode_steps_now); 1 launches a call a step.
         if not 1 <= decode_steps <= MAX_DECODE_STEPS:
@@ -159,9 +160,9 @@ class Scheduler(Admission, Dispatch, Outputs):
                     specs.append((decode, "extend", flags, target_cache, self._dummy_inputs(rows, t)))
             for rows in rows_all:
                 specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
-                if self.tree_size(rows) > 1:
-                    n = bucket(self.tree_size(rows), TREE_BUCKETS)
-                    specs.append((self.programs, self._verify_name, flags, self.cache, self._dummy_verify(rows, n)))
+                for tree, nodes in self._verify_shapes(rows):
+                    specs.append((self.tree_programs.get(tree, self.programs), self._verify_name, flags, self.cache,
+                                  self._dummy_verify(rows, bucket(nodes, TREE_BUCKETS))))
         return specs
 
     def _dummy_inputs(self, rows, t, tree=False):
@@ -204,58 +205,14 @@ class Scheduler(Admission, Dispatch, Outputs):
                 program_workers.build(groups, list(missing.values()), workers)
         for progs in groups:
             progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
-        if self.device_drafter and self.spec_policy_kind == "measured" and groups[0].jit:
-            self.spec_costs = self._step_costs(specs)
-            self.spec_policy = SpecPolicy(self.spec_costs)
+        if self.auto and groups[0].jit:
+            self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table TreeChoice reads
         return dict(programs=sum(len(p.table) for p in groups), seconds=time.perf_counter() - t0)
-
-    def _step_costs(self, specs) -> StepCosts:
-        """The step costs an earlier start of this engine kept in the program store (same source,
-        jax, device, configs and program shapes), or timed now and kept there."""
-        store = self.programs.store
-        if store is None:
-            return self._time_steps(specs)
-        shapes = sorted((name, tuple(args[0].shape)) for _, name, _, _, args in specs)
-        path = os.path.join(store, program_store.entry_name(self.programs.config_key, "step_costs", shapes,
-                                                             self.max_pages_per_seq) + ".costs.json")
-        costs = StepCosts.load(path)
-        if costs is None:
-            costs = self._time_steps(specs)
-            os.makedirs(store, exist_ok=True)
-            costs.save(path)
-        return costs
-
-    def _time_steps(self, specs) -> StepCosts:
-        """ms a step of each greedy decode and verify program of the set, every row live on zeros
-        (the programs' work does not depend on the values), timed at the most steps a call
-        runs and divided: a steady batch runs that many, and one step a call also timed the call's
-        launch and read-back (which made verifying look cheap against decoding at batch 32:
-        spec-policy-NVIDIA-H200.json, 0091df7)."""
-        costs, reps = StepCosts(), 3
-        for progs, name, flags, cache, args in specs:
-            if flags.sample or name not in ("decode", self._verify_name):
-                continue
-            rows, n = args[0].shape
-            steps = MAX_DECODE_STEPS if name == "decode" else MAX_VERIFY_STEPS
-            args = (self._dummy_decode(rows, steps, alive=True) if name == "decode"
-                    else self._dummy_verify(rows, n, steps, alive=True))
-            inputs = [_to_device(args) for _ in range(reps + 1)]  # the programs donate some: a copy a call
-
-            def call(name=name, flags=flags):
-                if name == "decode":
-                    *out, tcache = self.plain_programs.decode(self.cache[0], *inputs.pop(), flags=flags)
-                    self.cache = (tcache, self.cache[1])
-                else:
-                    *out, self.cache = self.programs.verify_steps(self.cache, *inputs.pop(), flags=flags)
-                return out
-            kind = "decode" if name == "decode" else "verify"
-            costs.ms[(kind, rows)] = time_call(call, reps=reps) / steps
-        return costs
 
     @property
     def late_compiles(self) -> list:
         """Programs compiled after warm-up: each made some request wait for a compile."""
-        return self.programs.late_compiles + (self.plain_programs.late_compiles if self.plain_programs else [])
+        return [key for g in self.program_groups for key in g.late_compiles]
 
     def check(self, prompt_ids, params: SamplingParams) -> list:
         """The prompt as a list of ints, or a ValueError naming what the request gets wrong."""
@@ -293,7 +250,8 @@ class Scheduler(Admission, Dispatch, Outputs):
 
     def step(self):
         if self.device_drafter and self.drafter.refresh():  # e.g. an adaptive token map swapped in
-            self.programs.replace_head(self.drafter.head)
+            for progs in self.tree_programs.values():
+                progs.replace_head(self.drafter.head)
         if self.inflight is not None:
             done, self.inflight = self.inflight, None
             nxt = self._chain(done) if self._reserve_chain(done) else None
@@ -309,56 +267,30 @@ class Scheduler(Admission, Dispatch, Outputs):
         if prefill:
             self._run_prefill(prefill)
         if decode:
-            nodes = self._nodes_for(decode)
-            rows = bucket(len(decode), BATCH_BUCKETS)  # the bucket whose tree size `nodes` is
+            tree, nodes = self._choice_for(decode)
+            rows = bucket(len(decode), BATCH_BUCKETS)  # the bucket whose programs (tree, nodes) are
             # A request whose EAGLE head fell behind (head_len set) decodes plainly to its end. Where
             # such requests are most of the batch (after a large batch decoded plainly, or a plain
-            # spell of the measured policy), all of it decodes plainly: mixing would run a verify
+            # spell of the auto policy), all of it decodes plainly: mixing would run a verify
             # call and a decode call each step, one step a call, neither chained.
             if nodes > 1 and 2 * sum(r.head_len is not None for r in decode) > len(decode):
-                nodes = 1
+                tree, nodes = PLAIN
                 self.stats["behind_plain_steps"] += 1
             all_plain = nodes == 1 or all(r.head_len is not None for r in decode)
             all_spec = nodes > 1 and all(r.head_len is None for r in decode)
             steps = self._decode_steps_now(decode) if all_plain else self._verify_steps_now(decode) if all_spec else 1
-            decode = self._reserve(decode, self._span(nodes, steps) if all_spec else max(nodes, steps))
+            decode = self._reserve(decode, self._span(tree, nodes, steps) if all_spec else max(nodes, steps))
             drafts = [nodes > 1 and r.head_len is None for r in decode]
             spec = [r for r, d in zip(decode, drafts) if d]
             plain = [r for r, d in zip(decode, drafts) if not d]
             alone = not (spec and plain)  # one step in flight at a time: two groups are read back at once
             if spec:
-                # rows of the whole decode batch's bucket: its tree size is that bucket's, and
-                # only (bucket, its tree) pairs are built at start-up
-                self._run_verify(spec, nodes, rows, steps if all_spec else 1, overlap=alone)
+                # rows of the whole decode batch's bucket: its shapes are that bucket's, and
+                # only (bucket, shape) pairs are built at start-up
+                self._run_verify(spec, tree, nodes, rows, steps if all_spec else 1, overlap=alone)
             if plain:
                 self._run_decode(plain, steps, overlap=alone)
         self.stats["steps"] += 1
-
-    def tree_size(self, batch: int) -> int:
-        """Nodes a step verifies at this batch size: by its batch bucket, so that each bucket has one
-        verify program."""
-        if self.drafter is None:
-            return 1
-        budget = self.spec_max_verify_tokens if self.device_drafter else self.spec_max_host_verify_tokens
-        return nodes_that_fit(self.drafter.num_nodes, budget, bucket(max(batch, 1), BATCH_BUCKETS), self.spec_min_nodes)
-
-    def _no_tree_at(self, batch: int) -> bool:
-        """Whether a device drafter's batch of this size decodes plainly, leaving its heads behind."""
-        return self.device_drafter and self.tree_size(batch) == 1
-
-    def _nodes_for(self, reqs) -> int:
-        """Nodes a step verifies now: the tree that fits, or 1 where a host drafter's policy says
-        the batch decodes plainly."""
-        nodes = self.tree_size(len(reqs))
-        if nodes > 1 and self._no_tree_at(len(self.running)):
-            return 1  # the batch fills to a bucket without trees: its early decoders would verify in vain
-        if nodes > 1 and self.policy is not None and not self.policy.should_verify(self._match_keys(reqs, nodes),
-                                                                                   len(reqs)):
-            return 1
-        if nodes > 1 and self.spec_policy is not None and not self.spec_policy.should_verify(
-                bucket(len(reqs), BATCH_BUCKETS)):
-            return 1
-        return nodes
 
     def _decode_steps_now(self, reqs) -> int:
         """Steps the next plain decode call runs: decode_steps while the batch is steady (every
@@ -378,20 +310,6 @@ class Scheduler(Admission, Dispatch, Outputs):
         if not self.device_drafter or self.decode_steps == 1:
             return 1
         return min(MAX_VERIFY_STEPS, self._decode_steps_now(reqs))
-
-    def _span(self, nodes, steps) -> int:
-        """Cache slots past a request's kv length that a call of `steps` verify steps may write:
-        every step but the last accepts at most the tree's depth + 1 tokens."""
-        depth = getattr(getattr(self.drafter, "tree", None), "steps", nodes)
-        return (steps - 1) * min(nodes, depth + 1) + nodes + self.draft_slots
-
-    def _match_keys(self, reqs, nodes) -> list:
-        """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
-        host drafter matched), or 0 where it matched none. The tree size is part of the key because
-        the accept length learned with 8-node trees at batch 1 overstates 4-node trees' at batch 8."""
-        match_length = getattr(self.drafter, "match_length", None)
-        keys = [DraftPolicy.key(match_length(r)) if match_length else 1 for r in reqs]
-        return [(nodes, k) if k else 0 for k in keys]
 
     def _time_step(self, kind, batch, now, prefill=False):
         if self.policy is not None:  # only a host drafter's policy reads the step times

@@ -11,6 +11,7 @@ import numpy as np
 from jaxspec.programs import BATCH_BUCKETS, STOP_ID_SLOTS, TREE_BUCKETS, bucket
 from jaxspec.sampling import SamplerFlags
 from jaxspec.scheduler.request import InFlight
+from jaxspec.scheduler.trees import PLAIN
 
 
 class Dispatch:
@@ -129,15 +130,17 @@ class Dispatch:
         return self.device_drafter and (self._no_tree_at(len(self.running))
                                         or all(r.head_len is not None for r in reqs))
 
-    def _run_verify(self, reqs, nodes, rows, steps=1, overlap=True):
+    def _run_verify(self, reqs, tree, nodes, rows, steps=1, overlap=True):
+        """A verify call of `nodes`-node trees over reqs (a device drafter's programs draft `tree`)."""
         t0 = time.perf_counter()
         n = bucket(nodes, TREE_BUCKETS)
         tokens = np.zeros((rows, n), np.int32)
         parents = np.full((rows, n), -1, np.int32)
         num_nodes = np.ones(rows, np.int32)
         kv_lens = np.zeros(rows, np.int32)
+        depth = {} if tree is None else {"max_depth": tree.steps}
         for i, r in enumerate(reqs):
-            d_tok, d_par = self.drafter.propose(r, nodes)
+            d_tok, d_par = self.drafter.propose(r, nodes, **depth)
             m = 1 + len(d_tok)
             tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
             tokens[i, 1:m] = d_tok
@@ -146,7 +149,7 @@ class Dispatch:
         self.stats["draft_time"] += time.perf_counter() - t0
         flags = SamplerFlags.of([r.params for r in reqs])
         budget, stop_ids = self._budgets_and_stops(reqs, rows)
-        f = self._launch_verify(reqs, nodes, flags, tokens, parents, kv_lens, num_nodes,
+        f = self._launch_verify(reqs, tree, nodes, flags, tokens, parents, kv_lens, num_nodes,
                                 self._sampling(reqs, rows, flags), budget=budget, stop_ids=stop_ids, steps=steps)
         if self.policy is not None:
             f.match_keys = self._match_keys(reqs, nodes)
@@ -157,7 +160,7 @@ class Dispatch:
         else:
             self._collect(f)
 
-    def _launch_verify(self, reqs, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, pt=None, budget=None,
+    def _launch_verify(self, reqs, tree, nodes, flags, tokens, parents, kv_lens, num_nodes, sb, pt=None, budget=None,
                        stop_ids=None, steps=1, num_steps=None, next_nodes=None):
         """Launch a verify program: verify_tree for a host drafter's trees; a device drafter's
         verify_steps, which also takes the token budgets, stop ids, its number of steps and the
@@ -170,14 +173,14 @@ class Dispatch:
             *outputs, self.cache = self.programs.verify_tree(self.cache, *args, flags=flags)
             return InFlight("verify", reqs, tuple(outputs), {}, flags, nodes=nodes, host_s=time.perf_counter() - t0)
         if next_nodes is None:
-            next_nodes = np.int32(min(nodes, self.drafter.num_nodes))
+            next_nodes = np.int32(min(nodes, tree.num_draft_tokens))
         num_steps = np.int32(steps) if num_steps is None else num_steps
         args = _to_device((tokens, parents, pt, kv_lens, num_nodes, budget, stop_ids, num_steps, next_nodes, sb))
-        *outputs, self.cache = self.programs.verify_steps(self.cache, *args, flags=flags)
+        *outputs, self.cache = self.tree_programs[tree].verify_steps(self.cache, *args, flags=flags)
         # a chained call reuses the page table, node counts, stop ids, steps (their buffers unchanged)
         ins = dict(zip(("pt", "num_nodes", "stop_ids", "num_steps", "next_nodes"), args[2:3] + args[4:5] + args[6:9]))
         return InFlight("verify", reqs, tuple(outputs), dict(ins, pages=[len(r.pages) for r in reqs]), flags,
-                        nodes=nodes, steps=steps, host_s=time.perf_counter() - t0)
+                        nodes=nodes, tree=tree, steps=steps, host_s=time.perf_counter() - t0)
 
     def _may_overlap(self, f: InFlight) -> bool:
         """Only steps whose successor needs nothing from the host but page-table rows: plain decode
@@ -195,21 +198,25 @@ class Dispatch:
             return False
         if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
             return False  # the batch changes: admissions, prefill chunks, preemptions
-        if self._nodes_for(f.reqs) != (f.nodes if f.kind == "verify" else 1) and not f.plain:
-            return False  # trees fit again or a probe is due (a plain step chains while the batch decodes plainly)
+        if not f.plain:  # (a plain step chains while the batch decodes plainly)
+            choice = self._choice_for(f.reqs)
+            self._decided = (bucket(len(f.reqs), BATCH_BUCKETS), choice)  # step() takes it: one decision a call
+            if choice != ((f.tree, f.nodes) if f.kind == "verify" else PLAIN):
+                return False  # another shape, trees fit again, a probe
         if f.steps != (self._decode_steps_now(f.reqs) if f.kind == "decode" else self._verify_steps_now(f.reqs)):
             return False
         # A request may reach max_tokens (or a stop) in call t: call t + 1 then holds its row as
         # padding (its token budget, counted on the device, is spent) and, where no row is left,
         # ends at once (programs.steps_while_alive). Pages for both calls' worst case, every step
         # accepting all it may (capped at a row's page-table width: the budget bounds its writes):
-        span = f.steps if f.kind == "decode" else self._span(f.nodes, f.steps)
+        span = f.steps if f.kind == "decode" else self._span(f.tree, f.nodes, f.steps)
         need = [self._pages_needed(r, 2 * span - 1) - len(r.pages) for r in f.reqs]
         if sum(max(0, x) for x in need) > self.pool.available:
             return False
         for r, x in zip(f.reqs, need):
             if x > 0:
                 r.pages += self.pool.alloc(x)
+        self._decided = None
         return True
 
     def _chain(self, f: InFlight) -> InFlight:
@@ -230,8 +237,8 @@ class Dispatch:
             tokens, parents, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
             num_nodes = ins.get("chained_nodes")  # the drafted trees', for every row (the budget stops padding)
             if num_nodes is None:
-                num_nodes = np.full(rows, min(f.nodes, self.drafter.num_nodes), np.int32)
-            g = self._launch_verify(reqs, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb, pt, budget,
+                num_nodes = np.full(rows, min(f.nodes, f.tree.num_draft_tokens), np.int32)
+            g = self._launch_verify(reqs, f.tree, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb, pt, budget,
                                     ins["stop_ids"], f.steps, ins["num_steps"], ins["next_nodes"])
             g.inputs["chained_nodes"] = g.inputs["num_nodes"]
         self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens

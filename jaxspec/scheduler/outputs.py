@@ -59,9 +59,9 @@ class Outputs:
         if toks.ndim == 2:  # verify_tree: one step; as verify_steps' [B, steps, N]
             toks, count = toks[:, None], count[:, None]
             lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
-        if self.spec_policy is not None:  # keyed by the program's rows: its batch bucket
-            self.spec_policy.verified(count.shape[0],
-                                      [int(c) for i, r in enumerate(f.reqs) if not r.finished for c in count[i] if c])
+        if self.spec_policy is not None:
+            self.spec_policy.verified(f.tree, [int(c) for i, r in enumerate(f.reqs) if not r.finished
+                                               for c in count[i] if c])
         for i, r in enumerate(f.reqs):
             if shared is not None and not r.finished:
                 r.draft = DraftRow(shared, i)

@@ -64,6 +64,7 @@ class InFlight:
     inputs: dict  # device inputs a chained next step derives its own from
     flags: SamplerFlags
     nodes: int = 1  # a verify step's tree nodes (1 for decode)
+    tree: object = None  # the TreeShape a device drafter's verify program drafts
     steps: int = 1  # steps in the call
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching

@@ -1,0 +1,141 @@
+"""What a decode batch verifies each call: a draft tree's shape and node count, or plain decoding.
+
+spec_policy 'fixed': the drafter's one tree, cut by batch bucket to fit spec_max_verify_tokens
+(below spec_min_nodes the batch decodes plainly); a host drafter (NGRAM) verifies while its
+DraftPolicy says the trees pay. 'auto' (device drafters): every bucket has one verify program per
+shape of the drafter's auto_trees() that fits AUTO_MAX_VERIFY_TOKENS, and spec_policy.TreeChoice
+picks among them, or plain decoding, from the programs' costs timed at warm-up and the accept
+lengths seen. A choice is (tree, nodes); plain decoding is (None, 1).
+A mixin of Scheduler (core.py), which owns the state these methods read."""
+from __future__ import annotations
+
+import os
+
+from jaxspec import program_store
+from jaxspec.draft_policy import DraftPolicy
+from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS, nodes_that_fit
+from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket
+from jaxspec.spec_policy import AUTO_MAX_VERIFY_TOKENS, StepCosts, TreeChoice, time_call
+
+PLAIN = (None, 1)
+
+
+class TreeSizing:
+    def _setup_trees(self, model, drafter, spec_policy, auto_trees, programs_kw):
+        """The trees this engine verifies and a Programs for each (the drafter's own tree's is
+        self.programs, which also runs its prefill chunks). auto_trees: 'auto''s shapes, or None."""
+        if spec_policy not in ("fixed", "auto"):
+            raise ValueError(f"spec_policy must be 'fixed' or 'auto', got {spec_policy!r}")
+        self.auto = bool(auto_trees)  # a host drafter keeps its DraftPolicy
+        self._decided = None  # (bucket, choice) the last call's chain check took
+        self.trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
+        self.tree_programs = {t: self.programs if t == drafter.tree else
+                              Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in self.trees}
+        self.spec_costs = StepCosts()  # timed by warmup()
+        self.spec_policy = (TreeChoice(self.spec_costs, {rows: [t for t, _ in self._verify_shapes(rows)]
+                                                         for rows in BATCH_BUCKETS}) if self.auto else None)
+
+    @property
+    def program_groups(self) -> list:
+        """Every Programs of this engine, each once."""
+        groups = [self.programs, *self.tree_programs.values()] + ([self.plain_programs] if self.plain_programs else [])
+        return list({id(g): g for g in groups}.values())
+
+    def tree_size(self, batch: int) -> int:
+        """Nodes a step of the fixed policy verifies at this batch size: by its batch bucket, so
+        that each bucket has one verify program."""
+        if self.drafter is None:
+            return 1
+        budget = self.spec_max_verify_tokens if self.device_drafter else self.spec_max_host_verify_tokens
+        return nodes_that_fit(self.drafter.num_nodes, budget, bucket(max(batch, 1), BATCH_BUCKETS), self.spec_min_nodes)
+
+    def _verify_shapes(self, rows: int) -> list:
+        """(tree, nodes) of each verify program built for this batch bucket."""
+        if self.auto:
+            return [(t, t.num_draft_tokens) for t in self.trees
+                    if rows * bucket(t.num_draft_tokens, TREE_BUCKETS) <= AUTO_MAX_VERIFY_TOKENS]
+        n = self.tree_size(rows)
+        return [(self.drafter.tree if self.device_drafter else None, n)] if n > 1 else []
+
+    def _no_tree_at(self, batch: int) -> bool:
+        """Whether a device drafter's batch of this size never verifies (its bucket has no verify
+        program): its prefill chunks run the target alone, leaving heads behind."""
+        return self.device_drafter and not self._verify_shapes(bucket(max(batch, 1), BATCH_BUCKETS))
+
+    def _choice_for(self, reqs) -> tuple:
+        """(tree, nodes) a call over these decoding requests verifies now, or PLAIN."""
+        rows = bucket(len(reqs), BATCH_BUCKETS)
+        decided, self._decided = self._decided, None
+        if self.auto and decided is not None and decided[0] == rows:
+            return decided[1]  # taken when the last call could not chain on: a probe, a change of shape
+        shapes = self._verify_shapes(rows)
+        if not shapes or self._no_tree_at(len(self.running)):
+            return PLAIN  # (the batch fills to a bucket without trees: its early decoders would verify in vain)
+        if self.auto:
+            tree = self.spec_policy.choose(rows)
+            return PLAIN if tree is None else (tree, tree.num_draft_tokens)
+        tree, nodes = shapes[0]
+        if self.policy is not None and not self.policy.should_verify(self._match_keys(reqs, nodes), len(reqs)):
+            return PLAIN
+        return tree, nodes
+
+    def _span(self, tree, nodes, steps) -> int:
+        """Cache slots past a request's kv length that a call of `steps` verify steps may write:
+        every step but the last accepts at most the tree's depth + 1 tokens."""
+        depth = nodes if tree is None else tree.steps
+        return (steps - 1) * min(nodes, depth + 1) + nodes + self.draft_slots
+
+    def _match_keys(self, reqs, nodes) -> list:
+        """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
+        host drafter matched), or 0 where it matched none. The tree size is part of the key because
+        the accept length learned with 8-node trees at batch 1 overstates 4-node trees' at batch 8."""
+        match_length = getattr(self.drafter, "match_length", None)
+        keys = [DraftPolicy.key(match_length(r)) if match_length else 1 for r in reqs]
+        return [(nodes, k) if k else 0 for k in keys]
+
+    # -- the cost table ----------------------------------------------------------------------------------
+    def _step_costs(self, specs) -> StepCosts:
+        """The step costs an earlier start of this engine kept in the program store (same source,
+        jax, device, configs and program shapes), or timed now and kept there."""
+        store = self.programs.store
+        if store is None:
+            return self._time_steps(specs)
+        shapes = sorted((name, str(getattr(progs.tree, "label", "")), tuple(args[0].shape))
+                        for progs, name, _, _, args in specs)
+        path = os.path.join(store, program_store.entry_name(self.programs.config_key, "step_costs", shapes,
+                                                             self.max_pages_per_seq) + ".costs.json")
+        costs = StepCosts.load(path)
+        if costs is None:
+            costs = self._time_steps(specs)
+            os.makedirs(store, exist_ok=True)
+            costs.save(path)
+        return costs
+
+    def _time_steps(self, specs) -> StepCosts:
+        """ms a step of each greedy decode and verify program of the set, every row live on zeros
+        (the programs' work does not depend on the values), timed at the most steps a call
+        runs and divided: a steady batch runs that many, and one step a call also timed the call's
+        launch and read-back (which made verifying look cheap against decoding at batch 32:
+        spec-policy-NVIDIA-H200.json, 0091df7)."""
+        from jaxspec.scheduler.dispatch import _to_device
+        costs, reps = StepCosts(), 3
+        for progs, name, flags, cache, args in specs:
+            if flags.sample or name not in ("decode", "verify_steps"):
+                continue
+            rows, n = args[0].shape
+            steps = MAX_DECODE_STEPS if name == "decode" else MAX_VERIFY_STEPS
+            args = (self._dummy_decode(rows, steps, alive=True) if name == "decode"
+                    else self._dummy_verify(rows, n, steps, alive=True))
+            inputs = [_to_device(args) for _ in range(reps + 1)]  # the programs donate some: a copy a call
+
+            def call(progs=progs, name=name, flags=flags):
+                if name == "decode":
+                    *out, tcache = progs.decode(self.cache[0], *inputs.pop(), flags=flags)
+                    self.cache = (tcache, self.cache[1])
+                else:
+                    *out, self.cache = progs.verify_steps(self.cache, *inputs.pop(), flags=flags)
+                return out
+            key = ("decode", rows, None) if name == "decode" else ("verify", rows, progs.tree.label)
+            costs.ms[key] = time_call(call, reps=reps) / steps
+        return costs
+
