@@ -11,11 +11,15 @@ expected to accept at least what that one did: on few calls, an unlucky first av
 good shape from being chosen again. A call at bucket `rows` verifies the shape with the most
 tokens per ms,
 
-    expected(tree) / verify_ms(rows, tree),
+    expected(tree) / cost(rows, tree),
 
-or decodes plainly where even that is below min_gain / decode_ms(rows). Every shape a bucket has
-is tried once before any is preferred, and every probe_every-th call tries a shape other than
-the best (the contenders in turn) so that the averages follow the requests that arrive later.
+or decodes plainly where even that is below min_gain / cost(rows, plain). A cost is the wall time
+a step of that choice was seen to take at that bucket (the interval between consecutive calls'
+outputs, over their steps: the host's share counts), else the warm-up table's, scaled by how the
+costs seen compare with the table's (the table runs steady calls with nothing else to do: on the
+H100 real verify calls took about 1.5x its time, plain decode calls about 1x). Every shape a
+bucket has is tried once before any is preferred, and every probe_every-th call tries a shape
+other than the best (the contenders in turn) so that the averages follow the requests and costs.
 
 Every shape keeps the drafter in step: switching costs one call that is not chained. Plain
 decoding does not (the target alone leaves an EAGLE head's cache behind, so those requests decode
@@ -87,6 +91,7 @@ class TreeChoice:
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
         self.chosen: collections.Counter = collections.Counter()  # (bucket, tree label or 'plain') -> decisions
+        self.observed: dict = {}  # (bucket, tree label or 'plain') -> ms a step seen, an average of calls
 
     def expected(self, tree) -> float | None:
         """Tokens a row is expected to emit per verify step of `tree`: the most that it or any shape
@@ -102,8 +107,28 @@ class TreeChoice:
         e = self.expected(tree)
         if e is None:
             return None
-        ms = self.costs.ms.get(("verify", rows, tree.label))
+        ms = self.cost(rows, tree.label)
         return e / ms if ms else e
+
+    def _table(self, rows, key):
+        return self.costs.ms.get(("decode", rows, None) if key == "plain" else ("verify", rows, key))
+
+    def cost(self, rows: int, key: str) -> float | None:
+        """ms a step of a choice (a tree's label, or 'plain') at this bucket: seen, else the table's
+        scaled by the median ratio of seen to table costs of that kind, or None where neither exists."""
+        if (rows, key) in self.observed:
+            return self.observed[(rows, key)]
+        table = self._table(rows, key)
+        if table is None:
+            return None
+        ratios = sorted(ms / t for (r, k), ms in self.observed.items()
+                        if (k == "plain") == (key == "plain") and (t := self._table(r, k)))
+        return table * (ratios[len(ratios) // 2] if ratios else 1.0)
+
+    def timed(self, rows: int, key: str, ms: float) -> None:
+        """A call of a choice (a tree's label, or 'plain') at this bucket took `ms` a step."""
+        old = self.observed.get((rows, key))
+        self.observed[(rows, key)] = ms if old is None else 0.75 * old + 0.25 * ms
 
     def choose(self, rows: int):
         """The tree a call at this bucket verifies, or None to decode plainly."""
@@ -125,9 +150,8 @@ class TreeChoice:
             # the shapes within 25% of the best in turn (at least the runner-up): they could overtake it
             rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, best)] or ranked[1:2]
             return rivals[(n // self.probe_every) % len(rivals)]
-        decode = self.costs.ms.get(("decode", rows, None))
-        if decode is not None and ("verify", rows, best.label) in self.costs.ms and \
-                self.rate(rows, best) * decode < self.min_gain:
+        plain = self.cost(rows, "plain")
+        if plain is not None and self.cost(rows, best.label) is not None and self.rate(rows, best) * plain < self.min_gain:
             return None
         return best
 
@@ -145,6 +169,8 @@ class TreeChoice:
         """What the policy learned and did: per tree its accept length and the histogram of tokens
         a row-step emitted, and per bucket how many calls took each choice."""
         return dict(accept_length={t.label: round(e, 3) for t, e in self.emitted.items()},
+                    observed_ms={str(r): {k: round(ms, 3) for (r2, k), ms in sorted(self.observed.items()) if r2 == r}
+                                 for r in sorted({r for r, _ in self.observed})},
                     accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
                     chosen={str(r): {t: n for (r2, t), n in sorted(self.chosen.items()) if r2 == r}
                             for r in sorted({r for r, _ in self.chosen})})

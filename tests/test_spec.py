@@ -317,8 +317,8 @@ def test_host_drafter_policy_reads_match_lengths(tiny):
     pol = sched.policy
     pol.step_time = {("verify", 1): 1.5, ("decode", 1): 1.0, ("verify", 2): 1.5, ("decode", 2): 1.0}
     pol.accept = {(8, 1): (1.1, 20), (8, 8): (6.0, 20)}  # expected: 1.35 and 6.25 tokens
-    assert sched._nodes_for([fresh]) == 1
-    assert sched._nodes_for([repeated]) == sched.tree_size(1) == 8
-    assert sched._nodes_for([fresh, repeated]) == 8  # mean expected accept 3.8 x 1 / 1.5
+    assert sched._choice_for([fresh]) == (None, 1)
+    assert sched._choice_for([repeated]) == (None, sched.tree_size(1)) == (None, 8)
+    assert sched._choice_for([fresh, repeated]) == (None, 8)  # mean expected accept 3.8 x 1 / 1.5
     pol.accept[(8, 8)] = (1.2, 20)
-    assert sched._nodes_for([repeated]) == 1
+    assert sched._choice_for([repeated]) == (None, 1)

@@ -39,6 +39,23 @@ def test_the_choice_follows_tokens_per_millisecond():
     assert "3:2:6" in costs.table() and "1.500" in costs.table()
 
 
+def test_costs_seen_while_serving_replace_and_scale_the_table():
+    costs = StepCosts({("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0,
+                       ("decode", 1, None): 1.0, ("verify", 1, "3:2:6"): 1.5})
+    policy = TreeChoice(costs, {8: [SMALL, BIG]})
+    assert policy.cost(8, "1:1:2") == 1.3 and policy.cost(8, "plain") == 1.0
+    policy.timed(8, "3:2:6", 6.0)  # verify calls take twice the table's time
+    assert policy.cost(8, "3:2:6") == 6.0 and policy.cost(8, "1:1:2") == 2.6 and policy.cost(1, "3:2:6") == 3.0
+    assert policy.cost(8, "plain") == 1.0  # plain decoding's own ratio: none seen
+    policy.timed(8, "3:2:6", 2.0)  # an average of calls
+    assert policy.cost(8, "3:2:6") == 5.0 and policy.cost(16, "3:2:6") is None
+    policy.verified(SMALL, [2])
+    policy.verified(BIG, [3])
+    policy.calls[8] = 1
+    # 2 / (1.3 x 5/3) = 0.92 tokens per ms, below plain decoding's 1 / 1.0
+    assert policy.choose(8) is None and policy.summary()["observed_ms"] == {"8": {"3:2:6": 5.0}}
+
+
 def test_a_tree_is_expected_to_accept_what_a_shape_it_contains_did():
     policy = TreeChoice(StepCosts(), {1: [SMALL, BIG]})
     policy.verified(SMALL, [3, 3])
@@ -93,12 +110,15 @@ def test_outputs_are_plain_decodings_whichever_shape_each_call_takes(tiny, tempe
     assert [c.token_ids for c in out] == plain
     assert sched.stats["verify_steps"] > 0 and sched.stats["decode_time"] > 0
     assert {t.label for t in sched.spec_policy.accepts} == {"1:1:2", "3:2:6"}
+    seen = sched.spec_policy.observed  # wall ms a step between consecutive calls of the whole batch
+    assert {k for _, k in seen} <= {"1:1:2", "3:2:6", "plain"} and seen and all(ms > 0 for ms in seen.values())
     assert sched.pool.in_use == 0 and sched.late_compiles == []
 
 
 def test_the_costs_decide_the_shape_and_plain_decoding(tiny):
     prompts, params, plain, gen = _plain_and_auto(tiny, 1, 4, 24, 4)
     sched = gen.scheduler
+    sched.spec_policy.timed = lambda *a: None  # the table alone decides
     ms = sched.spec_costs.ms
     ms.update({k: 1.0 for k in ms})
     ms.update({k: 1e3 for k in ms if k[2] == "3:2:6"})  # the big tree is far too slow: after one try, never
@@ -118,6 +138,7 @@ def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny):
     its output is plain decoding's."""
     prompts, params, plain, gen = _plain_and_auto(tiny, 1, 4, 24, 4)
     sched = gen.scheduler
+    sched.spec_policy.timed = lambda *a: None  # the table alone decides
     ms = sched.spec_costs.ms
     sched.spec_policy.emitted.update({SMALL: 1.0, BIG: 1.0})
     ms.update({k: 1e3 for k in ms if k[0] == "verify"})  # plain pays

@@ -341,7 +341,7 @@ class EagleDrafter(DeviceDrafter):
         """From a naive chain of one draft (cheapest where a batch is large) to a 64-node tree
         (where verifying costs about as much as decoding: batch 1)."""
         from jaxspec.drafters.eagle_step import TreeShape
-        return tuple(TreeShape.parse(t) for t in ("1:1:2", "3:1:4", "4:2:8", "6:4:24", "6:8:64")
+        return tuple(TreeShape.parse(t) for t in ("1:1:2", "3:1:4", "4:2:8", "6:4:16", "6:8:64")
                      if TreeShape.parse(t).topk <= self.head.cfg.draft_vocab_size)
 
     def step_module(self):

@@ -35,6 +35,7 @@ class Outputs:
                 self._emit(r, toks[i, :c].tolist(), None if lp is None else lp[i, :c].tolist(),
                            None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
             self._time_step("decode", len(f.reqs), arrived)
+            self._timed_call(f, count.shape[0], int(count.max(initial=0)), arrived)
             self.stats["decode_time"] += f.host_s + time.perf_counter() - t0
             return
         if f.kind == "extend":
@@ -48,6 +49,7 @@ class Outputs:
                     self._emit(r, [int(nxt[i])], None if lp is None else [float(lp[i])],
                                None if top_i is None else [(top_v[i], top_i[i])])
             self._time_step("decode", len(f.reqs), arrived, prefill=True)
+            self._timed_call(f, 0, 0, arrived)
             self.stats["prefill_time"] += f.host_s + time.perf_counter() - t0
             return
         toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
@@ -62,6 +64,7 @@ class Outputs:
         if self.spec_policy is not None:
             self.spec_policy.verified(f.tree, [int(c) for i, r in enumerate(f.reqs) if not r.finished
                                                for c in count[i] if c])
+            self._timed_call(f, count.shape[0], int((count > 0).sum(axis=1).max(initial=0)), arrived)
         for i, r in enumerate(f.reqs):
             if shared is not None and not r.finished:
                 r.draft = DraftRow(shared, i)

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 
+import jax
+import numpy as np
+
 from jaxspec import program_store
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS, nodes_that_fit
@@ -18,6 +21,7 @@ from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Prog
 from jaxspec.spec_policy import AUTO_MAX_VERIFY_TOKENS, StepCosts, TreeChoice, time_call
 
 PLAIN = (None, 1)
+TIMING_CONTEXT = 256  # tokens of context each row attends to while the step costs are timed
 
 
 class TreeSizing:
@@ -28,6 +32,7 @@ class TreeSizing:
             raise ValueError(f"spec_policy must be 'fixed' or 'auto', got {spec_policy!r}")
         self.auto = bool(auto_trees)  # a host drafter keeps its DraftPolicy
         self._decided = None  # (bucket, choice) the last call's chain check took
+        self._last_read = None  # when the last decode or verify call's outputs arrived
         self.trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
         self.tree_programs = {t: self.programs if t == drafter.tree else
                               Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in self.trees}
@@ -85,6 +90,17 @@ class TreeSizing:
         depth = nodes if tree is None else tree.steps
         return (steps - 1) * min(nodes, depth + 1) + nodes + self.draft_slots
 
+    def _timed_call(self, f, rows: int, steps: int, now: float) -> None:
+        """The auto policy's observed step costs: a call's outputs arrived at `now`, `steps` steps
+        after the last call's (a prefill chunk in between, or a call over part of the decode batch,
+        voids the interval): wall time, so the host's share of a step counts."""
+        if self.spec_policy is None:
+            return
+        last, self._last_read = self._last_read, (None if f.kind == "extend" else now)
+        if f.kind == "extend" or last is None or steps < 1 or len(f.reqs) != len(self.running):
+            return
+        self.spec_policy.timed(rows, "plain" if f.kind == "decode" else f.tree.label, 1e3 * (now - last) / steps)
+
     def _match_keys(self, reqs, nodes) -> list:
         """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
         host drafter matched), or 0 where it matched none. The tree size is part of the key because
@@ -113,20 +129,28 @@ class TreeSizing:
 
     def _time_steps(self, specs) -> StepCosts:
         """ms a step of each greedy decode and verify program of the set, every row live on zeros
-        (the programs' work does not depend on the values), timed at the most steps a call
-        runs and divided: a steady batch runs that many, and one step a call also timed the call's
-        launch and read-back (which made verifying look cheap against decoding at batch 32:
-        spec-policy-NVIDIA-H200.json, 0091df7)."""
-        from jaxspec.scheduler.dispatch import _to_device
+        over a context of TIMING_CONTEXT tokens (the programs' work does not depend on the values),
+        timed at the most steps a call runs and divided: a steady batch runs that many, and one
+        step a call also timed the call's launch and read-back (which made verifying look cheap
+        against decoding at batch 32: spec-policy-NVIDIA-H200.json, 0091df7)."""
         costs, reps = StepCosts(), 3
+        # pages no request holds (at a warm-up: any), else no context
+        context = min(TIMING_CONTEXT, self.max_seq_len // 2) if not (self.running or self.pool.cached) else 0
+        pages = min(-(-(context + 2 * self._span(None, 64, MAX_VERIFY_STEPS)) // self.page_size), self.pool.num_pages - 1,
+                    self.max_pages_per_seq) if context else 0
         for progs, name, flags, cache, args in specs:
             if flags.sample or name not in ("decode", "verify_steps"):
                 continue
             rows, n = args[0].shape
             steps = MAX_DECODE_STEPS if name == "decode" else MAX_VERIFY_STEPS
-            args = (self._dummy_decode(rows, steps, alive=True) if name == "decode"
-                    else self._dummy_verify(rows, n, steps, alive=True))
-            inputs = [_to_device(args) for _ in range(reps + 1)]  # the programs donate some: a copy a call
+            args = list(self._dummy_decode(rows, steps, alive=True) if name == "decode"
+                        else self._dummy_verify(rows, n, steps, alive=True))
+            at = 1 if name == "decode" else 2  # the page table, then the kv lengths
+            args[at] = args[at].copy()
+            args[at][:, :pages] = 1 + np.arange(pages)  # no request holds a page at warm-up
+            args[at + 1] = np.full_like(args[at + 1], context)
+            args = tuple(args)
+            inputs = [jax.device_put(args) for _ in range(reps + 1)]  # the programs donate some: a copy a call
 
             def call(progs=progs, name=name, flags=flags):
                 if name == "decode":
