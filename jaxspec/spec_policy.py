@@ -1,5 +1,5 @@
-"""Speculation sized by measured costs: the draft tree a device drafter's batch verifies, or plain
-decoding, chosen every call among the shapes whose programs were built at start-up.
+"""Speculation sized by measured costs: the draft tree a device drafter's batch verifies, chosen
+every call among the shapes whose programs were built at start-up.
 
 At warm-up the engine times every decode and verify program of its set (StepCosts: ms a step by
 kind, batch bucket and tree) and keeps the table beside its programs in the program store: a later
@@ -13,17 +13,19 @@ tokens per ms,
 
     expected(tree) / cost(rows, tree),
 
-or decodes plainly where even that is below min_gain / cost(rows, plain). A cost is the wall time
-a step of that choice was seen to take at that bucket (the interval between consecutive calls'
-outputs, over their steps: the host's share counts), else the warm-up table's, scaled by how the
-costs seen compare with the table's (the table runs steady calls with nothing else to do: on the
-H100 real verify calls took about 1.5x its time, plain decode calls about 1x). Every shape a
-bucket has is tried once before any is preferred, and every probe_every-th call tries a shape
-other than the best (the contenders in turn) so that the averages follow the requests and costs.
+where a cost is the wall time a step of that shape was seen to take at that bucket (the interval
+between consecutive calls' outputs, over their steps: the host's share counts), else the warm-up
+table's scaled by the median ratio of seen to table costs (the table runs steady calls with
+nothing else to do). Every shape a bucket has is tried once before any is preferred, and every
+probe_every-th call tries another (the contenders in turn) so that the averages follow the
+requests and the costs.
 
-Every shape keeps the drafter in step: switching costs one call that is not chained. Plain
-decoding does not (the target alone leaves an EAGLE head's cache behind, so those requests decode
-plainly to their ends): it is chosen only where no tree pays.
+Plain decoding is not among the choices: the target alone leaves an EAGLE head's cache behind, so
+a request decoded plainly once decodes plainly to its end, and a policy that chose plain decoding
+from a few noisy calls never saw the trees again (on the H100 such a policy held HumanEval at
+batch 1 at 0.99x plain, and mixed calls of behind and current heads ran MT-bench at batch 64 at
+0.40x: spec-auto-*.json at 931c778, git history). Which buckets verify at all is the fixed rule's
+(scheduler/trees.py).
 """
 from __future__ import annotations
 
@@ -81,17 +83,16 @@ def time_call(call, reps: int = 3) -> float:
 
 
 class TreeChoice:
-    def __init__(self, costs: StepCosts, trees_at: dict, min_gain: float = 1.0, probe_every: int = 16,
-                 alpha: float = 0.1):
+    def __init__(self, costs: StepCosts, trees_at: dict, probe_every: int = 32, alpha: float = 0.1):
         """trees_at: batch bucket -> the tree shapes built for it (TreeShape, with .label)."""
         self.costs, self.trees_at = costs, trees_at
-        self.min_gain, self.probe_every, self.alpha = min_gain, probe_every, alpha
+        self.probe_every, self.alpha = probe_every, alpha
         self.emitted: dict = {}  # tree -> average tokens a live row emits per verify step
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
-        self.chosen: collections.Counter = collections.Counter()  # (bucket, tree label or 'plain') -> decisions
-        self.observed: dict = {}  # (bucket, tree label or 'plain') -> ms a step seen, an average of calls
+        self.chosen: collections.Counter = collections.Counter()  # (bucket, tree label) -> decisions
+        self.observed: dict = {}  # (bucket, tree label) -> ms a step seen, an average of calls
 
     def expected(self, tree) -> float | None:
         """Tokens a row is expected to emit per verify step of `tree`: the most that it or any shape
@@ -103,57 +104,45 @@ class TreeChoice:
 
     def rate(self, rows: int, tree) -> float | None:
         """Tokens a row emits per ms of a verify step of `tree` at this bucket (per verify step where
-        the costs were not timed), or None before the shape was seen."""
+        no cost is known), or None before the shape was seen."""
         e = self.expected(tree)
         if e is None:
             return None
         ms = self.cost(rows, tree.label)
         return e / ms if ms else e
 
-    def _table(self, rows, key):
-        return self.costs.ms.get(("decode", rows, None) if key == "plain" else ("verify", rows, key))
-
-    def cost(self, rows: int, key: str) -> float | None:
-        """ms a step of a choice (a tree's label, or 'plain') at this bucket: seen, else the table's
-        scaled by the median ratio of seen to table costs of that kind, or None where neither exists."""
-        if (rows, key) in self.observed:
-            return self.observed[(rows, key)]
-        table = self._table(rows, key)
+    def cost(self, rows: int, label: str) -> float | None:
+        """ms a step of a tree at this bucket: seen, else the table's scaled by the median ratio of
+        seen to table costs, or None where neither exists."""
+        if (rows, label) in self.observed:
+            return self.observed[(rows, label)]
+        table = self.costs.ms.get(("verify", rows, label))
         if table is None:
             return None
-        ratios = sorted(ms / t for (r, k), ms in self.observed.items()
-                        if (k == "plain") == (key == "plain") and (t := self._table(r, k)))
+        ratios = sorted(ms / t for (r, k), ms in self.observed.items() if (t := self.costs.ms.get(("verify", r, k))))
         return table * (ratios[len(ratios) // 2] if ratios else 1.0)
 
-    def timed(self, rows: int, key: str, ms: float) -> None:
-        """A call of a choice (a tree's label, or 'plain') at this bucket took `ms` a step."""
-        old = self.observed.get((rows, key))
-        self.observed[(rows, key)] = ms if old is None else 0.75 * old + 0.25 * ms
+    def timed(self, rows: int, label: str, ms: float) -> None:
+        """A call of a tree at this bucket took `ms` a step."""
+        old = self.observed.get((rows, label))
+        self.observed[(rows, label)] = ms if old is None else 0.75 * old + 0.25 * ms
 
     def choose(self, rows: int):
-        """The tree a call at this bucket verifies, or None to decode plainly."""
-        pick = self._choose(rows)
-        self.chosen[(rows, pick.label if pick else "plain")] += 1
-        return pick
-
-    def _choose(self, rows):
+        """The tree a call at this bucket verifies (None where the bucket has none)."""
         trees = self.trees_at.get(rows, ())
         if not trees:
             return None
-        for t in trees:
-            if t not in self.emitted:
-                return t  # each shape once: learn what it accepts
-        n = self.calls[rows] = self.calls[rows] + 1
-        ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
-        best = ranked[0]
-        if n % self.probe_every == 0 and len(ranked) > 1:
-            # the shapes within 25% of the best in turn (at least the runner-up): they could overtake it
-            rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, best)] or ranked[1:2]
-            return rivals[(n // self.probe_every) % len(rivals)]
-        plain = self.cost(rows, "plain")
-        if plain is not None and self.cost(rows, best.label) is not None and self.rate(rows, best) * plain < self.min_gain:
-            return None
-        return best
+        pick = next((t for t in trees if t not in self.emitted), None)  # each shape once: learn what it accepts
+        if pick is None:
+            n = self.calls[rows] = self.calls[rows] + 1
+            ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
+            pick = ranked[0]
+            if n % self.probe_every == 0 and len(ranked) > 1:
+                # the shapes within 25% of the best in turn (at least the runner-up): they could overtake it
+                rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, pick)] or ranked[1:2]
+                pick = rivals[(n // self.probe_every) % len(rivals)]
+        self.chosen[(rows, pick.label)] += 1
+        return pick
 
     def verified(self, tree, emitted: list[int]) -> None:
         """A verify call of `tree`: the tokens each live row emitted at each of its steps."""
@@ -167,10 +156,10 @@ class TreeChoice:
 
     def summary(self) -> dict:
         """What the policy learned and did: per tree its accept length and the histogram of tokens
-        a row-step emitted, and per bucket how many calls took each choice."""
+        a row-step emitted, per bucket the costs seen and how many calls took each tree."""
+        by_bucket = lambda d: {str(r): {k: v for (r2, k), v in sorted(d.items()) if r2 == r}
+                               for r in sorted({r for r, _ in d})}
         return dict(accept_length={t.label: round(e, 3) for t, e in self.emitted.items()},
-                    observed_ms={str(r): {k: round(ms, 3) for (r2, k), ms in sorted(self.observed.items()) if r2 == r}
-                                 for r in sorted({r for r, _ in self.observed})},
                     accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
-                    chosen={str(r): {t: n for (r2, t), n in sorted(self.chosen.items()) if r2 == r}
-                            for r in sorted({r for r, _ in self.chosen})})
+                    observed_ms=by_bucket({k: round(ms, 3) for k, ms in self.observed.items()}),
+                    chosen=by_bucket(self.chosen))

@@ -2,10 +2,11 @@
 
 spec_policy 'fixed': the drafter's one tree, cut by batch bucket to fit spec_max_verify_tokens
 (below spec_min_nodes the batch decodes plainly); a host drafter (NGRAM) verifies while its
-DraftPolicy says the trees pay. 'auto' (device drafters): every bucket has one verify program per
-shape of the drafter's auto_trees() that fits AUTO_MAX_VERIFY_TOKENS, and spec_policy.TreeChoice
-picks among them, or plain decoding, from the programs' costs timed at warm-up and the accept
-lengths seen. A choice is (tree, nodes); plain decoding is (None, 1).
+DraftPolicy says the trees pay. 'auto' (device drafters): every bucket where the fixed rule
+verifies has one verify program per shape of the drafter's auto_trees() that fits
+AUTO_MAX_VERIFY_TOKENS, and spec_policy.TreeChoice picks among them every call from the costs
+seen (and timed at warm-up) and the accept lengths seen. A choice is (tree, nodes); plain
+decoding is (None, 1).
 A mixin of Scheduler (core.py), which owns the state these methods read."""
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from jaxspec.spec_policy import AUTO_MAX_VERIFY_TOKENS, StepCosts, TreeChoice, t
 
 PLAIN = (None, 1)
 TIMING_CONTEXT = 256  # tokens of context each row attends to while the step costs are timed
+SPIN_CALLS = 50
 
 
 class TreeSizing:
@@ -56,10 +58,10 @@ class TreeSizing:
 
     def _verify_shapes(self, rows: int) -> list:
         """(tree, nodes) of each verify program built for this batch bucket."""
+        n = self.tree_size(rows)
         if self.auto:
             return [(t, t.num_draft_tokens) for t in self.trees
-                    if rows * bucket(t.num_draft_tokens, TREE_BUCKETS) <= AUTO_MAX_VERIFY_TOKENS]
-        n = self.tree_size(rows)
+                    if n > 1 and rows * bucket(t.num_draft_tokens, TREE_BUCKETS) <= AUTO_MAX_VERIFY_TOKENS]
         return [(self.drafter.tree if self.device_drafter else None, n)] if n > 1 else []
 
     def _no_tree_at(self, batch: int) -> bool:
@@ -91,15 +93,15 @@ class TreeSizing:
         return (steps - 1) * min(nodes, depth + 1) + nodes + self.draft_slots
 
     def _timed_call(self, f, rows: int, steps: int, now: float) -> None:
-        """The auto policy's observed step costs: a call's outputs arrived at `now`, `steps` steps
-        after the last call's (a prefill chunk in between, or a call over part of the decode batch,
-        voids the interval): wall time, so the host's share of a step counts."""
+        """The auto policy's observed step costs: a verify call's outputs arrived at `now`, `steps`
+        steps after the last call's (a prefill chunk in between, or a call over part of the decode
+        batch, voids the interval): wall time, so the host's share of a step counts."""
         if self.spec_policy is None:
             return
         last, self._last_read = self._last_read, (None if f.kind == "extend" else now)
-        if f.kind == "extend" or last is None or steps < 1 or len(f.reqs) != len(self.running):
+        if f.kind != "verify" or last is None or steps < 1 or len(f.reqs) != len(self.running):
             return
-        self.spec_policy.timed(rows, "plain" if f.kind == "decode" else f.tree.label, 1e3 * (now - last) / steps)
+        self.spec_policy.timed(rows, f.tree.label, 1e3 * (now - last) / steps)
 
     def _match_keys(self, reqs, nodes) -> list:
         """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
@@ -150,7 +152,6 @@ class TreeSizing:
             args[at][:, :pages] = 1 + np.arange(pages)  # no request holds a page at warm-up
             args[at + 1] = np.full_like(args[at + 1], context)
             args = tuple(args)
-            inputs = [jax.device_put(args) for _ in range(reps + 1)]  # the programs donate some: a copy a call
 
             def call(progs=progs, name=name, flags=flags):
                 if name == "decode":
@@ -159,6 +160,12 @@ class TreeSizing:
                 else:
                     *out, self.cache = progs.verify_steps(self.cache, *inputs.pop(), flags=flags)
                 return out
+            # the programs donate some inputs: a copy a call. The first program runs SPIN_CALLS more
+            # first: a GPU idle since its compiles runs its first calls at lower clocks
+            spin = 0 if costs.ms else SPIN_CALLS
+            inputs = [jax.device_put(args) for _ in range(reps + 1 + spin)]
+            for _ in range(spin):
+                jax.block_until_ready(call())
             key = ("decode", rows, None) if name == "decode" else ("verify", rows, progs.tree.label)
             costs.ms[key] = time_call(call, reps=reps) / steps
         return costs
