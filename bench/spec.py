@@ -241,7 +241,8 @@ def main():
                     if policy is not None:  # what the auto policy learned, and chose at this batch
                         summary = policy.summary()
                         row.update(auto_accept_length=summary["accept_length"],
-                                   auto_choices=summary["chosen"],  # "bucket:tree": calls, in the timed rounds
+                                   auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
+                                   auto_observed_ms=summary["observed_ms"],
                                    step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
                                                                                           key=str)])
                     if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host

@@ -14,11 +14,11 @@ tokens per ms,
     expected(tree) / cost(rows, tree),
 
 where a cost is the wall time a step of that shape was seen to take at that bucket (the interval
-between consecutive calls' outputs, over their steps: the host's share counts), else the warm-up
-table's scaled by the median ratio of seen to table costs (the table runs steady calls with
-nothing else to do). Every shape a bucket has is tried once before any is preferred, and every
-probe_every-th call tries another (the contenders in turn) so that the averages follow the
-requests and the costs.
+between the outputs of a call and of the one chained on it, over its steps: the host's share
+counts), else the warm-up table's scaled by the median ratio of seen to table costs (the table
+runs steady calls with nothing else to do). Every shape a bucket has is tried once before any is
+preferred, and every probe_every calls another runs PROBE_CALLS calls (the contenders in turn)
+so that the averages follow the requests and the costs.
 
 Plain decoding is not among the choices: the target alone leaves an EAGLE head's cache behind, so
 a request decoded plainly once decodes plainly to its end, and a policy that chose plain decoding
@@ -38,6 +38,7 @@ import time
 import jax
 
 AUTO_MAX_VERIFY_TOKENS = 512  # a bucket gets the shapes whose rows x nodes fit: a program each
+PROBE_CALLS = 3  # calls a probe of another shape runs
 
 
 @dataclasses.dataclass
@@ -137,8 +138,9 @@ class TreeChoice:
             n = self.calls[rows] = self.calls[rows] + 1
             ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
             pick = ranked[0]
-            if n % self.probe_every == 0 and len(ranked) > 1:
-                # the shapes within 25% of the best in turn (at least the runner-up): they could overtake it
+            if n % self.probe_every < PROBE_CALLS and n >= self.probe_every and len(ranked) > 1:
+                # the shapes within 25% of the best in turn (at least the runner-up): they could
+                # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
                 rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, pick)] or ranked[1:2]
                 pick = rivals[(n // self.probe_every) % len(rivals)]
         self.chosen[(rows, pick.label)] += 1

@@ -19,20 +19,22 @@ SMALL, BIG = TreeShape(1, 1, 2), TreeShape(3, 2, 6)
 def test_the_choice_follows_tokens_per_millisecond():
     costs = StepCosts({("decode", 1, None): 1.0, ("verify", 1, "1:1:2"): 1.2, ("verify", 1, "3:2:6"): 1.5,
                        ("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0})
-    policy = TreeChoice(costs, {1: [SMALL, BIG], 8: [SMALL, BIG], 16: []}, probe_every=4)
+    policy = TreeChoice(costs, {1: [SMALL, BIG], 8: [SMALL, BIG], 16: []}, probe_every=8)
     assert policy.choose(1) == SMALL  # nothing seen: each shape once, to learn what it accepts
     policy.verified(SMALL, [2, 1, 2, 2])
     assert policy.choose(8) == BIG  # the estimates are pooled over buckets: SMALL is known
     policy.verified(BIG, [3, 4, 2, 3])
     # batch 1: 3 tokens / 1.5 ms beats 1.75 / 1.2; batch 8: 1.75 / 1.3 beats 3 / 3.0
-    assert [policy.choose(1) for _ in range(4)] == [BIG, BIG, BIG, SMALL]  # the 4th call probes the other
-    assert [policy.choose(8) for _ in range(4)] == [SMALL, SMALL, SMALL, BIG]
+    assert [policy.choose(1) for _ in range(8)] == [BIG] * 7 + [SMALL]  # the 8th call starts a probe of the other
+    assert [policy.choose(8) for _ in range(8)] == [SMALL] * 7 + [BIG]
     assert policy.choose(16) is None  # no program at this bucket
     for _ in range(30):  # the big tree's drafts stop paying: the average forgets
         policy.verified(BIG, [1, 2])
-    assert [policy.choose(1) for _ in range(3)] == [SMALL] * 3  # 1.75 / 1.2 beats 1.75 (its own floor) / 1.5
+    # the probe's two more calls (of the shape now second), then 1.75 / 1.2 beats 1.75 (its own floor) / 1.5
+    assert [policy.choose(1) for _ in range(5)] == [BIG, BIG, SMALL, SMALL, SMALL]
+    assert [policy.choose(8) for _ in range(3)] == [BIG, BIG, SMALL]  # the probe's two more calls
     summary = policy.summary()
-    assert summary["accept_histogram"]["3:2:6"][3] == 2 and summary["chosen"]["8"] == {"1:1:2": 3, "3:2:6": 2}
+    assert summary["accept_histogram"]["3:2:6"][3] == 2 and summary["chosen"]["8"] == {"1:1:2": 8, "3:2:6": 4}
     assert "3:2:6" in costs.table() and "1.500" in costs.table()
 
 

@@ -93,15 +93,17 @@ class TreeSizing:
         return (steps - 1) * min(nodes, depth + 1) + nodes + self.draft_slots
 
     def _timed_call(self, f, rows: int, steps: int, now: float) -> None:
-        """The auto policy's observed step costs: a verify call's outputs arrived at `now`, `steps`
-        steps after the last call's (a prefill chunk in between, or a call over part of the decode
-        batch, voids the interval): wall time, so the host's share of a step counts."""
+        """The auto policy's observed step costs: a verify call chained on a call of the same tree
+        and bucket (the device busy from one to the next) had its outputs arrive at `now`, `steps`
+        steps after the last call's: wall time over steps. A call after a change of shape also
+        paid the host's launch: counting it would price every shape but the incumbent above it."""
         if self.spec_policy is None:
             return
-        last, self._last_read = self._last_read, (None if f.kind == "extend" else now)
-        if f.kind != "verify" or last is None or steps < 1 or len(f.reqs) != len(self.running):
+        key = (f.kind, rows, f.tree)
+        last, self._last_read = self._last_read, (key, now)
+        if f.kind != "verify" or not f.chained or last is None or last[0] != key or steps < 1:
             return
-        self.spec_policy.timed(rows, f.tree.label, 1e3 * (now - last) / steps)
+        self.spec_policy.timed(rows, f.tree.label, 1e3 * (now - last[1]) / steps)
 
     def _match_keys(self, reqs, nodes) -> list:
         """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
