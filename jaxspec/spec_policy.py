@@ -13,12 +13,15 @@ tokens per ms,
 
     expected(tree) / cost(rows, tree),
 
-where a cost is the wall time a step of that shape was seen to take at that bucket (the interval
-between the outputs of a call and of the one chained on it, over its steps: the host's share
-counts), else the warm-up table's scaled by the median ratio of seen to table costs (the table
-runs steady calls with nothing else to do). Every shape a bucket has is tried once before any is
-preferred, and every probe_every calls another runs PROBE_CALLS calls (the contenders in turn)
-so that the averages follow the requests and the costs.
+where a cost is the wall time a step of that shape was seen to take at that bucket (the intervals
+between the outputs of calls and of the calls chained on them, summed over their steps: the
+host's share counts, and a call read late lengthens its interval by what it shortens the next
+one's), weighed against PRIOR_STEPS steps of the warm-up table's cost, itself scaled by how all
+the costs seen compare with the table's (the table runs steady calls with nothing else to do).
+Averages of single intervals varied by 5x on the H100 (spec-auto-*.json at 9a8f8c4, git
+history). Every shape a bucket has is tried once before any is preferred, and every probe_every
+calls another runs PROBE_CALLS calls (the contenders in turn) so that the averages follow the
+requests and the costs.
 
 Plain decoding is not among the choices: the target alone leaves an EAGLE head's cache behind, so
 a request decoded plainly once decodes plainly to its end, and a policy that chose plain decoding
@@ -39,6 +42,8 @@ import jax
 
 AUTO_MAX_VERIFY_TOKENS = 512  # a bucket gets the shapes whose rows x nodes fit: a program each
 PROBE_CALLS = 3  # calls a probe of another shape runs
+PRIOR_STEPS = 16  # steps of the table's (scaled) cost a shape's seen cost is weighed against
+KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are halved (the costs move)
 
 
 @dataclasses.dataclass
@@ -93,7 +98,7 @@ class TreeChoice:
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
         self.chosen: collections.Counter = collections.Counter()  # (bucket, tree label) -> decisions
-        self.observed: dict = {}  # (bucket, tree label) -> ms a step seen, an average of calls
+        self.observed: dict = {}  # (bucket, tree label) -> [ms, steps] seen on chained calls
 
     def expected(self, tree) -> float | None:
         """Tokens a row is expected to emit per verify step of `tree`: the most that it or any shape
@@ -113,20 +118,25 @@ class TreeChoice:
         return e / ms if ms else e
 
     def cost(self, rows: int, label: str) -> float | None:
-        """ms a step of a tree at this bucket: seen, else the table's scaled by the median ratio of
-        seen to table costs, or None where neither exists."""
-        if (rows, label) in self.observed:
-            return self.observed[(rows, label)]
+        """ms a step of a tree at this bucket: what was seen, weighed against PRIOR_STEPS steps of
+        the table's cost scaled by seen over table time of every shape seen; None where neither."""
+        seen = self.observed.get((rows, label))
         table = self.costs.ms.get(("verify", rows, label))
         if table is None:
-            return None
-        ratios = sorted(ms / t for (r, k), ms in self.observed.items() if (t := self.costs.ms.get(("verify", r, k))))
-        return table * (ratios[len(ratios) // 2] if ratios else 1.0)
+            return seen[0] / seen[1] if seen else None
+        pairs = [(ms, steps * t) for (r, k), (ms, steps) in self.observed.items()
+                 if (t := self.costs.ms.get(("verify", r, k)))]
+        prior = table * (sum(ms for ms, _ in pairs) / sum(t for _, t in pairs) if pairs else 1.0)
+        ms, steps = seen or (0.0, 0)
+        return (ms + PRIOR_STEPS * prior) / (steps + PRIOR_STEPS)
 
-    def timed(self, rows: int, label: str, ms: float) -> None:
-        """A call of a tree at this bucket took `ms` a step."""
-        old = self.observed.get((rows, label))
-        self.observed[(rows, label)] = ms if old is None else 0.75 * old + 0.25 * ms
+    def timed(self, rows: int, label: str, ms: float, steps: int) -> None:
+        """Calls of a tree at this bucket took `ms` over `steps` steps."""
+        seen = self.observed.setdefault((rows, label), [0.0, 0])
+        seen[0] += ms
+        seen[1] += steps
+        if seen[1] > KEPT_STEPS:
+            seen[0], seen[1] = seen[0] / 2, seen[1] / 2
 
     def choose(self, rows: int):
         """The tree a call at this bucket verifies (None where the bucket has none)."""
@@ -163,5 +173,5 @@ class TreeChoice:
                                for r in sorted({r for r, _ in d})}
         return dict(accept_length={t.label: round(e, 3) for t, e in self.emitted.items()},
                     accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
-                    observed_ms=by_bucket({k: round(ms, 3) for k, ms in self.observed.items()}),
+                    observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in self.observed.items()}),
                     chosen=by_bucket(self.chosen))

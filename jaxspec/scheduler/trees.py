@@ -103,7 +103,7 @@ class TreeSizing:
         last, self._last_read = self._last_read, (key, now)
         if f.kind != "verify" or not f.chained or last is None or last[0] != key or steps < 1:
             return
-        self.spec_policy.timed(rows, f.tree.label, 1e3 * (now - last[1]) / steps)
+        self.spec_policy.timed(rows, f.tree.label, 1e3 * (now - last[1]), steps)
 
     def _match_keys(self, reqs, nodes) -> list:
         """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
