@@ -19,7 +19,8 @@ host's share counts, and a call read late lengthens its interval by what it shor
 one's), weighed against PRIOR_STEPS steps of the warm-up table's cost, itself scaled by how all
 the costs seen compare with the table's (the table runs steady calls with nothing else to do).
 Averages of single intervals varied by 5x on the H100 (spec-auto-*.json at 9a8f8c4, git
-history). Every shape a bucket has is tried once before any is preferred, and every probe_every
+history). Every shape a bucket has runs EXPLORE_CALLS calls before any is preferred (at 9ecd17e,
+after one each, HumanEval's 3:1:4 was held at an accept length of 1.25), and every probe_every
 calls another runs PROBE_CALLS calls (the contenders in turn) so that the averages follow the
 requests and the costs.
 
@@ -40,7 +41,7 @@ import time
 
 import jax
 
-AUTO_MAX_VERIFY_TOKENS = 512  # a bucket gets the shapes whose rows x nodes fit: a program each
+EXPLORE_CALLS = 4  # calls each shape runs before any is preferred (one call's accept length is noise)
 PROBE_CALLS = 3  # calls a probe of another shape runs
 PRIOR_STEPS = 16  # steps of the table's (scaled) cost a shape's seen cost is weighed against
 KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are halved (the costs move)
@@ -143,7 +144,7 @@ class TreeChoice:
         trees = self.trees_at.get(rows, ())
         if not trees:
             return None
-        pick = next((t for t in trees if t not in self.emitted), None)  # each shape once: learn what it accepts
+        pick = next((t for t in trees if self.seen[t] < EXPLORE_CALLS), None)  # learn what each accepts
         if pick is None:
             n = self.calls[rows] = self.calls[rows] + 1
             ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)

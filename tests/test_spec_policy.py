@@ -9,6 +9,7 @@ from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.scheduler.request import Request
+from jaxspec import spec_policy
 from jaxspec.spec_policy import StepCosts, TreeChoice
 
 from conftest import TINY
@@ -16,7 +17,17 @@ from conftest import TINY
 SMALL, BIG = TreeShape(1, 1, 2), TreeShape(3, 2, 6)
 
 
-def test_the_choice_follows_tokens_per_millisecond():
+def test_each_shape_runs_a_few_calls_before_any_is_preferred():
+    policy = TreeChoice(StepCosts(), {1: [SMALL, BIG]})
+    picks = []
+    for _ in range(2 * spec_policy.EXPLORE_CALLS):
+        picks.append(policy.choose(1))
+        policy.verified(picks[-1], [1])
+    assert picks == [SMALL] * spec_policy.EXPLORE_CALLS + [BIG] * spec_policy.EXPLORE_CALLS
+
+
+def test_the_choice_follows_tokens_per_millisecond(monkeypatch):
+    monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
     costs = StepCosts({("decode", 1, None): 1.0, ("verify", 1, "1:1:2"): 1.2, ("verify", 1, "3:2:6"): 1.5,
                        ("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0})
     policy = TreeChoice(costs, {1: [SMALL, BIG], 8: [SMALL, BIG], 16: []}, probe_every=8)
@@ -38,7 +49,8 @@ def test_the_choice_follows_tokens_per_millisecond():
     assert "3:2:6" in costs.table() and "1.500" in costs.table()
 
 
-def test_costs_seen_while_serving_replace_and_scale_the_table():
+def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
+    monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
     costs = StepCosts({("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0,
                        ("decode", 1, None): 1.0, ("verify", 1, "3:2:6"): 1.5})
     policy = TreeChoice(costs, {8: [SMALL, BIG]})

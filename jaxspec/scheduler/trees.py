@@ -4,7 +4,9 @@ spec_policy 'fixed': the drafter's one tree, cut by batch bucket to fit spec_max
 (below spec_min_nodes the batch decodes plainly); a host drafter (NGRAM) verifies while its
 DraftPolicy says the trees pay. 'auto' (device drafters): every bucket where the fixed rule
 verifies has one verify program per shape of the drafter's auto_trees() that fits
-AUTO_MAX_VERIFY_TOKENS, and spec_policy.TreeChoice picks among them every call from the costs
+spec_max_verify_tokens over the bucket's rows (as the fixed rule's cut: at batch 8 on the H100 a
+32-node tree cost 20% more a step than a 16-node one for 9% more tokens, spec-auto-*.json at
+9ecd17e), and spec_policy.TreeChoice picks among them every call from the costs
 seen (and timed at warm-up) and the accept lengths seen. A choice is (tree, nodes); plain
 decoding is (None, 1).
 A mixin of Scheduler (core.py), which owns the state these methods read."""
@@ -19,7 +21,7 @@ from jaxspec import program_store
 from jaxspec.draft_policy import DraftPolicy
 from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS, nodes_that_fit
 from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket
-from jaxspec.spec_policy import AUTO_MAX_VERIFY_TOKENS, StepCosts, TreeChoice, time_call
+from jaxspec.spec_policy import StepCosts, TreeChoice, time_call
 
 PLAIN = (None, 1)
 TIMING_CONTEXT = 256  # tokens of context each row attends to while the step costs are timed
@@ -61,7 +63,7 @@ class TreeSizing:
         n = self.tree_size(rows)
         if self.auto:
             return [(t, t.num_draft_tokens) for t in self.trees
-                    if n > 1 and rows * bucket(t.num_draft_tokens, TREE_BUCKETS) <= AUTO_MAX_VERIFY_TOKENS]
+                    if n > 1 and rows * bucket(t.num_draft_tokens, TREE_BUCKETS) <= self.spec_max_verify_tokens]
         return [(self.drafter.tree if self.device_drafter else None, n)] if n > 1 else []
 
     def _no_tree_at(self, batch: int) -> bool:
