@@ -4,9 +4,9 @@ every call among the shapes whose programs were built at start-up.
 At warm-up the engine times every decode and verify program of its set (StepCosts: ms a step by
 kind, batch bucket and tree) and keeps the table beside its programs in the program store: a later
 start of the same engine on the same device reads it back rather than timing again. While serving,
-TreeChoice keeps for each tree shape an average of the tokens a row emits per verify step, pooled
-over batch sizes (what a tree accepts depends on the drafter and the text, not on the batch), and
-a histogram of them. A tree that contains another's shape (as deep, as wide, as many nodes) is
+TreeChoice keeps for each tree shape the tokens rows emitted over the row-steps they took (sums
+halved past KEPT_ROW_STEPS, so that they follow the requests), pooled over batch sizes (what a
+tree accepts depends on the drafter and the text, not on the batch), and a histogram of them. A tree that contains another's shape (as deep, as wide, as many nodes) is
 expected to accept at least what that one did: on few calls, an unlucky first average would keep a
 good shape from being chosen again. A call at bucket `rows` verifies the shape with the most
 tokens per ms,
@@ -22,7 +22,9 @@ Averages of single intervals varied by 5x on the H100 (spec-auto-*.json at 9a8f8
 history). Every shape a bucket has runs EXPLORE_CALLS calls before any is preferred (at 9ecd17e,
 after one each, HumanEval's 3:1:4 was held at an accept length of 1.25), and every probe_every
 calls another runs PROBE_CALLS calls (the contenders in turn) so that the averages follow the
-requests and the costs.
+requests and the costs. A bucket keeps its shape unless another looks SWITCH_GAIN faster: at
+batch 1 the leading shapes were within 10% of each other, about the estimates' noise, and calls
+that moved between them ran at 0.88x the best fixed tree (spec-auto-*.json at 1853a27).
 
 Plain decoding is not among the choices: the target alone leaves an EAGLE head's cache behind, so
 a request decoded plainly once decodes plainly to its end, and a policy that chose plain decoding
@@ -45,6 +47,8 @@ EXPLORE_CALLS = 4  # calls each shape runs before any is preferred (one call's a
 PROBE_CALLS = 3  # calls a probe of another shape runs
 PRIOR_STEPS = 16  # steps of the table's (scaled) cost a shape's seen cost is weighed against
 KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are halved (the costs move)
+KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
+SWITCH_GAIN = 1.05  # how much faster another shape must look for a bucket to move to it
 
 
 @dataclasses.dataclass
@@ -90,16 +94,18 @@ def time_call(call, reps: int = 3) -> float:
 
 
 class TreeChoice:
-    def __init__(self, costs: StepCosts, trees_at: dict, probe_every: int = 32, alpha: float = 0.1):
+    def __init__(self, costs: StepCosts, trees_at: dict, probe_every: int = 32):
         """trees_at: batch bucket -> the tree shapes built for it (TreeShape, with .label)."""
         self.costs, self.trees_at = costs, trees_at
-        self.probe_every, self.alpha = probe_every, alpha
+        self.probe_every = probe_every
         self.emitted: dict = {}  # tree -> average tokens a live row emits per verify step
+        self.totals: dict = {}  # tree -> [tokens, row-steps] the average is of
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
         self.chosen: collections.Counter = collections.Counter()  # (bucket, tree label) -> decisions
         self.observed: dict = {}  # (bucket, tree label) -> [ms, steps] seen on chained calls
+        self.held: dict = {}  # bucket -> the tree its calls verify between probes
 
     def expected(self, tree) -> float | None:
         """Tokens a row is expected to emit per verify step of `tree`: the most that it or any shape
@@ -149,6 +155,10 @@ class TreeChoice:
             n = self.calls[rows] = self.calls[rows] + 1
             ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
             pick = ranked[0]
+            held = self.held.get(rows)
+            if held in trees and self.rate(rows, pick) < SWITCH_GAIN * self.rate(rows, held):
+                pick = held  # within the estimates' noise: a change of shape costs an unchained call
+            self.held[rows] = pick
             if n % self.probe_every < PROBE_CALLS and n >= self.probe_every and len(ranked) > 1:
                 # the shapes within 25% of the best in turn (at least the runner-up): they could
                 # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
@@ -162,10 +172,13 @@ class TreeChoice:
         if not emitted:
             return
         self.accepts[tree].update(emitted)
-        mean = sum(emitted) / len(emitted)
-        n = self.seen[tree] = self.seen[tree] + 1
-        a = max(self.alpha, 1 / n)  # the plain mean of the first calls, then an average that forgets
-        self.emitted[tree] = a * mean + (1 - a) * self.emitted.get(tree, 0.0)
+        self.seen[tree] += 1
+        total = self.totals.setdefault(tree, [0, 0])  # tokens, row-steps: halved past KEPT_ROW_STEPS
+        total[0] += sum(emitted)
+        total[1] += len(emitted)
+        if total[1] > KEPT_ROW_STEPS:
+            total[0], total[1] = total[0] / 2, total[1] / 2
+        self.emitted[tree] = total[0] / total[1]
 
     def summary(self) -> dict:
         """What the policy learned and did: per tree its accept length and the histogram of tokens
