@@ -79,7 +79,8 @@ def drafters() -> str:
 
 
 def policy() -> str:
-    return _side_by_side(("spec-policy",), "speculation", DEVICE)
+    """Fixed trees beside the auto policy's choice among shapes (a run a dataset)."""
+    return _side_by_side(("spec-auto", "spec-auto-humaneval"), "speculation", DEVICE)
 
 
 def rollout() -> str:

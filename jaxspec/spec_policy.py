@@ -6,9 +6,10 @@ kind, batch bucket and tree) and keeps the table beside its programs in the prog
 start of the same engine on the same device reads it back rather than timing again. While serving,
 TreeChoice keeps for each tree shape the tokens rows emitted over the row-steps they took (sums
 halved past KEPT_ROW_STEPS, so that they follow the requests), pooled over batch sizes (what a
-tree accepts depends on the drafter and the text, not on the batch), and a histogram of them. A tree that contains another's shape (as deep, as wide, as many nodes) is
-expected to accept at least what that one did: on few calls, an unlucky first average would keep a
-good shape from being chosen again. A call at bucket `rows` verifies the shape with the most
+tree accepts depends on the drafter and the text, not on the batch), and a histogram of them. A
+tree that contains another's shape (as deep, as wide, as many nodes) is expected to accept at
+least what that one did: on few calls, an unlucky first average would keep a good shape from
+being chosen again. A call at bucket `rows` verifies the shape with the most
 tokens per ms,
 
     expected(tree) / cost(rows, tree),
