@@ -199,3 +199,19 @@ def test_step_costs_time_calls_whose_rows_run_every_step(tiny, monkeypatch):
     assert len(decode_counts) == 2 and len(verify_counts) == 4
     assert all((c == MAX_DECODE_STEPS).all() for c in decode_counts)
     assert all(c.shape[1] == MAX_VERIFY_STEPS and (c >= 1).all() for c in verify_counts)
+
+
+def test_a_tree_flag_auto_asks_for_the_auto_policy():
+    import argparse
+
+    from jaxspec.speculative import add_flags, config_from_flags
+    ap = argparse.ArgumentParser()
+    add_flags(ap)
+    args = ap.parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-num-draft-tokens", "auto",
+                          "--speculative-draft-model-path", "head"])
+    cfg = config_from_flags(args)
+    assert args.speculative_policy == "auto" and cfg.num_draft_tokens is None and cfg.algorithm == "EAGLE3"
+    args = ap.parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5"])
+    assert config_from_flags(args).num_steps == 5 and args.speculative_policy == "fixed"
+    with pytest.raises(SystemExit):  # argparse names the bad value
+        ap.parse_args(["--speculative-eagle-topk", "many"])
