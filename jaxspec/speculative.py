@@ -39,8 +39,8 @@ def add_flags(ap) -> None:
     ap.add_argument("--speculative-ngram-match-type", default="BFS")
     ap.add_argument("--speculative-policy", choices=["fixed", "auto"], default="fixed",
                     help="EAGLE family and DFLASH: verify the given tree, cut to fit the batch (fixed), or choose "
-                         "every call among several tree shapes, or plain decoding, by the programs' costs timed at "
-                         "warm-up and the accept lengths seen (auto; also set by a tree flag's value auto)")
+                         "every call among several tree shapes by the step costs and accept lengths seen (auto; also "
+                         "set by a tree flag's value auto)")
 
 
 def _int_or_auto(value: str):

@@ -55,9 +55,9 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         num_pages None, the KV pool takes this share of the device memory left free after the
         weights (SGLang's --mem-fraction-static), where the device reports its memory.
         spec_policy: 'fixed' (a device drafter verifies its tree, cut to fit its batch bucket) or
-        'auto' (trees.py: a tree of several shapes, or plain decoding, chosen every call by the
-        programs' costs timed at warm-up and the accept lengths seen); spec_trees: the shapes 'auto'
-        chooses among (default: the drafter's auto_trees())."""
+        'auto' (trees.py: one of several tree shapes chosen every call, where the fixed rule
+        verifies, by the step costs seen and the accept lengths seen); spec_trees: the shapes
+        'auto' chooses among (default: the drafter's auto_trees())."""
         cfg = model.cfg
         self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer

@@ -35,7 +35,7 @@ class Outputs:
                 self._emit(r, toks[i, :c].tolist(), None if lp is None else lp[i, :c].tolist(),
                            None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
             self._time_step("decode", len(f.reqs), arrived)
-            self._timed_call(f, count.shape[0], int(count.max(initial=0)), arrived)
+            self._timed_call(f, 0, 0, arrived)  # (only verify calls are timed)
             self.stats["decode_time"] += f.host_s + time.perf_counter() - t0
             return
         if f.kind == "extend":

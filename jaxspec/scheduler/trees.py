@@ -37,9 +37,9 @@ class TreeSizing:
         self.auto = bool(auto_trees)  # a host drafter keeps its DraftPolicy
         self._decided = None  # (bucket, choice) the last call's chain check took
         self._last_read = None  # when the last decode or verify call's outputs arrived
-        self.trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
+        trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
         self.tree_programs = {t: self.programs if t == drafter.tree else
-                              Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in self.trees}
+                              Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in trees}
         self.spec_costs = StepCosts()  # timed by warmup()
         self.spec_policy = (TreeChoice(self.spec_costs, {rows: [t for t, _ in self._verify_shapes(rows)]
                                                          for rows in BATCH_BUCKETS}) if self.auto else None)
@@ -62,7 +62,7 @@ class TreeSizing:
         """(tree, nodes) of each verify program built for this batch bucket."""
         n = self.tree_size(rows)
         if self.auto:
-            return [(t, t.num_draft_tokens) for t in self.trees
+            return [(t, t.num_draft_tokens) for t in self.tree_programs
                     if n > 1 and rows * bucket(t.num_draft_tokens, TREE_BUCKETS) <= self.spec_max_verify_tokens]
         return [(self.drafter.tree if self.device_drafter else None, n)] if n > 1 else []
 
@@ -165,7 +165,7 @@ class TreeSizing:
                     *out, self.cache = progs.verify_steps(self.cache, *inputs.pop(), flags=flags)
                 return out
             # the programs donate some inputs: a copy a call. The first program runs SPIN_CALLS more
-            # first: a GPU idle since its compiles runs its first calls at lower clocks
+            # first, so that no program is timed on a GPU idle since its compiles
             spin = 0 if costs.ms else SPIN_CALLS
             inputs = [jax.device_put(args) for _ in range(reps + 1 + spin)]
             for _ in range(spin):
