@@ -30,118 +30,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxspec.drafters.eagle import DraftHead, HeadConfig, export_head
-from jaxspec.kv_cache import KVCache
-from jaxspec.sampling import NEG_INF
-from jaxspec.train_data import build_data, draft_vocabulary, pack
-
-# -- 2. the training step --------------------------------------------------------------------------------
-def target_outputs(target, tokens, lengths, head_cfg: HeadConfig, hot):
-    """Run the target over whole sequences: the head's input features [B, T, H] and the target's
-    log-distribution over the draft vocabulary [B, T, Vd] (renormalised over it)."""
-    cfg = target.cfg
-    b, t = tokens.shape
-    cache = KVCache.create(cfg.num_layers, b + 1, t, cfg.num_kv_heads, cfg.head_dim, target.embed[...].dtype)
-    pt = (1 + jnp.arange(b, dtype=jnp.int32))[:, None]
-    zeros = jnp.zeros(b, jnp.int32)
-    h, _, layers = target(tokens, jnp.broadcast_to(jnp.arange(t)[None], (b, t)), cache, pt, zeros, lengths,
-                          hidden_layers=head_cfg.feature_layers, attn_impl="ref")
-    w = target.embed[...].T if cfg.tie_word_embeddings else target.lm_head[...]
-    logits = jnp.einsum("bth,hv->btv", h, w[:, hot], preferred_element_type=jnp.float32)
-    feats = h if head_cfg.kind == "eagle" else jnp.concatenate(list(layers), axis=-1)
-    return feats.astype(jnp.float32), h.astype(jnp.float32), jax.nn.log_softmax(logits)
-
-
-def ttt_attention(q, ks, vs):
-    """Unrolled step j's queries [B, T, Hq, D]: causal over step 0's keys (the real prefix) plus,
-    at the same index only, steps 1..j's keys (the query's own drafted ancestors)."""
-    b, t, hq, d = q.shape
-    hkv = ks[0].shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scale = d ** -0.5
-    s0 = jnp.einsum("bthgd,bshd->bhgts", qg, ks[0], preferred_element_type=jnp.float32) * scale
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
-    s0 = jnp.where(causal, s0, NEG_INF)
-    diag = [jnp.einsum("bthgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32)[..., None] * scale
-            for k in ks[1:]]
-    p = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1)
-    o = jnp.einsum("bhgts,bshd->bthgd", p[..., :t], vs[0])
-    for i, v in enumerate(vs[1:]):
-        o = o + jnp.einsum("bhgt,bthd->bthgd", p[..., t + i], v)
-    return o.reshape(b, t, hq, d)
-
-
-def shift(x, n):
-    """x[:, i + n] at index i (zero past the end)."""
-    return jnp.concatenate([x[:, n:], jnp.zeros_like(x[:, :n])], axis=1)
-
-
-def ttt_loss(head, target, feats, final, tokens, lengths, target_logp, ttt: int):
-    """Mean over unroll steps (weighted 0.8^j) of the cross-entropy to the target's distribution."""
-    b, t = tokens.shape
-    idx = jnp.arange(t)[None]
-    hidden = feats if head.cfg.kind == "eagle" else feats @ head.fc[...]
-    ks, vs, total, accs, losses = [], [], 0.0, [], []
-    for j in range(ttt):
-        q, k, v, res = head.qkv(target.embed_tokens(shift(tokens, 1 + j)).astype(jnp.float32), hidden,
-                                jnp.broadcast_to(idx + j, (b, t)))
-        ks.append(k)
-        vs.append(v)
-        out = head.finish(ttt_attention(q, ks, vs), res)
-        logp = jax.nn.log_softmax(head.logits(target, out))
-        want = shift(target_logp, 1 + j)
-        valid = (idx + 1 + j < lengths[:, None]).astype(jnp.float32)
-        denom = jnp.maximum(valid.sum(), 1.0)
-        ce = -(jnp.exp(want) * logp).sum(-1)
-        loss_j = (ce * valid).sum() / denom
-        if head.cfg.kind == "eagle" and j == 0:  # EAGLE also regresses the next feature
-            err = jnp.abs(out - shift(final, 1))
-            sl1 = jnp.where(err < 1, 0.5 * err ** 2, err - 0.5).mean(-1)
-            loss_j = loss_j * 0.1 + (sl1 * valid).sum() / denom
-        total = total + 0.8 ** j * loss_j
-        losses.append(loss_j)
-        accs.append(((jnp.argmax(logp, -1) == jnp.argmax(want, -1)) * valid).sum() / denom)
-        hidden = out
-    return total, (jnp.stack(losses), jnp.stack(accs))
-
-
-def make_train_step(target, head_graph, head_rest, tx, hot, head_cfg: HeadConfig, ttt: int):
-    t_graph, t_state = nnx.split(target)
-
-    def loss_fn(params, t_state, tokens, lengths):
-        target = nnx.merge(t_graph, t_state)
-        feats, final, target_logp = jax.lax.stop_gradient(target_outputs(target, tokens, lengths, head_cfg, hot))
-        head = nnx.merge(head_graph, params, head_rest)
-        return ttt_loss(head, target, feats, final, tokens, lengths, target_logp, ttt)
-
-    @jax.jit
-    def step(params, opt_state, t_state, tokens, lengths, _step):
-        (loss, (losses, accs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, accs
-
-    @jax.jit
-    def evaluate(params, t_state, tokens, lengths):
-        return loss_fn(params, t_state, tokens, lengths)
-
-    return step, evaluate, t_state
-
-
-def init_head(target, cfg: HeadConfig, hot, seed: int) -> DraftHead:
-    """Random layer; the draft lm_head starts as the target's output rows of the draft vocabulary
-    and the MLP as the target's last layer's (a warm start that shortens training a lot)."""
-    head = DraftHead(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    tw = target.embed[...].T if target.cfg.tie_word_embeddings else target.lm_head[...]
-    if cfg.kind == "eagle3":
-        head.lm_head[...] = jnp.asarray(tw[:, hot], jnp.float32)
-        head.draft_to_target[...] = jnp.asarray(hot, jnp.int32)
-    if cfg.intermediate_size == target.cfg.intermediate_size:
-        last = target.layers[-1]
-        gate, up = jnp.split(jnp.asarray(last.w_gate_up[...], jnp.float32), 2, axis=-1)
-        head.w_gate[...], head.w_up[...] = gate, up
-        head.w_down[...] = jnp.asarray(last.w_down[...], jnp.float32)
-    return head
-
+from jaxspec.drafters.eagle import export_head
+from jaxspec.train_data import answer_temperatures, build_data, pack
 
 # -- 3. curves ------------------------------------------------------------------------------------------
 def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
@@ -176,11 +66,15 @@ def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    if val and "accepted_through" in val[0]:  # DFLASH: the accept length greedy verify would reach
+    if val and "accepted_through" in val[0]:  # the accept length greedy verification would reach
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["step"] for r in val], [1 + sum(r["accepted_through"]) for r in val], "o-")
+        ax.plot([r["step"] for r in val], [1 + sum(r["accepted_through"]) for r in val], "o-",
+                label="from every position")
+        if "walk_accept_length" in val[0]:
+            ax.plot([r["step"] for r in val], [r["walk_accept_length"] for r in val], "o-", label="walked as the engine")
+        ax.legend()
         ax.set_xlabel("training step")
-        ax.set_ylabel("held-out accept length (greedy, one block)")
+        ax.set_ylabel("held-out accept length (greedy, one chain)")
         fig.tight_layout()
         path = os.path.join(out_dir, "accept_length.png")
         fig.savefig(path, dpi=100)
@@ -190,19 +84,28 @@ def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
 
 
 # -- driver -------------------------------------------------------------------------------------------------
-def held_out_accept(eval_fn, params, t_state, tokens, lengths, batch: int) -> dict:
-    """A DFLASH drafter on all held-out sequences: top-1 agreement and the share of blocks accepted
-    through each block position (greedy), and the accept length those give (1 + their sum)."""
-    acc, through = [], []
-    for i in range(0, max(len(tokens) - batch + 1, 1), batch):
-        _, (_, a, t) = eval_fn(params, t_state, tokens[i:i + batch], lengths[i:i + batch])
+def held_out(eval_fn, params, t_state, tokens, lengths, prompt_lengths, batch: int, max_batches=None) -> dict:
+    """The drafter on held-out greedy answers, `batch` sequences a call (the last call's rows
+    repeat earlier ones: one program shape): loss, top-1 agreement and the share of drafts right
+    through each position (DFLASH: a block's; EAGLE: the unrolled chain's), whose sum plus one is
+    the accept length greedy verification of one chain would reach on this text."""
+    n = len(tokens) if max_batches is None else min(len(tokens), max_batches * batch)
+    loss, acc, through, walked = [], [], [], []
+    for i in range(0, n, batch):
+        rows = np.arange(i, i + batch) % n
+        vl, (_, a, t, *right) = eval_fn(params, t_state, tokens[rows], lengths[rows], prompt_lengths[rows])
+        loss.append(float(vl))
         acc.append(np.asarray(a))
         through.append(np.asarray(t))
+        if right:  # EAGLE: the chain walked along each text as the engine walks it
+            from jaxspec.train_eagle import walk_accept_length
+            m = min(batch, n - i)
+            walked.append(walk_accept_length(right[0][:, :m], lengths[rows][:m], prompt_lengths[rows][:m]))
     through = np.mean(through, 0)
-    return dict(held_out_sequences=int(min(len(tokens), len(acc) * batch)),
-                held_out_acc=[round(float(a), 4) for a in np.mean(acc, 0)],
-                held_out_accepted_through=[round(float(a), 4) for a in through],
-                held_out_accept_length=round(1 + float(through.sum()), 3))
+    return dict(sequences=int(n), loss=float(np.mean(loss)), acc=[round(float(a), 4) for a in np.mean(acc, 0)],
+                accepted_through=[round(float(a), 4) for a in through], accept_length=round(1 + float(through.sum()), 3),
+                **(dict(walk_accept_length=round(sum(w[0] for w in walked) / max(sum(w[1] for w in walked), 1), 3))
+                   if walked else {}))
 
 
 def parse_args(argv=None):
@@ -234,6 +137,15 @@ def parse_args(argv=None):
                     help="start from this exported head or DFLASH drafter, not a fresh one (an EAGLE-3 head's draft "
                          "vocabulary, a DFLASH drafter's shape, layers and mask token kept)")
     ap.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, float32 on CPU)")
+    ap.add_argument("--compute-dtype", default=None,
+                    help="the drafter's forward and backward (float32 master weights; default: bf16 on GPU, float32 on CPU)")
+    ap.add_argument("--train-sequences", type=int, default=None,
+                    help="train on this many sequences of the corpus (after the held-out ones): corpus-size runs")
+    ap.add_argument("--loss-on", choices=["all", "answer"], default="all",
+                    help="positions the loss covers: the whole text, or the answers only (what drafting sees)")
+    ap.add_argument("--capture-layers", default=None,
+                    help="EAGLE-3: target layers whose outputs feed the head, e.g. 1,14,25 (default: SGLang's)")
+    ap.add_argument("--val-batches", type=int, default=4, help="held-out batches at each logged evaluation")
     ap.add_argument("--block-size", type=int, default=16, help="DFLASH: tokens a draft pass proposes, the root included")
     ap.add_argument("--draft-layers", type=int, default=3, help="DFLASH: drafter layers (and target feature layers)")
     ap.add_argument("--feature-layers", type=int, default=None,
@@ -261,47 +173,44 @@ def train(args, target=None, tokenizer=None):
     if os.path.exists(data_path):
         d = np.load(data_path)
         tokens, lengths = d["tokens"], d["lengths"]
+        plens = d["prompt_lengths"] if "prompt_lengths" in d else np.zeros(len(tokens), np.int32)
     else:
         t0 = time.time()
         seqs, plens = build_data(target, tokenizer, args.num_prompts, args.max_new_tokens, args.sampled_fraction,
                                  args.seed, args.gen_batch)
         tokens, lengths = pack(seqs, args.seq_len)
-        np.savez_compressed(data_path, tokens=tokens, lengths=lengths, prompt_lengths=np.array(plens, np.int32),
-                 seconds=time.time() - t0)
+        plens = np.array(plens, np.int32)
+        np.savez_compressed(data_path, tokens=tokens, lengths=lengths, prompt_lengths=plens, seconds=time.time() - t0)
         print(f"data: {len(seqs)} sequences, {int(lengths.sum())} tokens in {time.time() - t0:.0f} s")
     if args.data_only:
         return None, 0
     n_val = max(1, int(len(tokens) * args.val_fraction))
-    val_tok, val_len = tokens[:n_val], lengths[:n_val]
-    tr_tok, tr_len = tokens[n_val:], lengths[n_val:]
-    vd = min(args.draft_vocab, target.cfg.vocab_size) if args.kind == "eagle3" else target.cfg.vocab_size
+    # held out: the first sequences whose answers were greedy (what greedy verification sees), from
+    # the answer on; the rest trains, cut to --train-sequences for corpus-size runs
+    greedy = np.flatnonzero(answer_temperatures(len(tokens), args.sampled_fraction)[:n_val] == 0)
+    greedy = greedy if len(greedy) else np.arange(n_val)
+    val = (tokens[greedy], lengths[greedy], plens[greedy])
+    train_end = n_val + args.train_sequences if args.train_sequences else len(tokens)
+    tr_tok, tr_len = tokens[n_val:train_end], lengths[n_val:train_end]
+    tr_start = plens[n_val:train_end] if args.loss_on == "answer" else np.zeros(len(tr_tok), np.int32)
     sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1), args.steps, args.lr * 0.05)
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(sched, b2=0.95, weight_decay=0.0))
+    compute = getattr(jnp, args.compute_dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
+    coverage, vd = None, None
     if args.kind == "dflash":
         from jaxspec import train_dflash
         head = train_dflash.drafter_for_run(args, target, tokens, lengths)
-        cfg = head.cfg
         graph, params, rest = nnx.split(head, nnx.Param, ...)
-        step_fn, eval_fn, t_state = train_dflash.make_train_step(target, graph, rest, tx, cfg, args.anchors, args.seed)
-        coverage = None
-    elif args.init_from:  # go on training a shipped head: its draft vocabulary stays
-        from jaxspec.drafters.eagle import load_head
-        head = load_head(args.init_from, target.cfg, target)
-        cfg = head.cfg
-        if cfg.kind != args.kind:
-            raise ValueError(f"--init-from {args.init_from} holds an {cfg.kind} head, not {args.kind}")
-        hot = np.asarray(head.draft_to_target[...]) if cfg.kind == "eagle3" else np.arange(target.cfg.vocab_size)
-        vd = len(hot)
-        counts = np.bincount(tr_tok[np.arange(tr_tok.shape[1])[None] < tr_len[:, None]], minlength=target.cfg.vocab_size)
-        coverage = float(counts[hot].sum() / max(counts.sum(), 1))
-        graph, params, rest = nnx.split(head, nnx.Param, ...)
-        step_fn, eval_fn, t_state = make_train_step(target, graph, rest, tx, jnp.asarray(hot), cfg, args.ttt)
+        step_fn, eval_fn, t_state = train_dflash.make_train_step(target, graph, rest, tx, head.cfg, args.anchors,
+                                                                 args.seed, compute)
     else:
-        hot, coverage = draft_vocabulary(tr_tok, tr_len, target.cfg.vocab_size, vd)
-        cfg = HeadConfig.for_target(target.cfg, args.kind, draft_vocab_size=vd, intermediate_size=args.intermediate_size)
-        head = init_head(target, cfg, hot, args.seed)
+        from jaxspec import train_eagle
+        head, hot, coverage = train_eagle.head_for_run(args, target, tr_tok, tr_len)
+        vd = len(hot)
         graph, params, rest = nnx.split(head, nnx.Param, ...)
-        step_fn, eval_fn, t_state = make_train_step(target, graph, rest, tx, jnp.asarray(hot), cfg, args.ttt)
+        step_fn, eval_fn, t_state = train_eagle.make_train_step(target, graph, rest, tx, jnp.asarray(hot), head.cfg,
+                                                                args.ttt, compute)
+    cfg = head.cfg
     opt_state = tx.init(params)
 
     ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(args.run, "checkpoints")),
@@ -317,29 +226,31 @@ def train(args, target=None, tokenizer=None):
     per_epoch = max(1, len(tr_tok) // args.batch)
     bar = tqdm(total=args.steps, initial=step, desc="train", mininterval=5)
     deadline = None if args.max_minutes is None else start + args.max_minutes * 60
-    acc_sum, loss_sum, n_sum = 0.0, 0.0, 0
+    acc_sum, loss_sum, n_sum, tok_sum, t_log = 0.0, 0.0, 0, 0, time.time()
     with open(metrics_path, "a") as mf:
         while step < args.steps:
             epoch, k = divmod(step, per_epoch)
             order = np.random.default_rng(args.seed + epoch).permutation(len(tr_tok))
             idx = order[k * args.batch:(k + 1) * args.batch]
-            params, opt_state, loss, accs = step_fn(params, opt_state, t_state, tr_tok[idx], tr_len[idx], step)
+            params, opt_state, loss, accs = step_fn(params, opt_state, t_state, tr_tok[idx], tr_len[idx],
+                                                    tr_start[idx], step)
             step += 1
             bar.update(1)
             loss_sum, acc_sum, n_sum = loss_sum + loss, acc_sum + accs, n_sum + 1
+            tok_sum += int(tr_len[idx].sum())
             if step % args.log_every == 0 or step == args.steps:
-                row = dict(split="train", step=step, loss=float(loss_sum / n_sum),
-                           acc=[float(a) for a in np.asarray(acc_sum / n_sum)], seconds=time.time() - start)
+                acc = np.asarray(acc_sum / n_sum)  # waits for the step: the time below is the device's
+                row = dict(split="train", step=step, loss=float(loss_sum / n_sum), acc=[float(a) for a in acc],
+                           tokens_per_s=round(tok_sum / (time.time() - t_log), 1), seconds=time.time() - start)
                 mf.write(json.dumps(row) + "\n")
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc1=f"{row['acc'][0]:.3f}")
-                acc_sum, loss_sum, n_sum = 0.0, 0.0, 0
+                acc_sum, loss_sum, n_sum, tok_sum = 0.0, 0.0, 0, 0
             if step % (args.log_every * 4) == 0 or step == args.steps:
-                vl, aux = eval_fn(params, t_state, val_tok[:args.batch], val_len[:args.batch])
-                row = dict(split="val", step=step, loss=float(vl), acc=[float(a) for a in np.asarray(aux[1])],
-                           seconds=time.time() - start)
-                if len(aux) > 2:  # DFLASH: share of blocks accepted through each position
-                    row["accepted_through"] = [float(a) for a in np.asarray(aux[2])]
-                mf.write(json.dumps(row) + "\n")
+                row = held_out(eval_fn, params, t_state, *val, args.batch, args.val_batches)
+                mf.write(json.dumps(dict(split="val", step=step, **row, seconds=time.time() - start)) + "\n")
+                t_log = time.time()  # the held-out pass is not training time
+            elif step % args.log_every == 0:
+                t_log = time.time()
             mf.flush()
             out_of_time = deadline is not None and time.time() > deadline
             if step % args.save_every == 0 or step == args.steps or out_of_time:
@@ -366,9 +277,9 @@ def train(args, target=None, tokenizer=None):
             export_dflash(out, args.export, target.cfg)
         else:
             export_head(out, args.export, target.cfg)
+        final = {f"held_out_{k}": v for k, v in held_out(eval_fn, params, t_state, *val, args.batch).items()}
         rows = [json.loads(l) for l in open(metrics_path)]
-        held_out = held_out_accept(eval_fn, params, t_state, val_tok, val_len, args.batch) if args.kind == "dflash" else {}
-        val = [r for r in rows if r["split"] == "val"]
+        speed = [r["tokens_per_s"] for r in rows if r["split"] == "train" and "tokens_per_s" in r]
         d = np.load(data_path)
         # the card names the target without a machine path
         card = dict(target=os.path.basename(args.model.rstrip(os.sep)), kind=args.kind,
@@ -380,8 +291,8 @@ def train(args, target=None, tokenizer=None):
                             target_layer_ids=list(cfg.target_layer_ids), mask_token=cfg.mask_token)
                        if args.kind == "dflash" else dict(draft_vocab=int(vd), draft_vocab_coverage=coverage, ttt=args.ttt)),
                     data_seconds=float(d["seconds"]) if "seconds" in d else None,
-                    final_val_acc=val[-1]["acc"] if val else None, final_val_loss=val[-1]["loss"] if val else None,
-                    **held_out,
+                    compute_dtype=jnp.dtype(compute).name, loss_on=args.loss_on,
+                    train_tokens_per_s=float(np.median(speed)) if speed else None, **final,
                     train_seconds=clock["train_seconds"], device=jax.devices()[0].device_kind,
                     params=int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(head, nnx.Param)))))
         with open(os.path.join(args.export, "card.json"), "w") as f:

@@ -128,9 +128,14 @@ def invent_prompts(target, tokenizer, n: int, seed: int, batch: int, max_tokens:
     return [t for t, s in zip(texts, starts) if len(t) > len(s) + 8]
 
 
+def answer_temperatures(n: int, sampled_fraction: float):
+    """The temperature prompt i is answered at (0: greedy), spread evenly over the corpus."""
+    return np.array([0.7 if (i * 7919 % 1000) / 1000 < sampled_fraction else 0.0 for i in range(n)])
+
+
 def distill(target, prompts, max_new_tokens: int, sampled_fraction: float, seed: int, batch: int, eos_ids):
     """The target answers each prompt (token ids), greedily or at T=0.7 -> (sequences, prompt lengths)."""
-    temps = np.array([0.7 if (i * 7919 % 1000) / 1000 < sampled_fraction else 0.0 for i in range(len(prompts))])
+    temps = answer_temperatures(len(prompts), sampled_fraction)
     outs = self_generate(target, prompts, temps, seed, max_new_tokens, eos_ids, batch, desc="answer prompts")
     return [p + o for p, o in zip(prompts, outs)], [len(p) for p in prompts]
 

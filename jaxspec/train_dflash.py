@@ -65,12 +65,14 @@ def target_features(target, tokens, lengths, layer_ids):
     return h, layers
 
 
-def dflash_loss(head, target, h, layers, tokens, lengths, key, anchors: int):
-    """(weighted loss, (per-position losses, top-1 agreement and share accepted through it, [n-1] each))."""
+def dflash_loss(head, target, h, layers, tokens, lengths, starts, key, anchors: int):
+    """(weighted loss, (per-position losses, top-1 agreement and share accepted through it, [n-1] each)).
+    Blocks start where their first drafted token is at index >= starts (0, or the prompt's length)."""
     cfg = head.cfg
     b, t = tokens.shape
     n = cfg.block_size
-    a = jax.random.randint(key, (b, anchors), 0, jnp.maximum(lengths - 1, 1)[:, None])  # a + 1 < length
+    lo = jnp.maximum(starts - 1, 0)[:, None]
+    a = jax.random.randint(key, (b, anchors), lo, jnp.maximum(lengths - 1, lo[:, 0] + 1)[:, None])  # a + 1 < length
     blocks = jnp.full((b, anchors, n), cfg.mask_token, jnp.int32)
     blocks = blocks.at[:, :, 0].set(jnp.take_along_axis(tokens, a, axis=1))
     out = block_forward(head, target, layers, a, blocks)[:, :, 1:]  # predicts tokens a+1 .. a+n-1
@@ -92,25 +94,28 @@ def dflash_loss(head, target, h, layers, tokens, lengths, key, anchors: int):
     return (per_pos * w).sum() / w.sum(), (per_pos, acc, through)
 
 
-def make_train_step(target, head_graph, head_rest, tx, cfg: DFlashConfig, anchors: int, seed: int):
+def make_train_step(target, head_graph, head_rest, tx, cfg: DFlashConfig, anchors: int, seed: int, compute_dtype):
+    """(step, evaluate, target state), as train_eagle.make_train_step's."""
     t_graph, t_state = nnx.split(target)
 
-    def loss_fn(params, t_state, tokens, lengths, step):
+    def loss_fn(params, t_state, tokens, lengths, starts, step):
         target = nnx.merge(t_graph, t_state)
         h, layers = jax.lax.stop_gradient(target_features(target, tokens, lengths, cfg.target_layer_ids))
-        head = nnx.merge(head_graph, params, head_rest)
+        run = jax.tree.map(lambda p: p.astype(compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+        head = nnx.merge(head_graph, run, head_rest)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-        return dflash_loss(head, target, h, layers, tokens, lengths, key, anchors)
+        return dflash_loss(head, target, h, layers, tokens, lengths, starts, key, anchors)
 
     @jax.jit
-    def step_fn(params, opt_state, t_state, tokens, lengths, step):
-        (loss, (_, accs, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths, step)
+    def step_fn(params, opt_state, t_state, tokens, lengths, starts, step):
+        (loss, (_, accs, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths,
+                                                                                 starts, step)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
 
     @jax.jit
-    def evaluate(params, t_state, tokens, lengths):
-        return loss_fn(params, t_state, tokens, lengths, 2**31 - 1)  # fixed anchors, apart from training's
+    def evaluate(params, t_state, tokens, lengths, starts):
+        return loss_fn(params, t_state, tokens, lengths, starts, 2**31 - 1)  # fixed anchors, apart from training's
 
     return step_fn, evaluate, t_state
 

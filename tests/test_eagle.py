@@ -315,7 +315,7 @@ def test_sglang_eagle3_layout_matches_torch_reading(tmp_path, tiny):
     hidden = rng.normal(size=(n, 3 * H)).astype(np.float32)
     ref_logits, ref_d2t = torch_eagle3_reference({k: v.numpy() for k, v in sd.items()}, cfg, emb, hidden, list(range(n)))
     # ours: fc'd features, dense causal attention
-    from jaxspec.train import ttt_attention
+    from jaxspec.train_eagle import ttt_attention
     q, k, v, res = head.qkv(jnp.asarray(emb)[None], jnp.asarray(hidden)[None] @ head.fc[...], jnp.arange(n)[None])
     out = head.finish(ttt_attention(q, [k], [v]), res)
     np.testing.assert_allclose(np.asarray(head.logits(tiny, out))[0], ref_logits, atol=2e-4, rtol=2e-4)

@@ -1,0 +1,183 @@
+"""Training an EAGLE or EAGLE-3 head (`python -m jaxspec.train --kind eagle3`): the loss, the warm
+start and the train / evaluate programs.
+
+The target runs inside the training step (its features and its distribution over the draft
+vocabulary are recomputed each step; nothing large is stored). The head is unrolled `ttt` steps
+on its own outputs (EAGLE-3's training-time test): step j at position t reads the true token
+t+1+j and the head's own hidden of step j-1, and learns the target's distribution for token
+t+2+j. The head's parameters are float32 (the optimizer's master copy); the loss runs them in
+`compute_dtype` (bf16 on GPU), with float32 logits, softmax and accumulation.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxspec.drafters.eagle import DraftHead, HeadConfig
+from jaxspec.kv_cache import KVCache
+from jaxspec.sampling import NEG_INF
+
+
+def target_outputs(target, tokens, lengths, head_cfg: HeadConfig, hot):
+    """Run the target over whole sequences: the head's input features [B, T, H] and the target's
+    log-distribution over the draft vocabulary [B, T, Vd] (renormalised over it)."""
+    cfg = target.cfg
+    b, t = tokens.shape
+    cache = KVCache.create(cfg.num_layers, b + 1, t, cfg.num_kv_heads, cfg.head_dim, target.embed[...].dtype)
+    pt = (1 + jnp.arange(b, dtype=jnp.int32))[:, None]
+    zeros = jnp.zeros(b, jnp.int32)
+    h, _, layers = target(tokens, jnp.broadcast_to(jnp.arange(t)[None], (b, t)), cache, pt, zeros, lengths,
+                          hidden_layers=head_cfg.feature_layers, attn_impl="ref")
+    w = target.embed[...].T if cfg.tie_word_embeddings else target.lm_head[...]
+    logits = jnp.einsum("bth,hv->btv", h, w[:, hot], preferred_element_type=jnp.float32)
+    feats = h if head_cfg.kind == "eagle" else jnp.concatenate(list(layers), axis=-1)
+    return feats, h, jax.nn.log_softmax(logits)
+
+
+def ttt_attention(q, ks, vs):
+    """Unrolled step j's queries [B, T, Hq, D]: causal over step 0's keys (the real prefix) plus,
+    at the same index only, steps 1..j's keys (the query's own drafted ancestors)."""
+    b, t, hq, d = q.shape
+    hkv = ks[0].shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scale = d ** -0.5
+    s0 = jnp.einsum("bthgd,bshd->bhgts", qg, ks[0], preferred_element_type=jnp.float32) * scale
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    s0 = jnp.where(causal, s0, NEG_INF)
+    diag = [jnp.einsum("bthgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32)[..., None] * scale
+            for k in ks[1:]]
+    p = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1).astype(vs[0].dtype)
+    o = jnp.einsum("bhgts,bshd->bthgd", p[..., :t], vs[0], preferred_element_type=jnp.float32)
+    for i, v in enumerate(vs[1:]):
+        o = o + jnp.einsum("bhgt,bthd->bthgd", p[..., t + i], v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def shift(x, n):
+    """x[:, i + n] at index i (zero past the end)."""
+    return jnp.concatenate([x[:, n:], jnp.zeros_like(x[:, :n])], axis=1)
+
+
+def ttt_loss(head, target, feats, final, tokens, lengths, starts, target_logp, ttt: int):
+    """(mean over unroll steps, weighted 0.8^j, of the cross-entropy to the target's distribution,
+    (per-step losses, per-step top-1 agreement, share of positions whose greedy chain is right
+    through step j, right [ttt, B, T]: step j at index i drafts token i+2+j and agrees with the
+    target)). A position counts where the token it predicts is at index >= starts (0: the whole
+    sequence; the prompt's length: answers only) and < lengths."""
+    b, t = tokens.shape
+    idx = jnp.arange(t)[None]
+    dtype = head.wq[...].dtype
+    hidden = feats.astype(dtype) if head.cfg.kind == "eagle" else feats.astype(dtype) @ head.fc[...]
+    ks, vs, total, accs, losses, rights = [], [], 0.0, [], [], []
+    for j in range(ttt):
+        q, k, v, res = head.qkv(target.embed_tokens(shift(tokens, 1 + j)).astype(dtype), hidden,
+                                jnp.broadcast_to(idx + j, (b, t)))
+        ks.append(k)
+        vs.append(v)
+        out = head.finish(ttt_attention(q, ks, vs), res)
+        logp = jax.nn.log_softmax(head.logits(target, out))
+        want = shift(target_logp, 1 + j)
+        predicted = idx + 2 + j  # the index of the token this step drafts
+        valid = ((predicted < lengths[:, None]) & (predicted >= starts[:, None])).astype(jnp.float32)
+        denom = jnp.maximum(valid.sum(), 1.0)
+        ce = -(jnp.exp(want) * logp).sum(-1)
+        loss_j = (ce * valid).sum() / denom
+        if head.cfg.kind == "eagle" and j == 0:  # EAGLE also regresses the next feature
+            err = jnp.abs(out.astype(jnp.float32) - shift(final, 1).astype(jnp.float32))
+            sl1 = jnp.where(err < 1, 0.5 * err ** 2, err - 0.5).mean(-1)
+            loss_j = loss_j * 0.1 + (sl1 * valid).sum() / denom
+        total = total + 0.8 ** j * loss_j
+        losses.append(loss_j)
+        right = (jnp.argmax(logp, -1) == jnp.argmax(want, -1)).astype(jnp.float32)
+        rights.append(right * (predicted < lengths[:, None]))
+        accs.append((right * valid).sum() / denom)
+        hidden = out
+    # a chain verified greedily keeps draft j when drafts 1..j all match the target's argmax
+    last = valid  # the positions whose whole chain lies inside the answer
+    chain = jnp.cumprod(jnp.stack(rights), axis=0)
+    through = (chain * last).sum((1, 2)) / jnp.maximum(last.sum(), 1.0)
+    return total, (jnp.stack(losses), jnp.stack(accs), through, jnp.stack(rights))
+
+
+def make_train_step(target, head_graph, head_rest, tx, hot, head_cfg: HeadConfig, ttt: int, compute_dtype):
+    """(step, evaluate, target state): step(params, opt_state, t_state, tokens, lengths, starts, i)."""
+    t_graph, t_state = nnx.split(target)
+
+    def loss_fn(params, t_state, tokens, lengths, starts):
+        target = nnx.merge(t_graph, t_state)
+        feats, final, target_logp = jax.lax.stop_gradient(target_outputs(target, tokens, lengths, head_cfg, hot))
+        # float32 master weights, run in compute_dtype (the cast is inside the gradient)
+        run = jax.tree.map(lambda p: p.astype(compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+        head = nnx.merge(head_graph, run, head_rest)
+        return ttt_loss(head, target, feats, final, tokens, lengths, starts, target_logp, ttt)
+
+    @jax.jit
+    def step(params, opt_state, t_state, tokens, lengths, starts, _step):
+        (loss, (_, accs, *_)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths,
+                                                                                 starts)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, accs
+
+    @jax.jit
+    def evaluate(params, t_state, tokens, lengths, starts):
+        return loss_fn(params, t_state, tokens, lengths, starts)
+
+    return step, evaluate, t_state
+
+
+def init_head(target, cfg: HeadConfig, hot, seed: int) -> DraftHead:
+    """Random layer; the draft lm_head starts as the target's output rows of the draft vocabulary
+    and the MLP as the target's last layer's (a warm start that shortens training a lot)."""
+    head = DraftHead(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    tw = target.embed[...].T if target.cfg.tie_word_embeddings else target.lm_head[...]
+    if cfg.kind == "eagle3":
+        head.lm_head[...] = jnp.asarray(tw[:, hot], jnp.float32)
+        head.draft_to_target[...] = jnp.asarray(hot, jnp.int32)
+    if cfg.intermediate_size == target.cfg.intermediate_size:
+        last = target.layers[-1]
+        gate, up = jnp.split(jnp.asarray(last.w_gate_up[...], jnp.float32), 2, axis=-1)
+        head.w_gate[...], head.w_up[...] = gate, up
+        head.w_down[...] = jnp.asarray(last.w_down[...], jnp.float32)
+    return head
+
+
+def walk_accept_length(right, lengths, prompt_lengths) -> tuple[int, int]:
+    """(tokens, steps) whose ratio is the accept length a top-1 chain of ttt drafts gets when verification walks each text as the
+    engine does: from the first answer token on, a step keeps the drafts right in a row plus the
+    target's own token, and the next step starts past them. right [ttt, B, T] as ttt_loss gives."""
+    right = np.asarray(right) > 0
+    ttt = right.shape[0]
+    tokens = steps = 0
+    for b in range(right.shape[1]):
+        i = int(prompt_lengths[b]) - 1  # tokens through index i + 1 are known (the first answer token)
+        while i + 2 < lengths[b]:
+            k = 0
+            while k < ttt and right[k, b, i]:
+                k += 1
+            i, tokens, steps = i + k + 1, tokens + k + 1, steps + 1
+    return tokens, steps
+
+
+def head_for_run(args, target, tokens, lengths):
+    """(head, draft vocabulary's target ids, its share of the training tokens): --init-from's head
+    (its draft vocabulary kept, not recounted) or a fresh one shaped by the flags."""
+    from jaxspec.train_data import draft_vocabulary
+    vocab = target.cfg.vocab_size
+    if args.init_from:
+        from jaxspec.drafters.eagle import load_head
+        head = load_head(args.init_from, target.cfg, target)
+        if head.cfg.kind != args.kind:
+            raise ValueError(f"--init-from {args.init_from} holds an {head.cfg.kind} head, not {args.kind}")
+        hot = np.asarray(head.draft_to_target[...]) if head.cfg.kind == "eagle3" else np.arange(vocab)
+        counts = np.bincount(tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]], minlength=vocab)
+        return head, hot, float(counts[hot].sum() / max(counts.sum(), 1))
+    vd = min(args.draft_vocab, vocab) if args.kind == "eagle3" else vocab
+    hot, coverage = draft_vocabulary(tokens, lengths, vocab, vd)
+    layers = tuple(int(x) for x in args.capture_layers.split(",")) if args.capture_layers else None
+    cfg = HeadConfig.for_target(target.cfg, args.kind, draft_vocab_size=vd, intermediate_size=args.intermediate_size,
+                                feature_layers=layers)
+    return init_head(target, cfg, hot, args.seed), hot, coverage
+
