@@ -17,7 +17,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
 from common import print_table, time_fn, write_results  # noqa: E402
 
 from jaxspec import train_eagle  # noqa: E402
