@@ -36,7 +36,8 @@ def parse_configs(text: str) -> dict:
 def launch(name, flags, common, runs_dir, minutes, env):
     run = os.path.join(runs_dir, name)
     os.makedirs(run, exist_ok=True)
-    cmd = [sys.executable, "-m", "jaxspec.train", *common, *flags, "--run", run, "--max-minutes", str(minutes)]
+    cmd = [sys.executable, "-m", "jaxspec.train", *common, *flags, "--run", run, "--max-minutes", str(minutes),
+           "--export", os.path.join(run, "head")]
     log = open(os.path.join(run, "log.txt"), "a")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -48,10 +49,18 @@ def rows_of(name, flags, runs_dir):
     metrics = [json.loads(line) for line in open(path)]
     speeds = [r["tokens_per_s"] for r in metrics if r["split"] == "train" and "tokens_per_s" in r]
     speed = sorted(speeds)[len(speeds) // 2] if speeds else None
-    return [dict(config=name, flags=" ".join(flags), step=r["step"], loss=round(r["loss"], 4), acc1=r["acc"][0],
-                 acc_last=r["acc"][-1], accept_length=r.get("accept_length"),
+    rows = [dict(config=name, flags=" ".join(flags), step=r["step"], held_out=r.get("sequences"),
+                 loss=round(r["loss"], 4), acc1=r["acc"][0], acc_last=r["acc"][-1], accept_length=r.get("accept_length"),
                  walk_accept_length=r.get("walk_accept_length"), train_tokens_per_s=speed)
             for r in metrics if r["split"] == "val"]
+    card = os.path.join(runs_dir, name, "head", "card.json")
+    if os.path.exists(card):  # the exported head on every held-out sequence
+        c = json.load(open(card))
+        rows.append(dict(config=name, flags=" ".join(flags), step=c["steps"], held_out=c.get("held_out_sequences"),
+                         loss=round(c["held_out_loss"], 4), acc1=c["held_out_acc"][0], acc_last=c["held_out_acc"][-1],
+                         accept_length=c.get("held_out_accept_length"),
+                         walk_accept_length=c.get("held_out_walk_accept_length"), train_tokens_per_s=speed))
+    return rows
 
 
 def plot(rows, path):
@@ -101,7 +110,7 @@ def main():
     last = {}
     for r in rows:
         last[r["config"]] = r
-    print_table(list(last.values()), ["config", "step", "loss", "acc1", "acc_last", "accept_length",
+    print_table(list(last.values()), ["config", "step", "held_out", "loss", "acc1", "acc_last", "accept_length",
                                       "walk_accept_length", "train_tokens_per_s"])
     print(f"{time.time() - t0:.0f} s")
     path = write_results(f"train_ablation{args.tag}", rows, extra=dict(common=args.common, concurrent=not args.sequential))

@@ -16,8 +16,7 @@ import optax
 from flax import nnx
 
 from jaxspec.drafters.dflash import DFlashConfig, DFlashHead
-from jaxspec.kv_cache import KVCache
-from jaxspec.models.llama import rope_frequencies, rope_table
+from jaxspec.models.llama import dense_forward, rope_frequencies, rope_table
 from jaxspec.sampling import NEG_INF
 
 
@@ -51,18 +50,6 @@ def block_forward(head, target, features, anchors, block_tokens):
              + jnp.einsum("bhgknm,bkmhd->bknhgd", p[..., t:], vb, preferred_element_type=jnp.float32))
         x = layer.finish(x, o.reshape(b, k_blocks * n, cfg.num_heads, d).astype(x.dtype))
     return x.reshape(b, k_blocks, n, -1)
-
-
-def target_features(target, tokens, lengths, layer_ids):
-    """The target over whole sequences: final-normed hidden [B, T, H] and the layer outputs
-    [len(ids), B, T, H] the drafter's context is made of."""
-    cfg = target.cfg
-    b, t = tokens.shape
-    cache = KVCache.create(cfg.num_layers, b + 1, t, cfg.num_kv_heads, cfg.head_dim, target.dtype)
-    pt = (1 + jnp.arange(b, dtype=jnp.int32))[:, None]
-    h, _, layers = target(tokens, jnp.broadcast_to(jnp.arange(t)[None], (b, t)), cache, pt, jnp.zeros(b, jnp.int32),
-                          lengths, hidden_layers=layer_ids, attn_impl="ref")
-    return h, layers
 
 
 def dflash_loss(head, target, h, layers, tokens, lengths, starts, key, anchors: int):
@@ -100,7 +87,7 @@ def make_train_step(target, head_graph, head_rest, tx, cfg: DFlashConfig, anchor
 
     def loss_fn(params, t_state, tokens, lengths, starts, step):
         target = nnx.merge(t_graph, t_state)
-        h, layers = jax.lax.stop_gradient(target_features(target, tokens, lengths, cfg.target_layer_ids))
+        h, layers = jax.lax.stop_gradient(dense_forward(target, tokens, cfg.target_layer_ids))
         run = jax.tree.map(lambda p: p.astype(compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
         head = nnx.merge(head_graph, run, head_rest)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)

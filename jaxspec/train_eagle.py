@@ -17,20 +17,15 @@ import optax
 from flax import nnx
 
 from jaxspec.drafters.eagle import DraftHead, HeadConfig
-from jaxspec.kv_cache import KVCache
+from jaxspec.models.llama import dense_forward
 from jaxspec.sampling import NEG_INF
 
 
-def target_outputs(target, tokens, lengths, head_cfg: HeadConfig, hot):
+def target_outputs(target, tokens, head_cfg: HeadConfig, hot):
     """Run the target over whole sequences: the head's input features [B, T, H] and the target's
     log-distribution over the draft vocabulary [B, T, Vd] (renormalised over it)."""
     cfg = target.cfg
-    b, t = tokens.shape
-    cache = KVCache.create(cfg.num_layers, b + 1, t, cfg.num_kv_heads, cfg.head_dim, target.embed[...].dtype)
-    pt = (1 + jnp.arange(b, dtype=jnp.int32))[:, None]
-    zeros = jnp.zeros(b, jnp.int32)
-    h, _, layers = target(tokens, jnp.broadcast_to(jnp.arange(t)[None], (b, t)), cache, pt, zeros, lengths,
-                          hidden_layers=head_cfg.feature_layers, attn_impl="ref")
+    h, layers = dense_forward(target, tokens, head_cfg.feature_layers)
     w = target.embed[...].T if cfg.tie_word_embeddings else target.lm_head[...]
     logits = jnp.einsum("bth,hv->btv", h, w[:, hot], preferred_element_type=jnp.float32)
     feats = h if head_cfg.kind == "eagle" else jnp.concatenate(list(layers), axis=-1)
@@ -108,7 +103,7 @@ def make_train_step(target, head_graph, head_rest, tx, hot, head_cfg: HeadConfig
 
     def loss_fn(params, t_state, tokens, lengths, starts):
         target = nnx.merge(t_graph, t_state)
-        feats, final, target_logp = jax.lax.stop_gradient(target_outputs(target, tokens, lengths, head_cfg, hot))
+        feats, final, target_logp = jax.lax.stop_gradient(target_outputs(target, tokens, head_cfg, hot))
         # float32 master weights, run in compute_dtype (the cast is inside the gradient)
         run = jax.tree.map(lambda p: p.astype(compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
         head = nnx.merge(head_graph, run, head_rest)

@@ -11,7 +11,8 @@ from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, build_target_layer_ids, load_dflash
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models.loading import CheckpointError
-from jaxspec.train_dflash import block_forward, target_features
+from jaxspec.train_dflash import block_forward
+from jaxspec.models.llama import dense_forward
 
 from conftest import TINY, run_mixed_requests_with_aborts
 
@@ -133,7 +134,7 @@ def test_paged_drafts_equal_a_dense_forward_over_the_committed_tokens(tiny, tiny
             tokens, _ = r.draft
             seq = r.tokens[:r.kv_len]
             padded = jnp.zeros((1, 64), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq, jnp.int32))  # one shape
-            _, layers = target_features(tiny, padded, jnp.asarray([len(seq)]), head.cfg.target_layer_ids)
+            _, layers = dense_forward(tiny, padded, head.cfg.target_layer_ids)
             block = jnp.asarray([[[r.tokens[r.kv_len]] + [head.cfg.mask_token] * 3]], jnp.int32)
             out = block_forward(head, tiny, layers, jnp.asarray([[len(seq)]]), block)
             want = np.asarray(jnp.argmax(head.logits(tiny, out[0, 0, 1:]), -1)).tolist()

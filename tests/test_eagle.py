@@ -534,3 +534,22 @@ def test_verify_calls_chain_to_a_requests_last_tokens(tiny, tiny_eagle3):
     want = Generator(tiny, None, **KW).generate(prompts, stop)[0].token_ids
     assert gen.generate(prompts, stop)[0].token_ids == want and len(want) <= 31
     assert gen.scheduler.pool.in_use == 0
+
+
+def test_dense_forward_equals_the_paged_forward(tiny):
+    """Training reads the target through dense_forward (no KV cache): the same final hidden and
+    layer outputs as the engine's paged forward over the same tokens, at every valid position."""
+    from jaxspec.kv_cache import KVCache
+    from jaxspec.models.llama import dense_forward
+    rng = np.random.default_rng(0)
+    b, t = 3, 20
+    tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (b, t)), jnp.int32)
+    lengths = jnp.asarray([20, 13, 7], jnp.int32)
+    cache = KVCache.create(TINY.num_layers, b + 1, t, TINY.num_kv_heads, TINY.head_dim, jnp.float32)
+    h, _, layers = tiny(tokens, jnp.broadcast_to(jnp.arange(t)[None], (b, t)), cache,
+                        (1 + jnp.arange(b, dtype=jnp.int32))[:, None], jnp.zeros(b, jnp.int32), lengths,
+                        hidden_layers=(0, 1), attn_impl="ref")
+    dh, dlayers = dense_forward(tiny, tokens, (0, 1))
+    valid = np.arange(t)[None] < np.asarray(lengths)[:, None]
+    np.testing.assert_allclose(np.asarray(dh)[valid], np.asarray(h)[valid], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(dlayers)[:, valid], np.asarray(layers)[:, valid], atol=2e-5, rtol=2e-5)

@@ -38,7 +38,8 @@ def main():
     from jaxspec.drafters.dflash import load_dflash
     from jaxspec.models.loading import load
     from jaxspec.speculative import shipped_drafter
-    from jaxspec.train_dflash import block_forward, target_features
+    from jaxspec.train_dflash import block_forward
+    from jaxspec.models.llama import dense_forward
     model, tok = load("smollm2-135m")
     prompts = mt_bench_token_ids(tok, args.prompts)
     gen = Generator(model, tok, drafter=SpecConfig("DFLASH").build(model, "smollm2-135m"), max_batch=len(prompts),
@@ -51,7 +52,7 @@ def main():
         seq = p + o.token_ids
         width = 1 << int(np.ceil(np.log2(len(seq))))
         padded = jnp.zeros((1, width), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
-        _, layers = target_features(model, padded, jnp.asarray([len(seq)]), head.cfg.target_layer_ids)
+        _, layers = dense_forward(model, padded, head.cfg.target_layer_ids)
         anchors = list(range(len(p), len(seq) - n))  # every generated position with a whole block after it
         blocks = jnp.full((1, len(anchors), n), head.cfg.mask_token, jnp.int32).at[0, :, 0].set(
             jnp.asarray([seq[a] for a in anchors]))

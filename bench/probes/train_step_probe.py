@@ -48,7 +48,7 @@ def main():
 
     @jax.jit
     def target_only(t_state, tokens, lengths):
-        return train_eagle.target_outputs(nnx.merge(t_graph, t_state), tokens, lengths, head.cfg, jnp.asarray(hot))
+        return train_eagle.target_outputs(nnx.merge(t_graph, t_state), tokens, head.cfg, jnp.asarray(hot))
 
     ms = time_fn(target_only, t_state, tok, ln, iters=10) * 1e3
     rows.append(dict(part="target forward + logits", ttt="", compute="bfloat16", ms=ms, tokens_per_s=ntok / ms * 1e3))

@@ -199,6 +199,24 @@ class Llama(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
 
 
+def dense_forward(model: Llama, tokens, hidden_layers: tuple = ()):
+    """Whole sequences [B, T] (right-padded) through the decoder with causal attention and no KV
+    cache, as training reads the target: (final-normed hidden [B, T, H], outputs of hidden_layers
+    stacked [len, B, T, H] or None). Positions past a row's length hold padding's outputs."""
+    cfg = model.cfg
+    b, t = tokens.shape
+    rope = rope_table(jnp.broadcast_to(jnp.arange(t)[None], (b, t)), rope_frequencies(cfg))
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(q.dtype)
+    x = model.embed_tokens(tokens)
+    kept = {}
+    for i, block in enumerate(model.layers):
+        x = block(x, rope, attend)
+        if i in hidden_layers:
+            kept[i] = x
+    hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
+    return rms_norm(x, model.final_norm[...], cfg.rms_norm_eps), hidden
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, page, offset, page_table, kv_lens,
                q_lens, tree_mask):
