@@ -83,6 +83,21 @@ def policy() -> str:
     return _side_by_side(("spec-auto", "spec-auto-humaneval"), "speculation", DEVICE)
 
 
+def heads() -> str:
+    """EAGLE-3 heads side by side in one run: the shipped one (draft_model set) and the one before."""
+    d = _load("spec-head4")
+    rows = [r for r in d["rows"] if r["algorithm"] == "eagle3"]
+    cols = sorted({(r["dataset"], r["batch"]) for r in rows}, key=lambda c: (c[0] != "mt-bench", c[1]))
+    out = [f"`spec-head4-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
+           "| head | " + " | ".join(f"{ds} b{b}: vs plain (accept length)" for ds, b in cols) + " |",
+           "|" + " --- |" * (len(cols) + 1)]
+    for shipped in (False, True):
+        cells = [next(f"{r['speedup']:.2f}x ({r['accept_length']:.2f})" for r in rows
+                      if (r["dataset"], r["batch"]) == c and bool(r.get("draft_model")) == shipped) for c in cols]
+        out.append(f"| {'stage 3 (shipped)' if shipped else 'stage 2'} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def rollout() -> str:
     d, out = _table("rollout", ["engine", "algorithm", "batch", "tok/s", "vs the Generator's plain decoding"])
     for r in d["rows"]:
@@ -91,7 +106,7 @@ def rollout() -> str:
     return "\n".join(out)
 
 
-TABLES = {"decode": decode, "spec": spec, "drafters": drafters, "policy": policy,
+TABLES = {"decode": decode, "spec": spec, "heads": heads, "drafters": drafters, "policy": policy,
           "rollout": rollout}
 
 

@@ -4,6 +4,9 @@
 #   bash bench/train_head.sh train  GGUF RUN MINUTES    # train (resumes from RUN/checkpoints)
 # and to go on from the shipped head on a second corpus (another seed, so other invented prompts):
 #   bash bench/train_head.sh more-data GGUF RUN2; bash bench/train_head.sh more GGUF RUN2 MINUTES
+# Stage 3 (the shipped head): a third corpus (seed 2, committed in data/), then both committed corpora,
+# answers-only loss, the head in bf16 (about 153k tokens/s on an H100; runs of < 10 minutes resume):
+#   bash bench/train_head.sh seed2-data GGUF RUN3; bash bench/train_head.sh stage3 GGUF RUN3 MINUTES
 # The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
 #   bash bench/train_head.sh dflash GGUF RUN MINUTES
@@ -20,8 +23,13 @@ case $stage in
   more-data) python -m jaxspec.train "${common[@]}" --num-prompts 32768 --seed 1 --data-only ;;
   more) python -m jaxspec.train "${common[@]}" --num-prompts 32768 --seed 1 --steps 4000 --lr 3e-4 \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --max-minutes "$4" --export "$run/head" ;;
+  seed2-data) python -m jaxspec.train "${common[@]}" --num-prompts 36864 --seed 2 --data-only ;;
+  stage3) python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 --ttt 6 \
+          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 3e-4 --steps 16000 --loss-on answer \
+          --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash) python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" --data data/smollm2-135m-selfgen-seed0/data.npz \
           --seq-len 384 --steps 14000 --batch 16 --anchors 64 --lr 8e-4 --block-size 16 --draft-layers 3 \
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data, train, more-data, more or dflash" >&2; exit 2 ;;
+  *) echo "stage must be data, train, more-data, more, seed2-data, stage3 or dflash" >&2; exit 2 ;;
 esac

@@ -132,7 +132,9 @@ def parse_args(argv=None):
     ap.add_argument("--export-dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-only", action="store_true", help="generate the run's data.npz and stop")
-    ap.add_argument("--data", default=None, help="train on this data.npz (e.g. a corpus in data/) rather than the run's")
+    ap.add_argument("--data", default=None,
+                    help="train on this data.npz (e.g. a corpus in data/) rather than the run's; several, comma-separated, "
+                         "are concatenated in order")
     ap.add_argument("--init-from", default=None,
                     help="start from this exported head or DFLASH drafter, not a fresh one (an EAGLE-3 head's draft "
                          "vocabulary, a DFLASH drafter's shape, layers and mask token kept)")
@@ -167,20 +169,26 @@ def train(args, target=None, tokenizer=None):
     os.makedirs(args.run, exist_ok=True)
     if target is None:
         target, tokenizer = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
-    data_path = args.data or os.path.join(args.run, "data.npz")
-    if args.data and not os.path.exists(args.data):
-        raise FileNotFoundError(f"--data {args.data}: no such corpus (a data.npz that --data-only writes)")
-    if os.path.exists(data_path):
-        d = np.load(data_path)
-        tokens, lengths = d["tokens"], d["lengths"]
-        plens = d["prompt_lengths"] if "prompt_lengths" in d else np.zeros(len(tokens), np.int32)
+    data_paths = args.data.split(",") if args.data else [os.path.join(args.run, "data.npz")]
+    for path in data_paths if args.data else []:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--data {path}: no such corpus (a data.npz that --data-only writes)")
+    data_seconds = None
+    if os.path.exists(data_paths[0]):  # several corpora: concatenated in order (the first's first 2% held out)
+        ds = [np.load(p) for p in data_paths]
+        tokens, lengths = np.concatenate([d["tokens"] for d in ds]), np.concatenate([d["lengths"] for d in ds])
+        plens = np.concatenate([d["prompt_lengths"] if "prompt_lengths" in d else np.zeros(len(d["lengths"]), np.int32)
+                                for d in ds])
+        data_seconds = sum(float(d["seconds"]) for d in ds if "seconds" in d) or None
     else:
+        data_path = data_paths[0]
         t0 = time.time()
         seqs, plens = build_data(target, tokenizer, args.num_prompts, args.max_new_tokens, args.sampled_fraction,
                                  args.seed, args.gen_batch)
         tokens, lengths = pack(seqs, args.seq_len)
         plens = np.array(plens, np.int32)
-        np.savez_compressed(data_path, tokens=tokens, lengths=lengths, prompt_lengths=plens, seconds=time.time() - t0)
+        data_seconds = time.time() - t0
+        np.savez_compressed(data_path, tokens=tokens, lengths=lengths, prompt_lengths=plens, seconds=data_seconds)
         print(f"data: {len(seqs)} sequences, {int(lengths.sum())} tokens in {time.time() - t0:.0f} s")
     if args.data_only:
         return None, 0
@@ -280,7 +288,6 @@ def train(args, target=None, tokenizer=None):
         final = {f"held_out_{k}": v for k, v in held_out(eval_fn, params, t_state, *val, args.batch).items()}
         rows = [json.loads(l) for l in open(metrics_path)]
         speed = [r["tokens_per_s"] for r in rows if r["split"] == "train" and "tokens_per_s" in r]
-        d = np.load(data_path)
         # the card names the target without a machine path
         card = dict(target=os.path.basename(args.model.rstrip(os.sep)), kind=args.kind,
                     sequences=int(len(tokens)), tokens=int(lengths.sum()),
@@ -290,7 +297,7 @@ def train(args, target=None, tokenizer=None):
                     **(dict(block_size=cfg.block_size, draft_layers=cfg.num_layers, anchors=args.anchors,
                             target_layer_ids=list(cfg.target_layer_ids), mask_token=cfg.mask_token)
                        if args.kind == "dflash" else dict(draft_vocab=int(vd), draft_vocab_coverage=coverage, ttt=args.ttt)),
-                    data_seconds=float(d["seconds"]) if "seconds" in d else None,
+                    data_seconds=data_seconds,
                     compute_dtype=jnp.dtype(compute).name, loss_on=args.loss_on,
                     train_tokens_per_s=float(np.median(speed)) if speed else None, **final,
                     train_seconds=clock["train_seconds"], device=jax.devices()[0].device_kind,

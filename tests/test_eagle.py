@@ -553,3 +553,20 @@ def test_dense_forward_equals_the_paged_forward(tiny):
     valid = np.arange(t)[None] < np.asarray(lengths)[:, None]
     np.testing.assert_allclose(np.asarray(dh)[valid], np.asarray(h)[valid], atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(dlayers)[:, valid], np.asarray(layers)[:, valid], atol=2e-5, rtol=2e-5)
+
+
+def test_training_on_several_corpora_concatenates_them(tmp_path, tiny):
+    """--data a,b trains on both corpora in order: the card counts every sequence, and a missing
+    file is named."""
+    from jaxspec import train
+    base = ["--kind", "eagle3", "--num-prompts", "24", "--max-new-tokens", "12", "--seq-len", "32", "--steps", "2",
+            "--batch", "4", "--ttt", "2", "--draft-vocab", "48", "--gen-batch", "24", "--save-every", "1000"]
+    train.train(train.parse_args(base + ["--run", str(tmp_path / "a"), "--data-only"]), tiny)
+    a = str(tmp_path / "a" / "data.npz")
+    n = len(np.load(a)["tokens"])
+    argv = base + ["--run", str(tmp_path / "ab"), "--data", f"{a},{a}", "--export", str(tmp_path / "ab" / "head"),
+                   "--export-dtype", "float32"]
+    train.train(train.parse_args(argv), tiny)
+    assert json.load(open(tmp_path / "ab" / "head" / "card.json"))["sequences"] == 2 * n
+    with pytest.raises(FileNotFoundError, match="nope.npz"):
+        train.train(train.parse_args(base + ["--run", str(tmp_path / "c"), "--data", f"{a},{tmp_path}/nope.npz"]), tiny)
