@@ -16,7 +16,7 @@ set -euo pipefail
 stage=$1 gguf=$2 run=$3
 common=(--model "$gguf" --kind eagle3 --run "$run" --num-prompts 49152 --gen-batch 1024 --max-new-tokens 256
         --seq-len 384 --draft-vocab 8192 --steps 8000 --batch 32 --ttt 6 --lr 1e-3 --save-every 1000
-        --log-every 50)
+        --log-every 50 --pack-len 0)  # these stages ran one sequence a row (packing came later)
 case $stage in
   data) python -m jaxspec.train "${common[@]}" --data-only ;;
   train) python -m jaxspec.train "${common[@]}" --max-minutes "$4" --export "$run/head" ;;
@@ -26,7 +26,7 @@ case $stage in
   seed2-data) python -m jaxspec.train "${common[@]}" --num-prompts 36864 --seed 2 --data-only ;;
   stage3) python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 --ttt 6 \
           --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz \
-          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 3e-4 --steps 16000 --loss-on answer \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 3e-4 --steps 16000 --loss-on answer --pack-len 0 \
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash) python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" --data data/smollm2-135m-selfgen-seed0/data.npz \
           --seq-len 384 --steps 14000 --batch 16 --anchors 64 --lr 8e-4 --block-size 16 --draft-layers 3 \

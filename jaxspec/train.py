@@ -11,8 +11,9 @@ writes itself.
 2. training: the target runs in the training step (features and its distribution over the draft
    vocabulary are recomputed each step, nothing large is stored); the head is unrolled `--ttt`
    steps on its own outputs (EAGLE-3's training-time test) and learns the target's distribution
-   at every step. optax AdamW; orbax checkpoints every `--save-every` steps and when
-   `--max-minutes` runs out, so a run stops and resumes cleanly. `--drafter dflash` trains a
+   at every step (train_eagle.py), on sequences packed into rows of `--pack-len`. optax AdamW;
+   orbax checkpoints every `--save-every` steps and when `--max-minutes` runs out, so a run stops
+   and resumes cleanly. `--drafter dflash` trains a
    DFLASH block drafter instead (its loss: train_dflash.py), on the same data.
 3. export: safetensors in SGLang's EAGLE-3 (or SafeAILab's EAGLE) layout, loss/accuracy curves as
    PNG, and a training card (card.json).
@@ -31,7 +32,7 @@ import optax
 from flax import nnx
 
 from jaxspec.drafters.eagle import export_head
-from jaxspec.train_data import answer_temperatures, build_data, pack
+from jaxspec.train_data import answer_temperatures, build_data, pack, pack_rows
 
 # -- 3. curves ------------------------------------------------------------------------------------------
 def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
@@ -147,6 +148,8 @@ def parse_args(argv=None):
                     help="positions the loss covers: the whole text, or the answers only (what drafting sees)")
     ap.add_argument("--capture-layers", default=None,
                     help="EAGLE-3: target layers whose outputs feed the head, e.g. 1,14,25 (default: SGLang's)")
+    ap.add_argument("--pack-len", type=int, default=None,
+                    help="EAGLE: pack sequences into rows of this many tokens (default: --seq-len; 0: one a row)")
     ap.add_argument("--val-batches", type=int, default=4, help="held-out batches at each logged evaluation")
     ap.add_argument("--block-size", type=int, default=16, help="DFLASH: tokens a draft pass proposes, the root included")
     ap.add_argument("--draft-layers", type=int, default=3, help="DFLASH: drafter layers (and target feature layers)")
@@ -219,6 +222,14 @@ def train(args, target=None, tokenizer=None):
         step_fn, eval_fn, t_state = train_eagle.make_train_step(target, graph, rest, tx, jnp.asarray(hot), head.cfg,
                                                                 args.ttt, compute)
     cfg = head.cfg
+    # what a step reads, a row each: EAGLE's sequences packed into rows (less padding), DFLASH's one a row
+    pack_len = args.seq_len if args.pack_len is None and args.kind != "dflash" else args.pack_len
+    if args.kind == "dflash" and pack_len:
+        raise ValueError("--pack-len: a DFLASH drafter trains on one sequence a row")
+    train_rows = pack_rows(tr_tok, tr_len, tr_start, pack_len, args.seed) if pack_len else (tr_tok, tr_len, tr_start)
+    row_tokens = (train_rows[1] > 0).sum(1) if pack_len else tr_len
+    packing = dict(packed_rows=len(row_tokens), pack_len=pack_len,
+                   packed_density=round(float(row_tokens.sum()) / (len(row_tokens) * pack_len), 3)) if pack_len else {}
     opt_state = tx.init(params)
 
     ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(args.run, "checkpoints")),
@@ -231,21 +242,20 @@ def train(args, target=None, tokenizer=None):
         params, opt_state = restored["params"], restored["opt"]
         print(f"resumed from step {step}")
     metrics_path = os.path.join(args.run, "metrics.jsonl")
-    per_epoch = max(1, len(tr_tok) // args.batch)
+    per_epoch = max(1, len(row_tokens) // args.batch)
     bar = tqdm(total=args.steps, initial=step, desc="train", mininterval=5)
     deadline = None if args.max_minutes is None else start + args.max_minutes * 60
     acc_sum, loss_sum, n_sum, tok_sum, t_log = 0.0, 0.0, 0, 0, time.time()
     with open(metrics_path, "a") as mf:
         while step < args.steps:
             epoch, k = divmod(step, per_epoch)
-            order = np.random.default_rng(args.seed + epoch).permutation(len(tr_tok))
+            order = np.random.default_rng(args.seed + epoch).permutation(len(row_tokens))
             idx = order[k * args.batch:(k + 1) * args.batch]
-            params, opt_state, loss, accs = step_fn(params, opt_state, t_state, tr_tok[idx], tr_len[idx],
-                                                    tr_start[idx], step)
+            params, opt_state, loss, accs = step_fn(params, opt_state, t_state, *(a[idx] for a in train_rows), step)
             step += 1
             bar.update(1)
             loss_sum, acc_sum, n_sum = loss_sum + loss, acc_sum + accs, n_sum + 1
-            tok_sum += int(tr_len[idx].sum())
+            tok_sum += int(row_tokens[idx].sum())
             if step % args.log_every == 0 or step == args.steps:
                 acc = np.asarray(acc_sum / n_sum)  # waits for the step: the time below is the device's
                 row = dict(split="train", step=step, loss=float(loss_sum / n_sum), acc=[float(a) for a in acc],
@@ -291,7 +301,7 @@ def train(args, target=None, tokenizer=None):
         # the card names the target without a machine path
         card = dict(target=os.path.basename(args.model.rstrip(os.sep)), kind=args.kind,
                     sequences=int(len(tokens)), tokens=int(lengths.sum()),
-                    train_sequences=int(len(tr_tok)), steps=int(step), planned_steps=args.steps, batch=args.batch,
+                    train_sequences=int(len(tr_tok)), **packing, steps=int(step), planned_steps=args.steps, batch=args.batch,
                     seq_len=args.seq_len, lr=args.lr,
                     **(dict(init_from=os.path.basename(os.path.normpath(args.init_from))) if args.init_from else {}),
                     **(dict(block_size=cfg.block_size, draft_layers=cfg.num_layers, anchors=args.anchors,

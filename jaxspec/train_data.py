@@ -165,6 +165,43 @@ def pack(seqs, seq_len: int):
     return tokens, lengths
 
 
+def pack_rows(tokens, lengths, starts, row_len: int, seed: int = 0):
+    """Sequences (rows of `tokens` [N, T] with `lengths`; the loss from index `starts`) packed into
+    rows of row_len, best fit in a seeded order, so a batch carries less padding -> (tokens,
+    segments: 0 padding, 1.. the k-th sequence of the row, positions restarting at each sequence,
+    loss mask), each [R, row_len]."""
+    if lengths.max() > row_len:
+        raise ValueError(f"--pack-len {row_len} is shorter than a sequence ({int(lengths.max())} tokens)")
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    rows_at = [[] for _ in range(row_len + 1)]  # rows by the room left in them
+    room = np.zeros(row_len + 1, np.int64)  # how many rows have that much room
+    members = []
+    for i in order:
+        n = int(lengths[i])
+        fits = np.flatnonzero(room[n:])
+        if len(fits):
+            c = n + int(fits[0])
+            r = rows_at[c].pop()
+            room[c] -= 1
+        else:
+            c, r = row_len, len(members)
+            members.append([])
+        members[r].append(i)
+        rows_at[c - n].append(r)
+        room[c - n] += 1
+    out = [np.zeros((len(members), row_len), np.int32) for _ in range(3)] + [np.zeros((len(members), row_len), bool)]
+    for r, seqs in enumerate(members):
+        at = 0
+        for k, i in enumerate(seqs):
+            n = int(lengths[i])
+            out[0][r, at:at + n] = tokens[i, :n]
+            out[1][r, at:at + n] = k + 1
+            out[2][r, at:at + n] = np.arange(n)
+            out[3][r, at + int(starts[i]):at + n] = True
+            at += n
+    return tuple(out)
+
+
 def draft_vocabulary(tokens, lengths, vocab_size: int, size: int):
     """The `size` most frequent target ids in the data (sorted), FR-Spec's hot vocabulary."""
     counts = np.zeros(vocab_size, np.int64)

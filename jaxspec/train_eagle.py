@@ -21,26 +21,29 @@ from jaxspec.models.llama import dense_forward
 from jaxspec.sampling import NEG_INF
 
 
-def target_outputs(target, tokens, head_cfg: HeadConfig, hot):
-    """Run the target over whole sequences: the head's input features [B, T, H] and the target's
-    log-distribution over the draft vocabulary [B, T, Vd] (renormalised over it)."""
+def target_outputs(target, tokens, segments, positions, head_cfg: HeadConfig, hot):
+    """Run the target over whole (packed) sequences: the head's input features [B, T, H] and the
+    target's log-distribution over the draft vocabulary [B, T, Vd] (renormalised over it)."""
     cfg = target.cfg
-    h, layers = dense_forward(target, tokens, head_cfg.feature_layers)
+    h, layers = dense_forward(target, tokens, head_cfg.feature_layers, segments, positions)
     w = target.embed[...].T if cfg.tie_word_embeddings else target.lm_head[...]
     logits = jnp.einsum("bth,hv->btv", h, w[:, hot], preferred_element_type=jnp.float32)
     feats = h if head_cfg.kind == "eagle" else jnp.concatenate(list(layers), axis=-1)
     return feats, h, jax.nn.log_softmax(logits)
 
 
-def ttt_attention(q, ks, vs):
-    """Unrolled step j's queries [B, T, Hq, D]: causal over step 0's keys (the real prefix) plus,
-    at the same index only, steps 1..j's keys (the query's own drafted ancestors)."""
+def ttt_attention(q, ks, vs, segments=None):
+    """Unrolled step j's queries [B, T, Hq, D]: causal over step 0's keys (the real prefix, within
+    the query's own segment of a packed row) plus, at the same index only, steps 1..j's keys (the
+    query's own drafted ancestors)."""
     b, t, hq, d = q.shape
     hkv = ks[0].shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     scale = d ** -0.5
     s0 = jnp.einsum("bthgd,bshd->bhgts", qg, ks[0], preferred_element_type=jnp.float32) * scale
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    if segments is not None:
+        causal = (causal[None] & (segments[:, :, None] == segments[:, None, :]))[:, None, None]
     s0 = jnp.where(causal, s0, NEG_INF)
     diag = [jnp.einsum("bthgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32)[..., None] * scale
             for k in ks[1:]]
@@ -56,27 +59,35 @@ def shift(x, n):
     return jnp.concatenate([x[:, n:], jnp.zeros_like(x[:, :n])], axis=1)
 
 
-def ttt_loss(head, target, feats, final, tokens, lengths, starts, target_logp, ttt: int):
+def unpacked(tokens, lengths, starts):
+    """One sequence a row, right-padded: its (segments, positions, loss mask) for ttt_loss; the loss
+    covers tokens at index >= starts (0: the whole text; the prompt's length: answers only)."""
+    idx = jnp.arange(tokens.shape[1])[None]
+    inside = idx < lengths[:, None]
+    return inside.astype(jnp.int32), jnp.broadcast_to(idx, tokens.shape), inside & (idx >= starts[:, None])
+
+
+def ttt_loss(head, target, feats, final, tokens, segments, positions, loss_mask, target_logp, ttt: int):
     """(mean over unroll steps, weighted 0.8^j, of the cross-entropy to the target's distribution,
     (per-step losses, per-step top-1 agreement, share of positions whose greedy chain is right
-    through step j, right [ttt, B, T]: step j at index i drafts token i+2+j and agrees with the
-    target)). A position counts where the token it predicts is at index >= starts (0: the whole
-    sequence; the prompt's length: answers only) and < lengths."""
+    through step j, right [ttt, B, T]: step j at index i drafts token i+2+j of i's own sequence
+    and agrees with the target)). Rows hold one sequence or several packed (segments: 0 for
+    padding, one id a sequence; positions restart at each); a draft counts where the token it
+    predicts is in the position's own sequence and in loss_mask."""
     b, t = tokens.shape
-    idx = jnp.arange(t)[None]
     dtype = head.wq[...].dtype
     hidden = feats.astype(dtype) if head.cfg.kind == "eagle" else feats.astype(dtype) @ head.fc[...]
+    same = lambda n: (shift(segments, n) == segments) & (segments > 0)  # index i + n in i's sequence
     ks, vs, total, accs, losses, rights = [], [], 0.0, [], [], []
     for j in range(ttt):
-        q, k, v, res = head.qkv(target.embed_tokens(shift(tokens, 1 + j)).astype(dtype), hidden,
-                                jnp.broadcast_to(idx + j, (b, t)))
+        q, k, v, res = head.qkv(target.embed_tokens(shift(tokens, 1 + j)).astype(dtype), hidden, positions + j)
         ks.append(k)
         vs.append(v)
-        out = head.finish(ttt_attention(q, ks, vs), res)
+        out = head.finish(ttt_attention(q, ks, vs, segments), res)
         logp = jax.nn.log_softmax(head.logits(target, out))
         want = shift(target_logp, 1 + j)
-        predicted = idx + 2 + j  # the index of the token this step drafts
-        valid = ((predicted < lengths[:, None]) & (predicted >= starts[:, None])).astype(jnp.float32)
+        in_seq = same(2 + j)  # the token this step drafts belongs to the position's sequence
+        valid = (in_seq & shift(loss_mask, 2 + j)).astype(jnp.float32)
         denom = jnp.maximum(valid.sum(), 1.0)
         ce = -(jnp.exp(want) * logp).sum(-1)
         loss_j = (ce * valid).sum() / denom
@@ -87,38 +98,41 @@ def ttt_loss(head, target, feats, final, tokens, lengths, starts, target_logp, t
         total = total + 0.8 ** j * loss_j
         losses.append(loss_j)
         right = (jnp.argmax(logp, -1) == jnp.argmax(want, -1)).astype(jnp.float32)
-        rights.append(right * (predicted < lengths[:, None]))
+        rights.append(right * in_seq)
         accs.append((right * valid).sum() / denom)
         hidden = out
     # a chain verified greedily keeps draft j when drafts 1..j all match the target's argmax
-    last = valid  # the positions whose whole chain lies inside the answer
+    last = valid  # the positions whose whole chain lies inside the loss mask
     chain = jnp.cumprod(jnp.stack(rights), axis=0)
     through = (chain * last).sum((1, 2)) / jnp.maximum(last.sum(), 1.0)
     return total, (jnp.stack(losses), jnp.stack(accs), through, jnp.stack(rights))
 
 
 def make_train_step(target, head_graph, head_rest, tx, hot, head_cfg: HeadConfig, ttt: int, compute_dtype):
-    """(step, evaluate, target state): step(params, opt_state, t_state, tokens, lengths, starts, i)."""
+    """(step, evaluate, target state): step(params, opt_state, t_state, tokens, segments, positions,
+    loss_mask, i) on packed rows (train_data.pack_rows); evaluate(params, t_state, tokens, lengths,
+    starts) on one sequence a row."""
     t_graph, t_state = nnx.split(target)
 
-    def loss_fn(params, t_state, tokens, lengths, starts):
+    def loss_fn(params, t_state, tokens, segments, positions, loss_mask):
         target = nnx.merge(t_graph, t_state)
-        feats, final, target_logp = jax.lax.stop_gradient(target_outputs(target, tokens, head_cfg, hot))
+        feats, final, target_logp = jax.lax.stop_gradient(
+            target_outputs(target, tokens, segments, positions, head_cfg, hot))
         # float32 master weights, run in compute_dtype (the cast is inside the gradient)
         run = jax.tree.map(lambda p: p.astype(compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
         head = nnx.merge(head_graph, run, head_rest)
-        return ttt_loss(head, target, feats, final, tokens, lengths, starts, target_logp, ttt)
+        return ttt_loss(head, target, feats, final, tokens, segments, positions, loss_mask, target_logp, ttt)
 
     @jax.jit
-    def step(params, opt_state, t_state, tokens, lengths, starts, _step):
-        (loss, (_, accs, *_)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, lengths,
-                                                                                 starts)
+    def step(params, opt_state, t_state, tokens, segments, positions, loss_mask, _step):
+        (loss, (_, accs, *_)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, t_state, tokens, segments,
+                                                                                 positions, loss_mask)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, accs
 
     @jax.jit
     def evaluate(params, t_state, tokens, lengths, starts):
-        return loss_fn(params, t_state, tokens, lengths, starts)
+        return loss_fn(params, t_state, tokens, *unpacked(tokens, lengths, starts))
 
     return step, evaluate, t_state
 

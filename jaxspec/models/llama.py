@@ -199,14 +199,22 @@ class Llama(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
 
 
-def dense_forward(model: Llama, tokens, hidden_layers: tuple = ()):
-    """Whole sequences [B, T] (right-padded) through the decoder with causal attention and no KV
-    cache, as training reads the target: (final-normed hidden [B, T, H], outputs of hidden_layers
-    stacked [len, B, T, H] or None). Positions past a row's length hold padding's outputs."""
+def dense_forward(model: Llama, tokens, hidden_layers: tuple = (), segments=None, positions=None):
+    """Whole sequences [B, T] through the decoder with causal attention and no KV cache, as training
+    reads the target: (final-normed hidden [B, T, H], outputs of hidden_layers stacked [len, B, T, H]
+    or None). Rows are one right-padded sequence each, or several packed ones: segments [B, T] (a
+    token attends within its own segment) and positions [B, T] (restarting at each). Padding's
+    positions hold padding's outputs."""
     cfg = model.cfg
     b, t = tokens.shape
-    rope = rope_table(jnp.broadcast_to(jnp.arange(t)[None], (b, t)), rope_frequencies(cfg))
-    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(q.dtype)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    rope = rope_table(positions, rope_frequencies(cfg))
+    mask = None
+    if segments is not None:
+        causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+        mask = (causal[None] & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, S]
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None).astype(q.dtype)
     x = model.embed_tokens(tokens)
     kept = {}
     for i, block in enumerate(model.layers):
