@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from jaxspec.kv_cache import KVCache
 
-# Generic openers for self-generated user prompts (diversity only; the target writes the rest).
+# Generic openers for self-generated user prompts (diversity only; the target writes the rest). The
+# seed-0 and seed-2 corpora in data/ were made with the first 30.
 OPENERS = [
     "Write a Python function that", "Explain", "How do I", "What is the difference between", "Can you help me",
     "Give me a list of", "Write a short story about", "Summarize", "Why does", "Write an email to",
@@ -25,6 +26,11 @@ OPENERS = [
     "Write a JavaScript function to", "What happens when", "Plan a", "Translate into French:", "Solve:",
     "Write a SQL query that", "Give me tips for", "What is the best way to", "Tell me about", "Write a recipe for",
     "How does", "Write a bash script that", "List the steps to", "What should I know about", "Create a",
+    # role play, extraction, rewriting, reasoning and maths: the kinds of request chat benchmarks hold,
+    # as bare instruction verbs (the leak check in bench/probes/data_leak.py runs on every corpus)
+    "Pretend you are", "Imagine you are", "Act as", "Compose", "Draft a", "Extract the", "Given the following",
+    "Implement", "Calculate", "Suppose", "Rewrite", "Edit the following", "Analyze", "Evaluate", "Identify",
+    "Which is", "Prove that", "Estimate", "Debug this", "Brainstorm",
 ]
 
 
