@@ -1,11 +1,12 @@
 """Drafter training runs side by side on one GPU, judged on held-out greedy answers.
 
-    python bench/train_ablation.py --runs-dir ~/runs --minutes 7 \\
+    python bench/train_ablation.py --runs-dir runs/abl --minutes 7 \\
         --common "--kind eagle3 --data data/smollm2-135m-selfgen-seed0/data.npz --steps 6000 --ttt 6" \\
         --configs "3k=--train-sequences 3000;12k=--train-sequences 12000;48k="
 
 Each config is `python -m jaxspec.train` with the common flags plus its own, in its own process
-(all at once, or one after another with --sequential), stopped after --minutes and resumed by the
+(all at once, or one after another with --sequential; at once, runs share the GPU's tokens/s rather
+than add to it: train_ablation-corpus-*'s first leg, in git), stopped after --minutes and resumed by the
 next call with the same --runs-dir. Rows: every held-out evaluation of every run (step, loss,
 top-1 agreement per draft position, accept length from every position and walked as the engine
 walks), with the run's training tokens/s. Writes bench/results/train_ablation<tag>-<device>.json
