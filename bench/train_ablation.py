@@ -74,9 +74,15 @@ def plot(rows, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(r["config"] for r in rows):
         mine = [r for r in rows if r["config"] == name and r["walk_accept_length"] is not None]
-        ax.plot([r["step"] for r in mine], [r["walk_accept_length"] for r in mine], "o-", ms=3, label=name)
+        if not mine:
+            continue
+        logged = [r for r in mine if r["held_out"] == min(r["held_out"] for r in mine)]  # the logged subset
+        line, = ax.plot([r["step"] for r in logged], [r["walk_accept_length"] for r in logged], "o-", ms=3, label=name)
+        final = [r for r in mine if r not in logged]  # the exported head on every held-out sequence
+        ax.plot([r["step"] for r in final], [r["walk_accept_length"] for r in final], "*", ms=10, color=line.get_color())
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out accept length (greedy chain, walked)")
+    ax.set_title("lines: logged held-out subset; stars: all held-out sequences", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
