@@ -177,8 +177,9 @@ def train(args, target=None, tokenizer=None):
         if not os.path.exists(path):
             raise FileNotFoundError(f"--data {path}: no such corpus (a data.npz that --data-only writes)")
     data_seconds = None
-    if os.path.exists(data_paths[0]):  # several corpora: concatenated in order (the first's first 2% held out)
+    if os.path.exists(data_paths[0]):  # several corpora: concatenated in order
         ds = [np.load(p) for p in data_paths]
+        first_len = len(ds[0]["lengths"])
         tokens, lengths = np.concatenate([d["tokens"] for d in ds]), np.concatenate([d["lengths"] for d in ds])
         plens = np.concatenate([d["prompt_lengths"] if "prompt_lengths" in d else np.zeros(len(d["lengths"]), np.int32)
                                 for d in ds])
@@ -189,15 +190,16 @@ def train(args, target=None, tokenizer=None):
         seqs, plens = build_data(target, tokenizer, args.num_prompts, args.max_new_tokens, args.sampled_fraction,
                                  args.seed, args.gen_batch)
         tokens, lengths = pack(seqs, args.seq_len)
-        plens = np.array(plens, np.int32)
+        plens, first_len = np.array(plens, np.int32), len(lengths)
         data_seconds = time.time() - t0
         np.savez_compressed(data_path, tokens=tokens, lengths=lengths, prompt_lengths=plens, seconds=data_seconds)
         print(f"data: {len(seqs)} sequences, {int(lengths.sum())} tokens in {time.time() - t0:.0f} s")
     if args.data_only:
         return None, 0
-    n_val = max(1, int(len(tokens) * args.val_fraction))
-    # held out: the first sequences whose answers were greedy (what greedy verification sees), from
-    # the answer on; the rest trains, cut to --train-sequences for corpus-size runs
+    # held out: the first corpus's first sequences whose answers were greedy (what greedy verification
+    # sees), from the answer on, whatever corpora follow it; the rest trains, cut to --train-sequences
+    # for corpus-size runs
+    n_val = max(1, int(first_len * args.val_fraction))
     greedy = np.flatnonzero(answer_temperatures(len(tokens), args.sampled_fraction)[:n_val] == 0)
     greedy = greedy if len(greedy) else np.arange(n_val)
     val = (tokens[greedy], lengths[greedy], plens[greedy])

@@ -556,8 +556,8 @@ def test_dense_forward_equals_the_paged_forward(tiny):
 
 
 def test_training_on_several_corpora_concatenates_them(tmp_path, tiny):
-    """--data a,b trains on both corpora in order: the card counts every sequence, and a missing
-    file is named."""
+    """--data a,b trains on both corpora in order: the card counts every sequence, the held-out
+    share is the first corpus's alone (the same however many follow), and a missing file is named."""
     from jaxspec import train
     base = ["--kind", "eagle3", "--num-prompts", "24", "--max-new-tokens", "12", "--seq-len", "32", "--steps", "2",
             "--batch", "4", "--ttt", "2", "--draft-vocab", "48", "--gen-batch", "24", "--save-every", "1000"]
@@ -567,7 +567,9 @@ def test_training_on_several_corpora_concatenates_them(tmp_path, tiny):
     argv = base + ["--run", str(tmp_path / "ab"), "--data", f"{a},{a}", "--export", str(tmp_path / "ab" / "head"),
                    "--export-dtype", "float32"]
     train.train(train.parse_args(argv), tiny)
-    assert json.load(open(tmp_path / "ab" / "head" / "card.json"))["sequences"] == 2 * n
+    card = json.load(open(tmp_path / "ab" / "head" / "card.json"))
+    assert card["sequences"] == 2 * n
+    assert card["train_sequences"] == 2 * n - max(1, int(n * 0.02))  # the first corpus's first 2% held out
     with pytest.raises(FileNotFoundError, match="nope.npz"):
         train.train(train.parse_args(base + ["--run", str(tmp_path / "c"), "--data", f"{a},{tmp_path}/nope.npz"]), tiny)
 
