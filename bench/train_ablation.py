@@ -50,17 +50,15 @@ def rows_of(name, flags, runs_dir):
     metrics = [json.loads(line) for line in open(path)]
     speeds = [r["tokens_per_s"] for r in metrics if r["split"] == "train" and "tokens_per_s" in r]
     speed = sorted(speeds)[len(speeds) // 2] if speeds else None
+    evals = [r for r in metrics if r["split"] == "val"]
+    card = os.path.join(runs_dir, name, "head", "card.json")
+    if os.path.exists(card):  # the exported head on every held-out sequence (its held_out_* figures)
+        c = json.load(open(card))
+        evals.append(dict({k.removeprefix("held_out_"): v for k, v in c.items() if k.startswith("held_out_")},
+                          step=c["steps"]))
     rows = [dict(config=name, flags=" ".join(flags), step=r["step"], held_out=r.get("sequences"),
                  loss=round(r["loss"], 4), acc1=r["acc"][0], acc_last=r["acc"][-1], accept_length=r.get("accept_length"),
-                 walk_accept_length=r.get("walk_accept_length"), train_tokens_per_s=speed)
-            for r in metrics if r["split"] == "val"]
-    card = os.path.join(runs_dir, name, "head", "card.json")
-    if os.path.exists(card):  # the exported head on every held-out sequence
-        c = json.load(open(card))
-        rows.append(dict(config=name, flags=" ".join(flags), step=c["steps"], held_out=c.get("held_out_sequences"),
-                         loss=round(c["held_out_loss"], 4), acc1=c["held_out_acc"][0], acc_last=c["held_out_acc"][-1],
-                         accept_length=c.get("held_out_accept_length"),
-                         walk_accept_length=c.get("held_out_walk_accept_length"), train_tokens_per_s=speed))
+                 walk_accept_length=r.get("walk_accept_length"), train_tokens_per_s=speed) for r in evals]
     return rows
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxspec import train_eagle
 from jaxspec.drafters.eagle import export_head
 from jaxspec.train_data import answer_temperatures, build_data, pack, pack_rows
 
@@ -99,9 +100,8 @@ def held_out(eval_fn, params, t_state, tokens, lengths, prompt_lengths, batch: i
         acc.append(np.asarray(a))
         through.append(np.asarray(t))
         if right:  # EAGLE: the chain walked along each text as the engine walks it
-            from jaxspec.train_eagle import walk_accept_length
             m = min(batch, n - i)
-            walked.append(walk_accept_length(right[0][:, :m], lengths[rows][:m], prompt_lengths[rows][:m]))
+            walked.append(train_eagle.walk_accept_length(right[0][:, :m], lengths[rows][:m], prompt_lengths[rows][:m]))
     through = np.mean(through, 0)
     return dict(sequences=int(n), loss=float(np.mean(loss)), acc=[round(float(a), 4) for a in np.mean(acc, 0)],
                 accepted_through=[round(float(a), 4) for a in through], accept_length=round(1 + float(through.sum()), 3),
@@ -173,9 +173,9 @@ def train(args, target=None, tokenizer=None):
     if target is None:
         target, tokenizer = load(args.model, getattr(jnp, args.dtype) if args.dtype else None)
     data_paths = args.data.split(",") if args.data else [os.path.join(args.run, "data.npz")]
-    for path in data_paths if args.data else []:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"--data {path}: no such corpus (a data.npz that --data-only writes)")
+    missing = [p for p in data_paths if args.data and not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"--data {missing[0]}: no such corpus (a data.npz that --data-only writes)")
     data_seconds = None
     if os.path.exists(data_paths[0]):  # several corpora: concatenated in order
         ds = [np.load(p) for p in data_paths]
@@ -217,7 +217,6 @@ def train(args, target=None, tokenizer=None):
         step_fn, eval_fn, t_state = train_dflash.make_train_step(target, graph, rest, tx, head.cfg, args.anchors,
                                                                  args.seed, compute)
     else:
-        from jaxspec import train_eagle
         head, hot, coverage = train_eagle.head_for_run(args, target, tr_tok, tr_len)
         vd = len(hot)
         graph, params, rest = nnx.split(head, nnx.Param, ...)
@@ -248,11 +247,13 @@ def train(args, target=None, tokenizer=None):
     bar = tqdm(total=args.steps, initial=step, desc="train", mininterval=5)
     deadline = None if args.max_minutes is None else start + args.max_minutes * 60
     acc_sum, loss_sum, n_sum, tok_sum, t_log = 0.0, 0.0, 0, 0, time.time()
+    shuffled = (None, None)  # (epoch, its order of the rows): one shuffle an epoch, not one a step
     with open(metrics_path, "a") as mf:
         while step < args.steps:
             epoch, k = divmod(step, per_epoch)
-            order = np.random.default_rng(args.seed + epoch).permutation(len(row_tokens))
-            idx = order[k * args.batch:(k + 1) * args.batch]
+            if shuffled[0] != epoch:
+                shuffled = (epoch, np.random.default_rng(args.seed + epoch).permutation(len(row_tokens)))
+            idx = shuffled[1][k * args.batch:(k + 1) * args.batch]
             params, opt_state, loss, accs = step_fn(params, opt_state, t_state, *(a[idx] for a in train_rows), step)
             step += 1
             bar.update(1)
@@ -287,11 +288,8 @@ def train(args, target=None, tokenizer=None):
     head = nnx.merge(graph, params, rest)
     plot_curves(metrics_path, args.run)
     if args.export:  # also after a --max-minutes stop: the card says how many steps ran
-        out = head
-        if args.export_dtype != "float32":
-            dt = getattr(jnp, args.export_dtype)
-            g, st = nnx.split(head)
-            out = nnx.merge(g, jax.tree.map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a, st))
+        dt = getattr(jnp, args.export_dtype)
+        out = nnx.merge(graph, train_eagle.floats_as(params, dt), train_eagle.floats_as(rest, dt))
         if args.kind == "dflash":
             from jaxspec.drafters.dflash import export_dflash
             export_dflash(out, args.export, target.cfg)

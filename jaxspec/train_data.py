@@ -208,10 +208,18 @@ def pack_rows(tokens, lengths, starts, row_len: int, seed: int = 0):
     return tuple(out)
 
 
+def token_counts(tokens, lengths, vocab_size: int):
+    """How often each id occurs in the sequences (rows of tokens, lengths long): [vocab_size]."""
+    return np.bincount(tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]], minlength=vocab_size)
+
+
+def vocabulary_coverage(counts, ids) -> float:
+    """The share of the counted tokens that are among ids."""
+    return float(counts[ids].sum() / max(counts.sum(), 1))
+
+
 def draft_vocabulary(tokens, lengths, vocab_size: int, size: int):
-    """The `size` most frequent target ids in the data (sorted), FR-Spec's hot vocabulary."""
-    counts = np.zeros(vocab_size, np.int64)
-    for row, n in zip(tokens, lengths):
-        np.add.at(counts, row[:n], 1)
+    """The `size` most frequent target ids in the data (sorted), FR-Spec's hot vocabulary, and its coverage."""
+    counts = token_counts(tokens, lengths, vocab_size)
     hot = np.sort(np.argsort(-counts, kind="stable")[:size])
-    return hot.astype(np.int32), float(counts[hot].sum() / max(counts.sum(), 1))
+    return hot.astype(np.int32), vocabulary_coverage(counts, hot)

@@ -18,6 +18,8 @@ from flax import nnx
 from jaxspec.drafters.dflash import DFlashConfig, DFlashHead
 from jaxspec.models.llama import dense_forward, rope_frequencies, rope_table
 from jaxspec.sampling import NEG_INF
+from jaxspec.train_data import token_counts
+from jaxspec.train_eagle import floats_as
 
 
 def block_forward(head, target, features, anchors, block_tokens):
@@ -88,8 +90,7 @@ def make_train_step(target, head_graph, head_rest, tx, cfg: DFlashConfig, anchor
     def loss_fn(params, t_state, tokens, lengths, starts, step):
         target = nnx.merge(t_graph, t_state)
         h, layers = jax.lax.stop_gradient(dense_forward(target, tokens, cfg.target_layer_ids))
-        run = jax.tree.map(lambda p: p.astype(compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-        head = nnx.merge(head_graph, run, head_rest)
+        head = nnx.merge(head_graph, floats_as(params, compute_dtype), head_rest)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         return dflash_loss(head, target, h, layers, tokens, lengths, starts, key, anchors)
 
@@ -110,9 +111,7 @@ def make_train_step(target, head_graph, head_rest, tx, cfg: DFlashConfig, anchor
 def mask_token_for(tokens, lengths, vocab_size: int, avoid=()) -> int:
     """The id the training data holds least often (never, in a real vocabulary), not one of
     `avoid` (EOS): its embedding marks the block's unknown positions without meaning much else."""
-    counts = np.zeros(vocab_size, np.int64)
-    for row, n in zip(tokens, lengths):
-        np.add.at(counts, row[:n], 1)
+    counts = token_counts(tokens, lengths, vocab_size)
     counts[list(avoid)] = np.iinfo(np.int64).max
     return int(np.argmin(counts))
 

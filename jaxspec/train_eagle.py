@@ -17,8 +17,14 @@ import optax
 from flax import nnx
 
 from jaxspec.drafters.eagle import DraftHead, HeadConfig
-from jaxspec.models.llama import dense_forward
+from jaxspec.models.llama import causal_mask, dense_forward
 from jaxspec.sampling import NEG_INF
+from jaxspec.train_data import draft_vocabulary, token_counts, vocabulary_coverage
+
+
+def floats_as(tree, dtype):
+    """The pytree with its floating-point leaves cast to dtype (integer ones, e.g. d2t, kept)."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def target_outputs(target, tokens, segments, positions, head_cfg: HeadConfig, hot):
@@ -41,10 +47,8 @@ def ttt_attention(q, ks, vs, segments=None):
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     scale = d ** -0.5
     s0 = jnp.einsum("bthgd,bshd->bhgts", qg, ks[0], preferred_element_type=jnp.float32) * scale
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
-    if segments is not None:
-        causal = (causal[None] & (segments[:, :, None] == segments[:, None, :]))[:, None, None]
-    s0 = jnp.where(causal, s0, NEG_INF)
+    mask = causal_mask(t, segments)
+    s0 = jnp.where(mask if segments is None else mask[:, None, None], s0, NEG_INF)
     diag = [jnp.einsum("bthgd,bthd->bhgt", qg, k, preferred_element_type=jnp.float32)[..., None] * scale
             for k in ks[1:]]
     p = jax.nn.softmax(jnp.concatenate([s0] + diag, axis=-1), axis=-1).astype(vs[0].dtype)
@@ -119,8 +123,7 @@ def make_train_step(target, head_graph, head_rest, tx, hot, head_cfg: HeadConfig
         feats, final, target_logp = jax.lax.stop_gradient(
             target_outputs(target, tokens, segments, positions, head_cfg, hot))
         # float32 master weights, run in compute_dtype (the cast is inside the gradient)
-        run = jax.tree.map(lambda p: p.astype(compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-        head = nnx.merge(head_graph, run, head_rest)
+        head = nnx.merge(head_graph, floats_as(params, compute_dtype), head_rest)
         return ttt_loss(head, target, feats, final, tokens, segments, positions, loss_mask, target_logp, ttt)
 
     @jax.jit
@@ -173,7 +176,6 @@ def walk_accept_length(right, lengths, prompt_lengths) -> tuple[int, int]:
 def head_for_run(args, target, tokens, lengths):
     """(head, draft vocabulary's target ids, its share of the training tokens): --init-from's head
     (its draft vocabulary kept, not recounted) or a fresh one shaped by the flags."""
-    from jaxspec.train_data import draft_vocabulary
     vocab = target.cfg.vocab_size
     if args.init_from:
         from jaxspec.drafters.eagle import load_head
@@ -181,8 +183,7 @@ def head_for_run(args, target, tokens, lengths):
         if head.cfg.kind != args.kind:
             raise ValueError(f"--init-from {args.init_from} holds an {head.cfg.kind} head, not {args.kind}")
         hot = np.asarray(head.draft_to_target[...]) if head.cfg.kind == "eagle3" else np.arange(vocab)
-        counts = np.bincount(tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]], minlength=vocab)
-        return head, hot, float(counts[hot].sum() / max(counts.sum(), 1))
+        return head, hot, vocabulary_coverage(token_counts(tokens, lengths, vocab), hot)
     vd = min(args.draft_vocab, vocab) if args.kind == "eagle3" else vocab
     hot, coverage = draft_vocabulary(tokens, lengths, vocab, vd)
     layers = tuple(int(x) for x in args.capture_layers.split(",")) if args.capture_layers else None

@@ -199,6 +199,13 @@ class Llama(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
 
 
+def causal_mask(t: int, segments=None):
+    """Which key each query may see: [T, S] causal, or with segments [B, T] (packed sequences)
+    [B, T, S] causal within the query's own segment."""
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    return causal if segments is None else causal[None] & (segments[:, :, None] == segments[:, None, :])
+
+
 def dense_forward(model: Llama, tokens, hidden_layers: tuple = (), segments=None, positions=None):
     """Whole sequences [B, T] through the decoder with causal attention and no KV cache, as training
     reads the target: (final-normed hidden [B, T, H], outputs of hidden_layers stacked [len, B, T, H]
@@ -210,10 +217,7 @@ def dense_forward(model: Llama, tokens, hidden_layers: tuple = (), segments=None
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     rope = rope_table(positions, rope_frequencies(cfg))
-    mask = None
-    if segments is not None:
-        causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
-        mask = (causal[None] & (segments[:, :, None] == segments[:, None, :]))[:, None]  # [B, 1, T, S]
+    mask = None if segments is None else causal_mask(t, segments)[:, None]  # [B, 1, T, S]
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None).astype(q.dtype)
     x = model.embed_tokens(tokens)
     kept = {}
