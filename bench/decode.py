@@ -126,13 +126,13 @@ def main():
                 jax.block_until_ready(run(args.steps))
                 times.append((time.perf_counter() - t0) / args.steps)
             t = float(np.median(times))
-            prof = device_kernels(lambda: jax.block_until_ready(run(16)), 16, tempfile.mkdtemp())
+            prof = device_kernels(lambda: jax.block_until_ready(run(16)), 16, tempfile.mkdtemp(), top=24)
             rows.append(dict(model=name, batch=b, context=args.context, engine="jaxspec", algorithm="plain",
                              impl=impl, fused_layers=fused_layers(cfg, b, impl),
                              max_rel_diff=forward_difference(model, b, args.context, args.page_size, impl),
                              ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor, tokens_per_s=b / t,
                              kernels_per_step=prof and prof["kernels"], kernel_ms=prof and prof["kernel_ms"],
-                             most_launched=prof and prof["most_launched"],
+                             most_launched=prof and prof["most_launched"], busiest=prof and prof["top"],
                              ms_per_step_runs=[x * 1e3 for x in times]))
             print_table(rows[-1:], ["model", "batch", "impl", "ms_per_step", "floor_ms", "floor_ratio",
                                     "kernels_per_step", "max_rel_diff"])

@@ -2,6 +2,8 @@
 GEMMs XLA's Triton emitter gets, and which loops and conditionals run on the device."""
 from __future__ import annotations
 
+import os
+
 import jax
 
 # XLA turns each GPU dot into a Triton GEMM fusion that it generates, autotunes and compiles apiece
@@ -31,6 +33,8 @@ TRITON_GEMM_MAX_ROWS = 32
 # So only the programs that loop over the shared sampler (`decode`, the rollout's loop) take XLA's
 # sort; the rest keep CUB's. None: XLA's default.
 COMMAND_BUFFERS: str | None = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+if os.environ.get("JAXSPEC_COMMAND_BUFFERS") is not None:  # probes: "" turns them off (a profile then sees each kernel)
+    COMMAND_BUFFERS = os.environ["JAXSPEC_COMMAND_BUFFERS"] or None
 XLA_SORT_PROGRAMS = ("decode",)
 
 
