@@ -18,7 +18,6 @@ from flax import nnx
 from jaxspec import attention
 from jaxspec.kv_cache import DROP_PAGE, KVCache, slot_coordinates, write_layer
 from jaxspec.models.config import ModelConfig
-from jaxspec.pallas.add_rms_norm import add_rms_norm
 from jaxspec.pallas.gated_up import gated_up
 from jaxspec.pallas.matmul_residual import matmul_residual
 from jaxspec.pallas.qkv_project import qkv_project
@@ -57,26 +56,6 @@ def apply_rope(x, positions, inv_freq):
     return rotate(x, rope_table(positions, inv_freq))
 
 
-def add_norm_ops(eps: float, kernel: bool = False, interpret: bool = False):
-    """add_norm(x, delta, w) -> (x + delta, rms_norm(x + delta) * w) (delta None: x alone), as the
-    add_rms_norm kernel (one kernel where XLA ran three) or as jnp ops."""
-    def add_norm(x, delta, w):
-        if delta is None:
-            return x, rms_norm(x, w, eps)
-        if kernel:
-            return add_rms_norm(x, delta, w, eps=eps, interpret=interpret)
-        x = x + delta
-        return x, rms_norm(x, w, eps)
-    return add_norm
-
-
-def norm_kernel(attn_impl: str) -> bool:
-    """Whether the layers' add + norm run as the add_rms_norm kernel: where the attention kernels
-    run (interpreted off the GPU), never under a mesh (the kernel sees whole rows)."""
-    use = attn_impl in ("pallas", "mosaic", "fused") or (attn_impl == "auto" and jax.default_backend() == "gpu")
-    return use and jax.sharding.get_abstract_mesh().size <= 1
-
-
 def _param(rngs, shape, fan_in, dtype):
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype))
 
@@ -101,17 +80,12 @@ class Block(nnx.Module):
         self.w_gate_up = _param(rngs, (H, 2 * F), H, dtype)
         self.w_down = _param(rngs, (F, H), F, dtype)
 
-    def __call__(self, x, delta, rope, attend, add_norm):
-        """The layer on its input x + delta [B, T, H] (delta None: x alone), the residual add kept
-        apart so that it runs with the norm after it: add_norm(x, delta, w) -> (x + delta,
-        rms_norm(x + delta) * w). attend(q, k, v [B, T, H*, D]) -> [B, T, Hq, D]. Returns (the
-        layer's input, x, delta): its output is x + delta."""
+    def __call__(self, x, rope, attend):
+        """x [B, T, H] -> x after the layer; attend(q, k, v [B, T, H*, D]) -> [B, T, Hq, D]."""
         cfg = self.cfg
         b, t, _ = x.shape
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        x, h = add_norm(x, delta, self.attn_norm[...])
-        layer_input = x
-        qkv = h @ self.wqkv[...]
+        qkv = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps) @ self.wqkv[...]
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         g = cfg.shard_groups  # > 1: each shard's [q k v] together (sharding.py), so a column split is local
@@ -120,9 +94,10 @@ class Block(nnx.Module):
         if cfg.qk_norm:
             q, k = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         q, k = rotate(q, rope), rotate(k, rope)
-        x, h = add_norm(x, attend(q, k, v).reshape(b, t, hq * d) @ self.wo[...], self.mlp_norm[...])
-        gate, up = jnp.split((h @ self.w_gate_up[...]).reshape(b, t, g, -1), 2, axis=-1)
-        return layer_input, x, (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
+        x = x + attend(q, k, v).reshape(b, t, hq * d) @ self.wo[...]
+        gate_up = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps) @ self.w_gate_up[...]
+        gate, up = jnp.split(gate_up.reshape(b, t, g, -1), 2, axis=-1)
+        return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
 
     def fused(self, x, cos, sin, slots, k_pages, v_pages, layer, attend, interpret):
         """The layer as four Pallas kernels around attention (pallas/qkv_project.py, gated_up.py,
@@ -196,7 +171,7 @@ class Llama(nnx.Module):
         rope = rope_table(positions, rope_frequencies(cfg))
         page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, cache.page_size)
         k_pages, v_pages = cache.k, cache.v
-        x, delta = self.embed_tokens(tokens), None
+        x = self.embed_tokens(tokens)
         kept = {}
         fused = fused_layers(cfg, b * t, attn_impl)
         if fused:
@@ -212,21 +187,16 @@ class Llama(nnx.Module):
                 x, k_pages, v_pages = _run_block_fused(graphdef, attn_impl, state, x, cos, sin, slots, k_pages,
                                                        v_pages, jnp.int32(li), page_table, kv_lens, q_lens,
                                                        tree_mask, b, t)
-                if li in hidden_layers:
-                    kept[li] = x[:b * t].reshape(b, t, -1)
-                continue
-            layer_input, x, delta, k_pages, v_pages = _run_block(
-                graphdef, attn_impl, state, x, delta, rope, k_pages, v_pages, jnp.int32(li), page, offset,
-                page_table, kv_lens, q_lens, tree_mask)
-            if li - 1 in hidden_layers:
-                kept[li - 1] = layer_input
+            else:
+                x, k_pages, v_pages = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages,
+                                                 jnp.int32(li), page, offset, page_table, kv_lens, q_lens, tree_mask)
+            if li in hidden_layers:
+                kept[li] = x
         if fused:
-            x, delta = x[:b * t].reshape(b, t, -1), None
-        x, h = add_norm_ops(cfg.rms_norm_eps, norm_kernel(attn_impl) and not fused,
-                            jax.default_backend() != "gpu")(x, delta, self.final_norm[...])
-        kept.setdefault(cfg.num_layers - 1, x)
+            x = x[:b * t].reshape(b, t, -1)
+            kept = {li: h[:b * t].reshape(b, t, -1) for li, h in kept.items()}
         hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
-        return h, KVCache(k_pages, v_pages), hidden
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
 
 
 def causal_mask(t: int, segments=None):
@@ -249,36 +219,30 @@ def dense_forward(model: Llama, tokens, hidden_layers: tuple = (), segments=None
     rope = rope_table(positions, rope_frequencies(cfg))
     mask = None if segments is None else causal_mask(t, segments)[:, None]  # [B, 1, T, S]
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None).astype(q.dtype)
-    add_norm = add_norm_ops(cfg.rms_norm_eps)
-    x, delta = model.embed_tokens(tokens), None
+    x = model.embed_tokens(tokens)
     kept = {}
     for i, block in enumerate(model.layers):
-        layer_input, x, delta = block(x, delta, rope, attend, add_norm)
-        if i - 1 in hidden_layers:
-            kept[i - 1] = layer_input
-    x, h = add_norm(x, delta, model.final_norm[...])
-    kept.setdefault(cfg.num_layers - 1, x)
+        x = block(x, rope, attend)
+        if i in hidden_layers:
+            kept[i] = x
     hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
-    return h, hidden
+    return rms_norm(x, model.final_norm[...], cfg.rms_norm_eps), hidden
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _run_block(graphdef, attn_impl, state, x, delta, rope, k_pages, v_pages, layer, page, offset, page_table,
-               kv_lens, q_lens, tree_mask):
+def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, page, offset, page_table, kv_lens,
+               q_lens, tree_mask):
     """One layer, its K/V written into the pages at `layer` (a traced index). Jitted so that a
     program traces and lowers the layer once, not once per layer: identical calls hit JAX's trace
-    cache and share one lowered function, which XLA inlines (the executable is the unrolled one).
-    Returns Block.__call__'s (layer input, x, delta) and the pages."""
+    cache and share one lowered function, which XLA inlines (the executable is the unrolled one)."""
     def attend(q, k, v):
         nonlocal k_pages, v_pages
         k_pages = write_layer(k_pages, layer, k, page, offset)
         v_pages = write_layer(v_pages, layer, v, page, offset)
         return attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
                                          impl=attn_impl)
-    block = nnx.merge(graphdef, state)
-    add_norm = add_norm_ops(block.cfg.rms_norm_eps, norm_kernel(attn_impl), jax.default_backend() != "gpu")
-    layer_input, x, delta = block(x, delta, rope, attend, add_norm)
-    return layer_input, x, delta, k_pages, v_pages
+    x = nnx.merge(graphdef, state)(x, rope, attend)
+    return x, k_pages, v_pages
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 14, 15))

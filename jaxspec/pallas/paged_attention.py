@@ -6,11 +6,7 @@ group. It walks its split's share of the request's pages `pages_per_block` at a 
 [pages_per_block * page_size, D] tile gathered row by row through the page table: several pages'
 loads in flight per iteration) with an online softmax. With more than one split (split-K, for
 small batches and long contexts) each split writes its unnormalised partial output and
-log-sum-exp terms and counts itself done on an atomic counter; the split that finishes last
-merges them all. Queries are read from, and outputs written to, the tokens' own [B, T, Hq, D]
-layout. XLA ran the merge as three kernels and the relayouts as two more: on the H100 the
-Llama-3-8B decode step at batch 1 spent 237 us in them (decode-nocb-NVIDIA-H100-80GB-HBM3.json,
-3e6d947) besides the attention's own 208. The new tokens' visibility among
+log-sum-exp terms, and `combine_splits` merges them. The new tokens' visibility among
 themselves is either causal (computed) or a draft tree, passed bit-packed: bit j of
 tree_bits[b, t, j // 32] says query t may read new token j, so a [T, T] mask never leaves the
 tree-mask program as bools.
@@ -24,9 +20,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.attention_ref import NEG_INF
+from jaxspec.pallas.merge_splits import combine_splits, merge_splits
 from jaxspec.pallas.rows import full, triton_params
 
 SMS = 132  # H100 SXM multiprocessors: split-K aims to give each of them work
@@ -59,24 +55,19 @@ def _exp2(x, approx):
     return y
 
 
-def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *refs,
+def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
             group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
-            exp2_approx, tokens, num_q_heads, compiled):
+            exp2_approx):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
     rows = qb * block_rows + jnp.arange(block_rows)
     t = rows // group  # query token of each row
-    # each row's place in the tokens' layout, q and o seen as [B * T * Hq, D]; rows past the last
-    # token (the tile's padding) are neither read nor written
-    at = ((b * tokens + t) * num_q_heads + h * group + rows % group)[:, None], jnp.arange(q_ref.shape[1])[None, :]
-    real = (t < tokens)[:, None]
     # operands stay in the cache's dtype (bf16 tensor-core dots, f32 accumulation); float32 asks
     # for IEEE dots, not Triton's TF32 default, so float32 runs match the reference exactly
     precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
     # scores in base 2 (log2(e) folded into q's scale): exp2 is the hardware's exponential
-    q = plgpu.load(q_ref.at[at], mask=real, other=0).astype(jnp.float32)
-    q = (q * (scale if softcap is not None else scale * LOG2E)).astype(k_ref.dtype)
+    q = (q_ref[...].astype(jnp.float32) * (scale if softcap is not None else scale * LOG2E)).astype(k_ref.dtype)
     if not causal:
         w0 = bits_ref[b, :, 0]
         w1 = bits_ref[b, :, 1]
@@ -137,44 +128,19 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     unmasked = jnp.clip((kv_len - first * page_size) // block, 0, num_blocks)
     carry = jax.lax.fori_loop(0, unmasked, functools.partial(tile, masked=False), init)
     m, l, acc = jax.lax.fori_loop(unmasked, num_blocks, functools.partial(tile, masked=True), carry)
-    if splits == 1:
-        [o_ref] = refs
-        plgpu.store(o_ref.at[at], (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype), mask=real)
-        return
-    _, o_ref, count_ref, acc_ref, m_ref, l_ref = refs  # _: the counters as input, aliased to count_ref
-    part = (b, h, split, pl.ds(qb * block_rows, block_rows))
-    acc_ref[part] = acc
-    m_ref[part] = m
-    l_ref[part] = l
-    # every thread's partials stored before the counter's release (acq_rel, GPU scope) publishes them
-    if compiled:  # interpret mode runs programs one at a time
-        plgpu.debug_barrier()
-    item = (b * pl.num_programs(_axis(grid_order, "h")) + h) * pl.num_programs(_axis(grid_order, "q")) + qb
-    done = plgpu.atomic_add(count_ref, item, jnp.int32(1))
-
-    @pl.when(done == splits - 1)
-    def _merge():  # the last split of this (request, head, query block): every other one has stored
-        # volatile: read from L2, where the other programs' stores are, not from a stale L1 line
-        read = lambda ref, s: plgpu.load(ref.at[b, h, jnp.int32(s), pl.ds(qb * block_rows, block_rows)], volatile=True)
-        ms = [read(m_ref, s) for s in range(splits)]
-        m_all = functools.reduce(jnp.maximum, ms)
-        total, norm = jnp.zeros_like(acc), jnp.zeros_like(l)
-        for s in range(splits):  # unrolled: every split's loads in flight at once
-            w = jnp.exp2(ms[s] - m_all)  # an empty split: l = 0, acc = 0, weight 0 unless all are empty
-            total = total + read(acc_ref, s) * w[:, None]
-            norm = norm + read(l_ref, s) * w
-        plgpu.store(o_ref.at[at], (total / jnp.maximum(norm, 1e-30)[:, None]).astype(o_ref.dtype), mask=real)
-        count_ref[item] = jnp.int32(0)  # the counters come back zeroed: the next call may reuse them
+    if lse_refs:  # split-K: the partial result, merged by combine_splits
+        m_ref, l_ref = lse_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
 def _axes(grid_order, ids):
     """Grid indices (launch order) -> (request, kv head, query block, split)."""
     named = dict(zip(grid_order, ids))
     return named["b"], named["h"], named["q"], named["s"]
-
-
-def _axis(grid_order, name):
-    return grid_order.index(name)
 
 
 MAX_SPLITS = 16  # the combine reads every split's partial result, empty or not
@@ -200,7 +166,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                     pages_per_block=None, splits=None, grid_order=None, token_rows=None):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D], or with
     token_rows, [token_rows, Hq * D] (row b * T + t: the fused layers' layout; rows past B * T
-    unspecified).
+    unspecified), split-K partials merged straight into it by merge_splits.py.
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
@@ -221,6 +187,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     grid_order = grid_order or ("qhbs" if q_blocks > 1 else "bhqs")
     # a split's last block may run up to a block past the request's pages: padding (page 0), masked
     page_table = jnp.pad(page_table, ((0, 0), (0, ppb)))
+    qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
     causal = tree_mask is None
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     # Triton takes power-of-two arrays only (a 40-token tree's [40] words failed to lower on the
@@ -231,36 +199,43 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     # [L, N, ps, Hkv, D] -> [L, N * ps, Hkv, D]: adjacent axes merged, no copy
     k_rows = k_pages.reshape(k_pages.shape[0], -1, *k_pages.shape[3:])
     v_rows = v_pages.reshape(v_pages.shape[0], -1, *v_pages.shape[3:])
-    out_rows = token_rows or b * t
-    q_rows = q.reshape(b * t * hq, d)
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
-                               grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret,
-                               tokens=t, num_q_heads=hq, compiled=not interpret)
-    inputs = [layer, page_table, kv_lens, q_lens, bits, q_rows, k_rows, v_rows]
-    out_shape = [jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)]
-    aliases = {}
-    if splits > 1:
-        counters = jnp.zeros((b * hkv * q_blocks,), jnp.int32)  # zero again when the kernel returns
+                               grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret)
+
+    def spec(shape, index):  # index: (request, head, query block, split) -> block index
+        return pl.BlockSpec(shape, lambda *g: index(*_axes(grid_order, g)))
+
+    qspec = spec((None, None, block_rows, d), lambda i, j, k, s: (i, j, k, 0))
+    if splits == 1:
+        out_specs, out_shape = qspec, jax.ShapeDtypeStruct(qr.shape, q.dtype)
+    else:
         part = (b, hkv, splits, padded)
-        out_shape += [jax.ShapeDtypeStruct(counters.shape, jnp.int32), jax.ShapeDtypeStruct(part + (d,), jnp.float32),
-                      jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
-        aliases = {len(inputs): 1}
-        inputs.append(counters)
+        out_specs = (spec((None, None, None, block_rows, d), lambda i, j, k, s: (i, j, s, k, 0)),
+                     spec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)),
+                     spec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)))
+        out_shape = (jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32))
     out = pl.pallas_call(
         kernel,
         grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
-        in_specs=[full(x) for x in inputs],
-        out_specs=[full(x) for x in out_shape],
+        in_specs=[full(layer), full(page_table), full(kv_lens), full(q_lens), full(bits), qspec,
+                  full(k_rows), full(v_rows)],
+        out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
-    )(*inputs)[0]
-    return out.reshape(b, t, hq, d) if token_rows is None else out.reshape(out_rows, hq * d)
+    )(layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows)
+    if splits > 1 and token_rows is not None:
+        return merge_splits(*out, tokens=t, group=g, out_rows=token_rows, dtype=q.dtype, interpret=interpret)
+    if splits > 1:
+        out = combine_splits(*out).astype(q.dtype)
+    out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    return out if token_rows is None else token_layout(out, token_rows)
 
 
 def token_layout(out, token_rows):
     """[B, T, Hq, D] -> [token_rows, Hq * D], zero rows past B * T."""
     b, t, hq, d = out.shape
     return jnp.pad(out.reshape(b * t, hq * d), ((0, token_rows - b * t), (0, 0)))
+
