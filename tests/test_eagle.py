@@ -160,21 +160,6 @@ def test_eagle_overlapped_and_multi_step_calls_equal_synchronous(tiny):
         assert calls < sum(len(c.accept_lengths or []) for c in over) / 2  # several steps a call
 
 
-def test_a_verify_call_brings_a_row_no_more_tokens_than_a_plain_call(tiny):
-    """Steps a steady batch's verify call runs: up to 4, as many as bring a row, at the recent
-    accept length, the 8 tokens of a plain decode call (a stream's chunks come sooner, no bigger)."""
-    from jaxspec.scheduler import Request
-    head = DraftHead(HeadConfig.for_target(TINY, "eagle3", draft_vocab_size=48), rngs=nnx.Rngs(5))
-    sched = eagle_generator(tiny, head, TreeShape(3, 2, 6)).scheduler
-    reqs = [Request(0, [1, 2, 3], SamplingParams(max_tokens=50), 0)]
-    sched.running, sched.waiting = reqs, []
-    for accept, steps in ((None, 4), (1.0, 4), (2.5, 3), (3.2, 2), (9.0, 1)):
-        sched.recent_accept = accept
-        assert sched._verify_steps_now(reqs) == steps
-    sched.waiting = [Request(1, [4], SamplingParams(), 0)]  # a newcomer waits: one step a call
-    assert sched._verify_steps_now(reqs) == 1
-
-
 def test_draft_tree_is_parent_first_with_distinct_siblings(tiny, tiny_eagle3):
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
     gen = eagle_generator(tiny, head, TreeShape(3, 4, 16))

@@ -137,7 +137,6 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0,
                           behind_plain_steps=0, verified_rows=0, accepted=0)
-        self.recent_accept: float | None = None  # tokens a row emits per verify step, recent calls weighed most
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
 
@@ -307,17 +306,10 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
 
     def _verify_steps_now(self, reqs) -> int:
         """Speculative steps the next verify call runs: a device drafter's steps chain on the
-        device, up to MAX_VERIFY_STEPS while the batch is steady (as _decode_steps_now), and no more
-        than bring a row, at the recent accept length, the tokens a plain decode call does: a
-        stream then gets its chunks sooner with speculation, not bigger ones (at concurrency 1 a
-        call of 4 EAGLE-3 steps came every 6.8 ms, a plain call of 8 every 9.0 ms:
-        serve-NVIDIA-H100-80GB-HBM3.json at 98214b7)."""
+        device, up to MAX_VERIFY_STEPS while the batch is steady (as _decode_steps_now)."""
         if not self.device_drafter or self.decode_steps == 1:
             return 1
-        steps = self._decode_steps_now(reqs)
-        if steps > 1 and self.recent_accept:
-            steps = max(1, int(steps / max(1.0, self.recent_accept)))
-        return min(MAX_VERIFY_STEPS, steps)
+        return min(MAX_VERIFY_STEPS, self._decode_steps_now(reqs))
 
     def _time_step(self, kind, batch, now, prefill=False):
         if self.policy is not None:  # only a host drafter's policy reads the step times

@@ -78,10 +78,6 @@ class Outputs:
                 self.stats["accepted"] += c
                 self._emit(r, toks[i, s, :c].tolist(), None if lp is None else lp[i, s, :c].tolist(),
                            None if top_i is None else [(top_v[i, s, j], top_i[i, s, j]) for j in range(c)])
-        live = count[count > 0]
-        if live.size:
-            mean = float(live.mean())
-            self.recent_accept = mean if self.recent_accept is None else 0.8 * self.recent_accept + 0.2 * mean
         self.stats["verify_steps"] += 1
         self.stats["verify_time"] += f.host_s + time.perf_counter() - t0
 
