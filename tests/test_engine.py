@@ -219,30 +219,6 @@ def test_multi_step_decode_equals_one_step_a_call(tiny):
     assert small.scheduler.stats["preemptions"] > 0 and small.scheduler.pool.in_use == 0
 
 
-def test_chained_calls_keep_their_page_table_for_several_calls(tiny):
-    """A request growing in a chain takes a few free pages past its need, so most chained calls pass
-    the last call's page table as it is (a new one costs the launch a command-buffer update); every
-    page comes back."""
-    from jaxspec.scheduler import dispatch
-    gen = make_gen(tiny, page_size=16)
-    sched = gen.scheduler
-    seen = {"chained": 0, "new_table": 0}
-    chain = type(sched)._chain
-
-    def counting(self, f):
-        seen["chained"] += 1
-        seen["new_table"] += [len(r.pages) for r in f.reqs] != f.inputs["pages"]
-        return chain(self, f)
-    type(sched)._chain = counting
-    try:
-        out = gen.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=120, ignore_eos=True))
-    finally:
-        type(sched)._chain = chain
-    assert [len(c.token_ids) for c in out] == [120, 120]
-    assert seen["chained"] > 10 and seen["new_table"] <= seen["chained"] // 4  # 8 tokens a call: without slack a page every 2
-    assert dispatch.SLACK_PAGES > 0 and sched.pool.in_use == 0
-
-
 def test_sampling_seeded_reproducible_and_batch_independent(tiny):
     gen = make_gen(tiny)
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=20, seed=7, ignore_eos=True)

@@ -13,14 +13,6 @@ from jaxspec.sampling import SamplerFlags
 from jaxspec.scheduler.request import InFlight
 from jaxspec.scheduler.trees import PLAIN
 
-# Pages a request growing in a chain takes past its need, from free pages alone (no cached prefix
-# is evicted for them): its page table, an input of every call, then stays the same device array
-# for several calls. A call whose page table was put on the device anew took 1.3-1.8 ms of host
-# time to launch at batch 1 and 3.3-3.7 at batch 8 against 0.9-1.0 and 1.7-1.8 with the same
-# array (the recorded command buffer is updated; fresh_inputs-NVIDIA-H100-80GB-HBM3.json), and
-# without slack every other chained decode call, and most verify calls, put it anew.
-SLACK_PAGES = 4
-
 
 class Dispatch:
     def _host_work_while_device_runs(self, waits_for: InFlight):
@@ -219,14 +211,11 @@ class Dispatch:
         # accepting all it may (capped at a row's page-table width: the budget bounds its writes):
         span = f.steps if f.kind == "decode" else self._span(f.tree, f.nodes, f.steps)
         need = [self._pages_needed(r, 2 * span - 1) - len(r.pages) for r in f.reqs]
-        short = sum(max(0, x) for x in need)
-        if short > self.pool.available:
+        if sum(max(0, x) for x in need) > self.pool.available:
             return False
-        spare = max(0, len(self.pool.free) - short) // len(f.reqs)
         for r, x in zip(f.reqs, need):
             if x > 0:
-                most = self._pages_needed(r, r.params.max_tokens - len(r.output_ids) + 2 * span) - len(r.pages) - x
-                r.pages += self.pool.alloc(x + max(0, min(SLACK_PAGES, most, spare)))
+                r.pages += self.pool.alloc(x)
         self._decided = None
         return True
 
