@@ -289,7 +289,7 @@ def train(args, target=None, tokenizer=None):
     plot_curves(metrics_path, args.run)
     if args.export:  # also after a --max-minutes stop: the card says how many steps ran
         dt = getattr(jnp, args.export_dtype)
-        out = nnx.merge(graph, train_eagle.floats_as(params, dt), train_eagle.floats_as(rest, dt))
+        out = nnx.merge(graph, *train_eagle.floats_as((params, rest), dt))
         if args.kind == "dflash":
             from jaxspec.drafters.dflash import export_dflash
             export_dflash(out, args.export, target.cfg)
