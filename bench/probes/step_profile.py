@@ -1,0 +1,188 @@
+"""Where a speculative step's device time goes, by source: the rollout's loop (jaxspec.rollout:
+the engine's fused EAGLE-3 verify step in a lax.while_loop, no host in the way) beside the plain
+loop, SmolLM2-shaped target and EAGLE-3 head with random bf16 weights, at several batch sizes.
+
+Each row: ms a step (wall time of the whole rollout / its steps; the tree forced at every batch),
+then a profile without command buffers (JAXSPEC_COMMAND_BUFFERS="" in a child process, so that
+each kernel is seen) whose kernels are attributed to the jaxspec function that emitted their HLO
+op (the optimized HLO's metadata: source file and line -> the enclosing function).
+
+    python bench/probes/step_profile.py [--batches 1,8,32] [--tree 6:4:24] [--context 256]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+_SECTIONS = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def hlo_sources(hlo_text: str, depth: int = 3) -> dict:
+    """{instruction name: 'f > g > h'}: the Python call stack that made each op of an optimized HLO
+    module (its stack-frame tables), from the loop body's callee down, `depth` frames deep."""
+    sec, funcs, locs, frames, out = None, {}, {}, {}, {}
+    lines = hlo_text.splitlines()
+    for line in lines:
+        if line in _SECTIONS:
+            sec = line
+            continue
+        if sec and not line.strip():
+            sec = None
+        elif sec == "FunctionNames":
+            i, name = line.split(" ", 1)
+            funcs[int(i)] = name.strip('"')
+        elif sec in ("FileLocations", "StackFrames"):
+            (locs if sec == "FileLocations" else frames)[int(line.split()[0])] = dict(
+                (k, int(v)) for k, v in re.findall(r"(\w+)=(\d+)", line))
+
+    def chain(i):
+        names, seen = [], set()
+        while i and i in frames and i not in seen:  # the printed parent id is the parent's label + 1
+            seen.add(i)
+            names.append(funcs.get(locs[frames[i]["file_location_id"]]["function_name_id"], "?"))
+            i = frames[i]["parent_frame_id"] - 1
+        names = names[::-1]
+        body = [j for j, n in enumerate(names) if n.endswith("<locals>.body")]
+        return " > ".join(names[body[0] + 1 if body else 0:][:depth]) or "(loop)"
+
+    for line in lines:
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*stack_frame_id=(\d+)", line)
+        if m:
+            out[m.group(1)] = chain(int(m.group(2)))
+    return out
+
+
+def kernel_events(log_dir):
+    path = max(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
+    events = json.load(gzip.open(path))["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {p for p, n in procs.items() if "GPU" in n.upper()}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
+            and "stream" in threads.get((e["pid"], e.get("tid")), "").lower()]
+
+
+def attribute(events, sources: dict, steps: int):
+    """Kernel µs a step and kernels a step by source, and the unattributed kernels' names."""
+    norm = {k.replace(".", "_").replace("-", "_"): v for k, v in sources.items()}
+    by, unmatched = {}, {}
+    for e in events:
+        op = (e.get("args") or {}).get("hlo_op") or e["name"]
+        src = sources.get(op) or norm.get(op.replace(".", "_").replace("-", "_"))
+        if src is None:
+            src = "unmatched"
+            unmatched[e["name"][:60]] = unmatched.get(e["name"][:60], 0) + e["dur"] / steps
+        t, c = by.get(src, (0.0, 0))
+        by[src] = (t + e["dur"], c + 1)
+    rows = sorted(((k, t / steps, c / steps) for k, (t, c) in by.items()), key=lambda r: -r[1])
+    return rows, sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
+
+
+def child(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from common import SMOLLM2, random_model
+    from jaxspec.drafters.eagle import DraftHead, HeadConfig
+    from jaxspec.models import ModelConfig
+    from jaxspec.rollout import jit_rollout
+
+    cfg = ModelConfig(**SMOLLM2)
+    model = random_model(cfg, jnp.bfloat16)
+    head = DraftHead(HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=8192), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    steps, topk, nodes = map(int, args.tree.split(":"))
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        rng = np.random.default_rng(b)
+        prompts = jnp.asarray(rng.integers(100, cfg.vocab_size, (b, args.context)), jnp.int32)
+        lengths = jnp.full((b,), args.context, jnp.int32)
+        seeds = jnp.arange(b, dtype=jnp.uint32)
+        stop = jnp.full((b, 1), -1, jnp.int32)  # random weights: no row stops before max_new_tokens
+        for algo in ("none", "eagle3"):
+            conf = dict(algorithm=algo, max_new_tokens=args.max_tokens, max_verify_tokens=None)
+            if algo == "eagle3":
+                conf.update(num_steps=steps, topk=topk, num_draft_tokens=nodes)
+            fn, params, dparams = jit_rollout(model, head if algo == "eagle3" else None, **conf)
+            call = lambda: fn(params, dparams, prompts, lengths, seeds, stop_ids=stop)
+            out = jax.block_until_ready(call())
+            secs = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(call())
+                secs.append(time.perf_counter() - t0)
+            n_steps = int(np.asarray(out.steps).max())
+            row = dict(algorithm=algo if algo == "none" else f"eagle3:{args.tree}", batch=b, context=args.context,
+                       command_buffers=os.environ.get("JAXSPEC_COMMAND_BUFFERS", "engine"),
+                       steps=n_steps, ms_per_step=float(np.median(secs)) / n_steps * 1e3)
+            if args.profile and jax.default_backend() == "gpu":
+                import jax.profiler
+                text = fn.lower(params, dparams, prompts, lengths, seeds, stop_ids=stop).compile().as_text()
+                sources = hlo_sources(text)
+                if os.environ.get("STEP_PROFILE_HLO_DIR"):  # the optimized HLO beside the rows, to read later
+                    with gzip.open(os.path.join(os.environ["STEP_PROFILE_HLO_DIR"], f"{algo}-b{b}.hlo.gz"), "wt") as f:
+                        f.write(text)
+                log = tempfile.mkdtemp()
+                jax.profiler.start_trace(log)
+                jax.block_until_ready(call())
+                jax.profiler.stop_trace()
+                ev = kernel_events(log)
+                by, unmatched = attribute(ev, sources, n_steps)
+                row.update(kernel_ms=sum(e["dur"] for e in ev) / n_steps / 1e3, kernels=len(ev) / n_steps,
+                           by_source=[(k, round(t, 2), round(c, 2)) for k, t, c in by[:30]], unmatched=unmatched,
+                           sample_args=sorted((ev[0].get("args") or {}).keys()) if ev else None)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--tree", default="6:4:24")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--profile", action="store_true", help="(child) profile each row")
+    ap.add_argument("--child-out", default=None)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    if args.child_out:
+        json.dump(child(args), open(args.child_out, "w"))
+        return
+    from common import print_table, write_results
+    rows = []
+    for cb, profile in (("engine", False), ("", True)):
+        out = os.path.join(tempfile.mkdtemp(), "rows.json")
+        env = dict(os.environ)
+        if cb != "engine":
+            env["JAXSPEC_COMMAND_BUFFERS"] = cb
+        cmd = [sys.executable, __file__, "--batches", args.batches, "--tree", args.tree, "--context",
+               str(args.context), "--max-tokens", str(args.max_tokens), "--child-out", out] + (["--profile"] if profile else [])
+        subprocess.run(cmd, check=True, env=env)
+        rows += json.load(open(out))
+    print_table(rows, ["algorithm", "batch", "command_buffers", "steps", "ms_per_step", "kernel_ms", "kernels"])
+    for r in rows:
+        if r.get("by_source"):
+            print(f"\n{r['algorithm']} batch {r['batch']}: kernel µs a step by source (kernels a step)")
+            for k, t, c in r["by_source"][:16]:
+                print(f"  {t:9.1f}  {c:6.1f}  {k}")
+            if r["unmatched"]:
+                print("  unmatched:", r["unmatched"][:4], "args:", r["sample_args"])
+    print(write_results("step_profile" + args.tag, rows))
+
+
+if __name__ == "__main__":
+    main()
