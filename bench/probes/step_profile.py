@@ -75,19 +75,26 @@ def kernel_events(log_dir):
 
 
 def attribute(events, sources: dict, steps: int):
-    """Kernel µs a step and kernels a step by source, and the unattributed kernels' names."""
+    """Kernel µs a step and kernels a step by source, the kernels one by one (name, source, µs and
+    launches a step), and a few unattributed kernels' profile args. XLA names a fusion's kernel
+    after its instruction ('.' -> '_'); other kernels (cuBLAS, Pallas) carry it as the `hlo_op` arg."""
     norm = {k.replace(".", "_").replace("-", "_"): v for k, v in sources.items()}
-    by, unmatched = {}, {}
+    by, kernels, odd = {}, {}, []
     for e in events:
-        op = (e.get("args") or {}).get("hlo_op") or e["name"]
-        src = sources.get(op) or norm.get(op.replace(".", "_").replace("-", "_"))
+        args = e.get("args") or {}
+        src = norm.get(e["name"]) or sources.get(args.get("hlo_op", "")) or norm.get(
+            str(args.get("hlo_op", "")).replace(".", "_").replace("-", "_"))
         if src is None:
-            src = "unmatched"
-            unmatched[e["name"][:60]] = unmatched.get(e["name"][:60], 0) + e["dur"] / steps
+            src = "?"
+            if len(odd) < 6:
+                odd.append({k: str(v)[:80] for k, v in args.items() if k in ("hlo_op", "hlo_module", "tf_op")})
         t, c = by.get(src, (0.0, 0))
         by[src] = (t + e["dur"], c + 1)
+        t, c = kernels.get((e["name"][:70], src), (0.0, 0))
+        kernels[(e["name"][:70], src)] = (t + e["dur"], c + 1)
     rows = sorted(((k, t / steps, c / steps) for k, (t, c) in by.items()), key=lambda r: -r[1])
-    return rows, sorted(unmatched.items(), key=lambda kv: -kv[1])[:8]
+    each = sorted(((n, s, t / steps, c / steps) for (n, s), (t, c) in kernels.items()), key=lambda r: -r[2])
+    return rows, each, odd
 
 
 def child(args):
@@ -112,7 +119,7 @@ def child(args):
         lengths = jnp.full((b,), args.context, jnp.int32)
         seeds = jnp.arange(b, dtype=jnp.uint32)
         stop = jnp.full((b, 1), -1, jnp.int32)  # random weights: no row stops before max_new_tokens
-        for algo in ("none", "eagle3"):
+        for algo in args.algos.split(","):
             conf = dict(algorithm=algo, max_new_tokens=args.max_tokens, max_verify_tokens=None)
             if algo == "eagle3":
                 conf.update(num_steps=steps, topk=topk, num_draft_tokens=nodes)
@@ -140,12 +147,13 @@ def child(args):
                 jax.block_until_ready(call())
                 jax.profiler.stop_trace()
                 ev = kernel_events(log)
-                by, unmatched = attribute(ev, sources, n_steps)
+                by, each, odd = attribute(ev, sources, n_steps)
                 row.update(kernel_ms=sum(e["dur"] for e in ev) / n_steps / 1e3, kernels=len(ev) / n_steps,
-                           by_source=[(k, round(t, 2), round(c, 2)) for k, t, c in by[:30]], unmatched=unmatched,
-                           sample_args=sorted((ev[0].get("args") or {}).keys()) if ev else None)
+                           by_source=[(k, round(t, 2), round(c, 2)) for k, t, c in by],
+                           kernels_each=[(n, s, round(t, 2), round(c, 2)) for n, s, t, c in each[:200]],
+                           unattributed_args=odd)
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels_each"}), flush=True)
     return rows
 
 
@@ -157,6 +165,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--profile", action="store_true", help="(child) profile each row")
     ap.add_argument("--child-out", default=None)
+    ap.add_argument("--only-profile", action="store_true", help="skip the run with the engine's command buffers")
+    ap.add_argument("--algos", default="none,eagle3")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.child_out:
@@ -164,13 +174,14 @@ def main():
         return
     from common import print_table, write_results
     rows = []
-    for cb, profile in (("engine", False), ("", True)):
+    for cb, profile in (("engine", False), ("", True))[args.only_profile:]:
         out = os.path.join(tempfile.mkdtemp(), "rows.json")
         env = dict(os.environ)
         if cb != "engine":
             env["JAXSPEC_COMMAND_BUFFERS"] = cb
         cmd = [sys.executable, __file__, "--batches", args.batches, "--tree", args.tree, "--context",
-               str(args.context), "--max-tokens", str(args.max_tokens), "--child-out", out] + (["--profile"] if profile else [])
+               str(args.context), "--max-tokens", str(args.max_tokens), "--algos", args.algos, "--child-out", out]
+        cmd += ["--profile"] if profile else []
         subprocess.run(cmd, check=True, env=env)
         rows += json.load(open(out))
     print_table(rows, ["algorithm", "batch", "command_buffers", "steps", "ms_per_step", "kernel_ms", "kernels"])
@@ -179,8 +190,8 @@ def main():
             print(f"\n{r['algorithm']} batch {r['batch']}: kernel µs a step by source (kernels a step)")
             for k, t, c in r["by_source"][:16]:
                 print(f"  {t:9.1f}  {c:6.1f}  {k}")
-            if r["unmatched"]:
-                print("  unmatched:", r["unmatched"][:4], "args:", r["sample_args"])
+            if r["unattributed_args"]:
+                print("  unattributed:", r["unattributed_args"][:3])
     print(write_results("step_profile" + args.tag, rows))
 
 
