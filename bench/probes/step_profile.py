@@ -7,7 +7,7 @@ then a profile without command buffers (JAXSPEC_COMMAND_BUFFERS="" in a child pr
 each kernel is seen) whose kernels are attributed to the jaxspec function that emitted their HLO
 op (the optimized HLO's metadata: source file and line -> the enclosing function).
 
-    python bench/probes/step_profile.py [--batches 1,8,32] [--tree 6:4:24] [--context 256]
+    python bench/probes/step_profile.py [--batches 1,8,32] [--algos none,eagle3:6:4:24] [--attn-impls auto,pallas]
 """
 from __future__ import annotations
 
@@ -111,7 +111,6 @@ def child(args):
     cfg = ModelConfig(**SMOLLM2)
     model = random_model(cfg, jnp.bfloat16)
     head = DraftHead(HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=8192), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    steps, topk, nodes = map(int, args.tree.split(":"))
     rows = []
     for b in map(int, args.batches.split(",")):
         rng = np.random.default_rng(b)
@@ -119,11 +118,13 @@ def child(args):
         lengths = jnp.full((b,), args.context, jnp.int32)
         seeds = jnp.arange(b, dtype=jnp.uint32)
         stop = jnp.full((b, 1), -1, jnp.int32)  # random weights: no row stops before max_new_tokens
-        for algo in args.algos.split(","):
-            conf = dict(algorithm=algo, max_new_tokens=args.max_tokens, max_verify_tokens=None)
-            if algo == "eagle3":
-                conf.update(num_steps=steps, topk=topk, num_draft_tokens=nodes)
-            fn, params, dparams = jit_rollout(model, head if algo == "eagle3" else None, **conf)
+        for algo, impl in [(a, i) for a in args.algos.split(",") for i in args.attn_impls.split(",")
+                           if a != "none" or i == args.attn_impls.split(",")[0]]:
+            name, *tree = algo.split(":")
+            conf = dict(algorithm=name, max_new_tokens=args.max_tokens, max_verify_tokens=None, attn_impl=impl)
+            if tree:
+                conf.update(zip(("num_steps", "topk", "num_draft_tokens"), map(int, tree)))
+            fn, params, dparams = jit_rollout(model, head if name == "eagle3" else None, **conf)
             call = lambda: fn(params, dparams, prompts, lengths, seeds, stop_ids=stop)
             out = jax.block_until_ready(call())
             secs = []
@@ -132,7 +133,8 @@ def child(args):
                 out = jax.block_until_ready(call())
                 secs.append(time.perf_counter() - t0)
             n_steps = int(np.asarray(out.steps).max())
-            row = dict(algorithm=algo if algo == "none" else f"eagle3:{args.tree}", batch=b, context=args.context,
+            row = dict(algorithm=algo, attn_impl=impl, batch=b,
+                       context=args.context,
                        command_buffers=os.environ.get("JAXSPEC_COMMAND_BUFFERS", "engine"),
                        steps=n_steps, ms_per_step=float(np.median(secs)) / n_steps * 1e3)
             if args.profile and jax.default_backend() == "gpu":
@@ -140,7 +142,7 @@ def child(args):
                 text = fn.lower(params, dparams, prompts, lengths, seeds, stop_ids=stop).compile().as_text()
                 sources = hlo_sources(text)
                 if os.environ.get("STEP_PROFILE_HLO_DIR"):  # the optimized HLO beside the rows, to read later
-                    with gzip.open(os.path.join(os.environ["STEP_PROFILE_HLO_DIR"], f"{algo}-b{b}.hlo.gz"), "wt") as f:
+                    with gzip.open(os.path.join(os.environ["STEP_PROFILE_HLO_DIR"], f"{name}-{impl}-b{b}.hlo.gz"), "wt") as f:
                         f.write(text)
                 log = tempfile.mkdtemp()
                 jax.profiler.start_trace(log)
@@ -160,13 +162,14 @@ def child(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--tree", default="6:4:24")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--profile", action="store_true", help="(child) profile each row")
     ap.add_argument("--child-out", default=None)
     ap.add_argument("--only-profile", action="store_true", help="skip the run with the engine's command buffers")
-    ap.add_argument("--algos", default="none,eagle3")
+    ap.add_argument("--timing-only", action="store_true", help="skip the profile (the run without command buffers)")
+    ap.add_argument("--algos", default="none,eagle3:6:4:24")
+    ap.add_argument("--attn-impls", default="auto", help="e.g. auto,pallas: the verify's Mosaic kernel against Triton's")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.child_out:
@@ -174,17 +177,19 @@ def main():
         return
     from common import print_table, write_results
     rows = []
-    for cb, profile in (("engine", False), ("", True))[args.only_profile:]:
+    passes = (("engine", False), ("", True))
+    for cb, profile in passes[1:] if args.only_profile else passes[:1] if args.timing_only else passes:
         out = os.path.join(tempfile.mkdtemp(), "rows.json")
         env = dict(os.environ)
         if cb != "engine":
             env["JAXSPEC_COMMAND_BUFFERS"] = cb
-        cmd = [sys.executable, __file__, "--batches", args.batches, "--tree", args.tree, "--context",
-               str(args.context), "--max-tokens", str(args.max_tokens), "--algos", args.algos, "--child-out", out]
+        cmd = [sys.executable, __file__, "--batches", args.batches, "--context",
+               str(args.context), "--max-tokens", str(args.max_tokens), "--algos", args.algos, "--child-out", out,
+               "--attn-impls", args.attn_impls]
         cmd += ["--profile"] if profile else []
         subprocess.run(cmd, check=True, env=env)
         rows += json.load(open(out))
-    print_table(rows, ["algorithm", "batch", "command_buffers", "steps", "ms_per_step", "kernel_ms", "kernels"])
+    print_table(rows, ["algorithm", "attn_impl", "batch", "command_buffers", "steps", "ms_per_step", "kernel_ms", "kernels"])
     for r in rows:
         if r.get("by_source"):
             print(f"\n{r['algorithm']} batch {r['batch']}: kernel µs a step by source (kernels a step)")
