@@ -1,0 +1,130 @@
+"""Does a chained call re-record its command buffer because its outputs land at new addresses?
+
+XLA updates a program's recorded CUDA graph before a launch whenever an allocation its commands
+use moved since the last launch (command_buffer_thunk.cc); bench/probes/launch_trace.py saw
+`command_buffer::update` on every engine call (1.4 ms a call at batch 1, 2.8 at batch 8, H100).
+A small program with a device-side loop (the engine's kind) is launched in chains, each call's
+carry donated, in four ways:
+
+  fresh      outputs are new buffers; the host reads call t after launching t + 1 (the engine)
+  donated    the read-back outputs written into a donated buffer; the host reads call t before
+             launching t + 1 (no overlap: the addresses cannot move)
+  two-sets   two loaded copies of the program, each with its own donated read-back buffers, in
+             turn: the host reads call t after launching t + 1 on the other copy
+  two-fresh  two copies in turn, read-back outputs new buffers (does alternation alone help?)
+
+Rows: host ms a launch takes to return, ms a call over the chain, and the command-buffer updates
+XLA logged (TF_CPP_VMODULE, a child process per way).
+
+    python bench/probes/cmdbuf_update.py [--calls 200]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+WAYS = ("fresh", "donated", "two-sets", "two-fresh")
+
+
+def child(way, calls, width, layers):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import serialize_executable
+
+    from jaxspec.compile_options import loop_options
+
+    ws = [jax.random.normal(jax.random.key(i), (width, width), jnp.bfloat16) / width ** 0.5 for i in range(layers)]
+    steps = 4
+
+    def loop(ws, x, n):
+        def body(i, c):
+            x, out = c
+            for w in ws:
+                x = jnp.tanh(x @ w)
+            return x, out.at[i].set(x[:, :8].astype(jnp.float32))
+        return jax.lax.fori_loop(0, n, body, (x, jnp.zeros((steps,) + (x.shape[0], 8), jnp.float32)))
+
+    if way in ("fresh", "two-fresh"):
+        fn = jax.jit(lambda ws, x, n: loop(ws, x, n), donate_argnums=(1,), compiler_options=loop_options())
+    else:
+        def into(ws, x, n, out):
+            x, o = loop(ws, x, n)
+            return x, out.at[...].set(o)  # written into the donated buffer
+        fn = jax.jit(into, donate_argnums=(1, 3), compiler_options=loop_options())
+    x0 = jnp.ones((8, width), jnp.bfloat16)
+    n = jnp.int32(steps)
+    args = (ws, x0, n) + (() if way in ("fresh", "two-fresh") else (jnp.zeros((steps, 8, 8), jnp.float32),))
+    compiled = fn.lower(*args).compile()
+    copies = [compiled]
+    if way.startswith("two"):
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        copies = [serialize_executable.deserialize_and_load(payload, in_tree, out_tree) for _ in range(2)]
+    outs = [jnp.zeros((steps, 8, 8), jnp.float32) for _ in copies]
+    x = jnp.ones((8, width), jnp.bfloat16)
+    launch, pending, got = [], None, 0.0
+    jax.block_until_ready(x)
+    t_start = time.perf_counter()
+    for i in range(calls):
+        c = i % len(copies)
+        t0 = time.perf_counter()
+        if way in ("fresh", "two-fresh"):
+            x, out = copies[c](ws, x, n)
+        else:
+            x, out = copies[c](ws, x, n, outs[c])
+        launch.append(time.perf_counter() - t0)
+        if way == "donated":
+            got += float(np.asarray(out)[0, 0, 0])  # read before the next launch
+            outs[c] = out
+        else:
+            if pending is not None:
+                got += float(np.asarray(pending[1])[0, 0, 0])  # read call t after launching t + 1
+                if way == "two-sets":
+                    outs[pending[0]] = pending[1]
+            pending = (c, out)
+    jax.block_until_ready(x)
+    total = time.perf_counter() - t_start
+    return dict(way=way, calls=calls, launch_ms=1e3 * float(np.median(launch[10:])), call_ms=1e3 * total / calls,
+                checksum=got)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    if args.child:
+        print("ROW " + json.dumps(child(args.child, args.calls, args.width, args.layers)), flush=True)
+        return
+    from common import print_table, write_results
+    rows = []
+    for way in WAYS:
+        env = dict(os.environ, TF_CPP_VMODULE="command_buffer_thunk=3", TF_CPP_MIN_LOG_LEVEL="0")
+        p = subprocess.run([sys.executable, __file__, "--child", way, "--calls", str(args.calls), "--width",
+                            str(args.width), "--layers", str(args.layers)], env=env, capture_output=True, text=True)
+        line = [l for l in p.stdout.splitlines() if l.startswith("ROW ")]
+        if not line:
+            print(p.stdout[-2000:], p.stderr[-4000:])
+            continue
+        row = json.loads(line[0][4:])
+        row["updates"] = len(re.findall(r"Update command buffer", p.stderr))
+        row["updated_allocs"] = sorted(set(re.findall(r"updated_allocs=(\d+)", p.stderr)))[:6]
+        rows.append(row)
+        print_table(rows[-1:], ["way", "calls", "launch_ms", "call_ms", "updates", "updated_allocs"])
+    print_table(rows, ["way", "calls", "launch_ms", "call_ms", "updates", "updated_allocs"])
+    print(write_results("cmdbuf_update" + args.tag, rows))
+
+
+if __name__ == "__main__":
+    main()
