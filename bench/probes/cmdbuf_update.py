@@ -14,7 +14,7 @@ carry donated, in four ways:
   two-fresh  two copies in turn, read-back outputs new buffers (does alternation alone help?)
 
 Rows: host ms a launch takes to return, ms a call over the chain, and the command-buffer updates
-XLA logged (TF_CPP_VMODULE, a child process per way).
+seen in a profile of 40 more calls (a child process per way).
 
     python bench/probes/cmdbuf_update.py [--calls 200]
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 WAYS = ("fresh", "donated", "two-sets", "two-fresh")
+COLS = ["way", "calls", "launch_ms", "call_ms", "updates_per_call", "updates_ms", "executes_ms", "graph_launch_ms"]
 
 
 def child(way, calls, width, layers):
@@ -70,30 +70,55 @@ def child(way, calls, width, layers):
         copies = [serialize_executable.deserialize_and_load(payload, in_tree, out_tree) for _ in range(2)]
     outs = [jnp.zeros((steps, 8, 8), jnp.float32) for _ in copies]
     x = jnp.ones((8, width), jnp.bfloat16)
-    launch, pending, got = [], None, 0.0
-    jax.block_until_ready(x)
+    state = dict(x=x, pending=None, got=0.0)
+
+    def chain(calls):
+        launch = []
+        x, pending, got = state["x"], state["pending"], state["got"]
+        for i in range(calls):
+            c = i % len(copies)
+            t0 = time.perf_counter()
+            if way in ("fresh", "two-fresh"):
+                x, out = copies[c](ws, x, n)
+            else:
+                x, out = copies[c](ws, x, n, outs[c])
+            launch.append(time.perf_counter() - t0)
+            if way == "donated":
+                got += float(np.asarray(out)[0, 0, 0])  # read before the next launch
+                outs[c] = out
+            else:
+                if pending is not None:
+                    got += float(np.asarray(pending[1])[0, 0, 0])  # read call t after launching t + 1
+                    if way == "two-sets":
+                        outs[pending[0]] = pending[1]
+                pending = (c, out)
+        state.update(x=x, pending=pending, got=got)
+        jax.block_until_ready(x)
+        return launch
+
+    chain(20)
     t_start = time.perf_counter()
-    for i in range(calls):
-        c = i % len(copies)
-        t0 = time.perf_counter()
-        if way in ("fresh", "two-fresh"):
-            x, out = copies[c](ws, x, n)
-        else:
-            x, out = copies[c](ws, x, n, outs[c])
-        launch.append(time.perf_counter() - t0)
-        if way == "donated":
-            got += float(np.asarray(out)[0, 0, 0])  # read before the next launch
-            outs[c] = out
-        else:
-            if pending is not None:
-                got += float(np.asarray(pending[1])[0, 0, 0])  # read call t after launching t + 1
-                if way == "two-sets":
-                    outs[pending[0]] = pending[1]
-            pending = (c, out)
-    jax.block_until_ready(x)
+    launch = chain(calls)
     total = time.perf_counter() - t_start
-    return dict(way=way, calls=calls, launch_ms=1e3 * float(np.median(launch[10:])), call_ms=1e3 * total / calls,
-                checksum=got)
+    row = dict(way=way, calls=calls, launch_ms=1e3 * float(np.median(launch)), call_ms=1e3 * total / calls,
+               checksum=state["got"])
+    if jax.default_backend() == "gpu":  # the runtime's own events: updates and graph launches a call
+        import tempfile
+
+        from launch_trace import host_events
+        log = tempfile.mkdtemp()
+        jax.profiler.start_trace(log)
+        chain(40)
+        jax.profiler.stop_trace()
+        ev = host_events(log)
+        for key, name in (("updates", "command_buffer::update"), ("executes", "command_buffer::execute"),
+                          ("initializes", "command_buffer::initialize")):
+            hits = [d for nm, _, d in ev if nm == name]
+            row[key + "_per_call"] = len(hits) / 40
+            row[key + "_ms"] = sum(hits) / 1e3 / 40
+        graph = [d for nm, _, d in ev if nm.startswith("cuGraphLaunch")]
+        row["graph_launch_ms"] = sum(graph) / 1e3 / max(len(graph), 1)
+    return row
 
 
 def main():
@@ -110,7 +135,7 @@ def main():
     from common import print_table, write_results
     rows = []
     for way in WAYS:
-        env = dict(os.environ, TF_CPP_VMODULE="command_buffer_thunk=3", TF_CPP_MIN_LOG_LEVEL="0")
+        env = dict(os.environ)
         p = subprocess.run([sys.executable, __file__, "--child", way, "--calls", str(args.calls), "--width",
                             str(args.width), "--layers", str(args.layers)], env=env, capture_output=True, text=True)
         line = [l for l in p.stdout.splitlines() if l.startswith("ROW ")]
@@ -118,11 +143,9 @@ def main():
             print(p.stdout[-2000:], p.stderr[-4000:])
             continue
         row = json.loads(line[0][4:])
-        row["updates"] = len(re.findall(r"Update command buffer", p.stderr))
-        row["updated_allocs"] = sorted(set(re.findall(r"updated_allocs=(\d+)", p.stderr)))[:6]
         rows.append(row)
-        print_table(rows[-1:], ["way", "calls", "launch_ms", "call_ms", "updates", "updated_allocs"])
-    print_table(rows, ["way", "calls", "launch_ms", "call_ms", "updates", "updated_allocs"])
+        print_table(rows[-1:], COLS)
+    print_table(rows, COLS)
     print(write_results("cmdbuf_update" + args.tag, rows))
 
 
