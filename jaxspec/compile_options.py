@@ -37,6 +37,17 @@ if os.environ.get("JAXSPEC_COMMAND_BUFFERS") is not None:  # probes: "" turns th
     COMMAND_BUFFERS = os.environ["JAXSPEC_COMMAND_BUFFERS"] or None
 XLA_SORT_PROGRAMS = ("decode",)
 
+# XLA re-records a program's command buffer before a launch whenever a buffer its commands use
+# moved since its last launch (command_buffer_thunk.cc). A chained call is launched while the last
+# call's outputs are still held (the host reads them next), so its outputs land elsewhere: every
+# engine call was re-recorded, 1.4 ms of host time a call at batch 1 and 2.8 ms at batch 8 for
+# EAGLE-3 (launch_trace-NVIDIA-H100-80GB-HBM3.json). Two loaded copies of each program used in
+# turn each see their own outputs' addresses come back every other call: in a chain of a small
+# looping program 0.025 updates a call instead of 1, 0.48 ms a call instead of 0.66
+# (cmdbuf_update-NVIDIA-H100-80GB-HBM3.json, 'two-fresh' against 'fresh'). Programs reads this
+# when it builds; probes set it False to compare.
+TWIN_EXECUTABLES = True
+
 
 def loop_options(xla_sort: bool = True) -> dict | None:
     """XLA options that keep a program's loops and conditionals on the device (COMMAND_BUFFERS);
@@ -44,6 +55,12 @@ def loop_options(xla_sort: bool = True) -> dict | None:
     if jax.default_backend() != "gpu" or not COMMAND_BUFFERS:
         return None
     return {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_enable_cub_radix_sort": not xla_sort}
+
+
+def twin_executables() -> bool:
+    """Whether programs are loaded twice and used in turn (TWIN_EXECUTABLES): on a GPU with
+    command buffers only."""
+    return TWIN_EXECUTABLES and jax.default_backend() == "gpu" and bool(COMMAND_BUFFERS)
 
 
 def program_options(name: str, args) -> dict | None:

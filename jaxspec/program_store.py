@@ -113,6 +113,18 @@ def load_executable(store: str, name: str):
         return None
 
 
+def loaded_copy(compiled):
+    """(a second executable of the same compiled program, loaded anew with its own command
+    buffers, on one device, None) or (None, why not)."""
+    try:
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        _load_kernel_runtimes()
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                         execution_devices=jax.devices()[:1]), None
+    except Exception as e:  # noqa: BLE001 - then the one executable serves every call
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
 _THREAD = threading.local()
 
 

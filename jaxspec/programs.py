@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import program_store, sampling
-from jaxspec.compile_options import program_options
+from jaxspec.compile_options import program_options, twin_executables
 from jaxspec.verify import verify_and_accept
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -160,6 +160,9 @@ class Programs:
         self._target_leaves = len(jax.tree.leaves(state[0])) if head is not None else len(self.state)
         self.fns = {name: _with_state(treedef, fn) for name, fn in fns.items()}
         self.table: dict[tuple, object] = {}
+        # a second loaded copy of each program, used in turn with the first (compile_options.TWIN_EXECUTABLES)
+        self.twins: dict[tuple, list] = {}
+        self.twin_errors: list[str] = []
         self.build_seconds = {"lower": 0.0, "compile": 0.0}  # of build(): tracing + lowering, then compiling
         self.store_reads = 0  # programs read back from the store rather than traced
         self.executable_reads = 0  # of those, read back compiled
@@ -198,13 +201,32 @@ class Programs:
             with self._traced():
                 return self.fns[name](self.state, cache, *args, flags=flags)
         key = (name, flags, _signature((cache, args)))
-        exe = self.table.get(key)
-        if exe is None:
-            exe = self.table[key] = self._count_read(self._read_executable(name, flags, cache, args)) or self._compile(
-                name, flags, cache, args)
+        if key not in self.table:
+            spec = (name, flags, cache, args)
+            self._install(key, self._count_read(self._read_executable(*spec)) or self._compile(*spec), spec)
             if self.warm:
                 self.late_compiles.append(key)
-        return exe(self.state, cache, *args)
+        pair = self.twins.get(key)
+        if pair is None:
+            return self.table[key](self.state, cache, *args)
+        pair.reverse()
+        return pair[0](self.state, cache, *args)
+
+    def _install(self, key, exe, spec):
+        """Keep a built program, and where twin_executables() holds a second loaded copy of it: the
+        store's file read again (an executable loaded from it may not serialize again), else the
+        executable serialized and loaded. A copy that cannot be made is noted in twin_errors."""
+        self.table[key] = exe
+        if not twin_executables() or self.mesh is not None:
+            return
+        file = self.store and self._executable_name(*spec)
+        twin = file and program_store.load_executable(self.store, file)
+        if not twin:
+            twin, error = program_store.loaded_copy(exe)
+            if twin is None:
+                self.twin_errors.append(f"{key[0]}: {error}")
+                return
+        self.twins[key] = [twin, exe]
 
     def _executable_name(self, name, flags, cache, args) -> str | None:
         return self.store and program_store.executable_name(self.entry(name, flags, cache, args), program_options(name, args))
@@ -285,7 +307,7 @@ class Programs:
                 for fut in concurrent.futures.as_completed(futures):
                     key = futures[fut]
                     exe = self._count_read(fut.result()) if key in kept else fut.result()
-                    self.table[key] = exe or self._compile(*todo[key])  # an unreadable one is compiled again
+                    self._install(key, exe or self._compile(*todo[key]), todo[key])  # an unreadable one is compiled again
                     if bar is not None:
                         bar.update(1)
             if bar is not None:
