@@ -34,14 +34,14 @@ def child(model_path, algo, cache_dir, started, mixed, out):
     import numpy as np
     from jaxspec import Generator, SamplingParams
     import jax
-    from jaxspec.programs import compile_count
+    from jaxspec.program_store import compile_count
     imported_s = time.time() - started  # the interpreter's start and the imports
     jax.devices()
     backend_s = time.time() - started - imported_s
     events = {}
     jax.monitoring.register_event_listener(lambda e, **_: events.__setitem__(e, events.get(e, 0) + 1))
     t0 = time.perf_counter()
-    from jaxspec.programs import enable_compilation_cache
+    from jaxspec.program_store import enable_compilation_cache
     enable_compilation_cache(cache_dir)  # as Generator.from_pretrained does, whose steps are timed here
     if os.environ.get("STARTUP_RANDOM_WEIGHTS"):  # SmolLM2's shapes, weights made on the device
         import jax.numpy as jnp

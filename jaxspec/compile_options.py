@@ -44,9 +44,11 @@ XLA_SORT_PROGRAMS = ("decode",)
 # EAGLE-3 (launch_trace-NVIDIA-H100-80GB-HBM3.json). Two loaded copies of each program used in
 # turn each see their own outputs' addresses come back every other call: in a chain of a small
 # looping program 0.025 updates a call instead of 1, 0.48 ms a call instead of 0.66
-# (cmdbuf_update-NVIDIA-H100-80GB-HBM3.json, 'two-fresh' against 'fresh'). Programs reads this
-# when it builds; probes set it False to compare.
-TWIN_EXECUTABLES = True
+# (cmdbuf_update-NVIDIA-H100-80GB-HBM3.json, 'two-fresh' against 'fresh'). In the engine the gain
+# is not measured yet: the one A/B run made no twins (launch_trace-twins-*.json: one copy), so they
+# stay off until bench/probes/launch_trace.py --twins on,off shows them paying. Programs reads this
+# when it builds.
+TWIN_EXECUTABLES = False
 
 
 def loop_options(xla_sort: bool = True) -> dict | None:

@@ -6,7 +6,7 @@ from typing import Iterator, Sequence
 
 from jaxspec.detokenize import IncrementalText
 from jaxspec.models.loading import load
-from jaxspec.programs import enable_compilation_cache
+from jaxspec.program_store import enable_compilation_cache
 from jaxspec.speculative import SpecConfig
 from jaxspec.sampling import SamplingParams
 from jaxspec.scheduler import Request, Scheduler

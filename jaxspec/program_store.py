@@ -18,6 +18,9 @@ An entry's name hashes everything the module depends on: jaxspec's source, the j
 versions, the device, the model's and drafter's configs, the program's name, sampler flags and
 argument shapes. An unreadable entry is rebuilt. (Executables are pickled: the store is the
 user's own cache folder, read by nobody else.)
+
+Also here: the switch of JAX's persistent compilation cache, the count of executables built, and
+a program's twin (a second loaded copy: compile_options.TWIN_EXECUTABLES).
 """
 from __future__ import annotations
 
@@ -113,9 +116,15 @@ def load_executable(store: str, name: str):
         return None
 
 
-def loaded_copy(compiled):
-    """(a second executable of the same compiled program, loaded anew with its own command
-    buffers, on one device, None) or (None, why not)."""
+def twin(compiled, store: str | None, name: str | None):
+    """(a second executable of a program, loaded anew with its own command buffers, None) or (None,
+    why not): the store's entry `name` read again, or without a store (every program compiled in
+    this process) `compiled` serialized and loaded. A program that JAX's persistent cache supplied
+    (the store keeps none of those) gets none: serialized again such an executable, like one
+    loaded from a file, can load without its functions (compile_lowered)."""
+    if store:
+        exe = load_executable(store, name)
+        return (exe, None) if exe else (None, "no executable in the store (supplied by the compilation cache)")
     try:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         _load_kernel_runtimes()
@@ -123,6 +132,42 @@ def loaded_copy(compiled):
                                                          execution_devices=jax.devices()[:1]), None
     except Exception as e:  # noqa: BLE001 - then the one executable serves every call
         return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache (its keys hold the program, the jax version, the
+    backend and the XLA flags, so an entry never serves another configuration). path: a folder,
+    'off', or None for $JAXSPEC_CACHE_DIR or ~/.cache/jaxspec/xla. A folder set through
+    JAX_COMPILATION_CACHE_DIR or jax.config is kept. Returns the folder in use."""
+    from jax.experimental.compilation_cache import compilation_cache
+    current = jax.config.jax_compilation_cache_dir
+    path = path or os.environ.get("JAXSPEC_CACHE_DIR")
+    if current and path is None:
+        return current
+    if path != "off":
+        path = path or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "xla")
+        os.makedirs(path, exist_ok=True)
+    new = None if path == "off" else path
+    if new != current:
+        jax.config.update("jax_compilation_cache_dir", new)
+        compilation_cache.reset_cache()  # JAX decides once whether to use it: make it decide again
+    return new
+
+
+_COMPILES = [0]
+
+
+def _count_compiles(event, *_, **__):
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compile_count() -> int:
+    """Executables this process has built so far (fresh or from the persistent cache), any program."""
+    return _COMPILES[0]
 
 
 _THREAD = threading.local()

@@ -65,7 +65,8 @@ def build(groups, specs, workers: int) -> int:
 def _build(recipes, job):
     from flax import nnx
 
-    from jaxspec.programs import Programs, enable_compilation_cache
+    from jaxspec.program_store import enable_compilation_cache
+    from jaxspec.programs import Programs
     enable_compilation_cache(os.environ.get("JAX_COMPILATION_CACHE_DIR") or "off")
     groups = []
     for graphs, abstract, drafter_of, attn_impl, store in recipes:

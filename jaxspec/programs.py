@@ -76,43 +76,6 @@ def prefill_shapes(chunk: int, rows_max: int) -> list:
     return sorted(shapes)
 
 
-# -- the persistent compilation cache and the compile counter --------------------------------------------
-def enable_compilation_cache(path: str | None = None) -> str | None:
-    """Turn on JAX's persistent compilation cache (its keys hold the program, the jax version, the
-    backend and the XLA flags, so an entry never serves another configuration). path: a folder,
-    'off', or None for $JAXSPEC_CACHE_DIR or ~/.cache/jaxspec/xla. A folder set through
-    JAX_COMPILATION_CACHE_DIR or jax.config is kept. Returns the folder in use."""
-    from jax.experimental.compilation_cache import compilation_cache
-    current = jax.config.jax_compilation_cache_dir
-    path = path or os.environ.get("JAXSPEC_CACHE_DIR")
-    if current and path is None:
-        return current
-    if path != "off":
-        path = path or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec", "xla")
-        os.makedirs(path, exist_ok=True)
-    new = None if path == "off" else path
-    if new != current:
-        jax.config.update("jax_compilation_cache_dir", new)
-        compilation_cache.reset_cache()  # JAX decides once whether to use it: make it decide again
-    return new
-
-
-_COMPILES = [0]
-
-
-def _count_compiles(event, *_, **__):
-    if event == "/jax/core/compile/backend_compile_duration":
-        _COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compiles)
-
-
-def compile_count() -> int:
-    """Executables this process has built so far (fresh or from the persistent cache), any program."""
-    return _COMPILES[0]
-
-
 # -- the program table -------------------------------------------------------------------------------------
 def _signature(tree) -> tuple:
     return tuple((x.shape, x.dtype) for x in jax.tree.leaves(tree))
@@ -207,26 +170,19 @@ class Programs:
             if self.warm:
                 self.late_compiles.append(key)
         pair = self.twins.get(key)
-        if pair is None:
-            return self.table[key](self.state, cache, *args)
-        pair.reverse()
-        return pair[0](self.state, cache, *args)
+        if pair:
+            pair.reverse()  # the copies in turn
+        return (pair[0] if pair else self.table[key])(self.state, cache, *args)
 
     def _install(self, key, exe, spec):
-        """Keep a built program, and where twin_executables() holds a second loaded copy of it: the
-        store's file read again (an executable loaded from it may not serialize again), else the
-        executable serialized and loaded. A copy that cannot be made is noted in twin_errors."""
+        """Keep a built program, and its twin where twin_executables() holds (program_store.twin)."""
         self.table[key] = exe
-        if not twin_executables() or self.mesh is not None:
-            return
-        file = self.store and self._executable_name(*spec)
-        twin = file and program_store.load_executable(self.store, file)
-        if not twin:
-            twin, error = program_store.loaded_copy(exe)
+        if twin_executables() and self.mesh is None:
+            twin, error = program_store.twin(exe, self.store, self.store and self._executable_name(*spec))
             if twin is None:
                 self.twin_errors.append(f"{key[0]}: {error}")
-                return
-        self.twins[key] = [twin, exe]
+            else:
+                self.twins[key] = [twin, exe]
 
     def _executable_name(self, name, flags, cache, args) -> str | None:
         return self.store and program_store.executable_name(self.entry(name, flags, cache, args), program_options(name, args))

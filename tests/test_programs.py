@@ -8,7 +8,7 @@ from conftest import TINY
 from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
-from jaxspec.programs import compile_count
+from jaxspec.program_store import compile_count
 
 
 def test_program_set_is_small_and_listed(tiny):
@@ -160,6 +160,7 @@ def test_failed_program_workers_leave_the_build_to_the_engine(tiny, tmp_path, mo
 def test_twin_executables_used_in_turn_give_the_same_tokens(tiny, monkeypatch):
     """Each program loaded twice and used in turn (so that on a GPU a chained call finds its
     command buffer's addresses as it left them): the outputs equal one executable's."""
+    import jaxspec.program_store as program_store
     import jaxspec.programs as programs
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     prompts = [[5, 6, 7], [9, 3, 3, 1, 8]]
@@ -173,7 +174,7 @@ def test_twin_executables_used_in_turn_give_the_same_tokens(tiny, monkeypatch):
         gen = make()
         twice = gen.generate(prompts, params)
     finally:
-        programs.enable_compilation_cache(kept or "off")
+        program_store.enable_compilation_cache(kept or "off")
     twins = gen.scheduler.programs.twins
     assert twins and all(len(pair) == 2 and pair[0] is not pair[1] for pair in twins.values())
     assert [o.token_ids for o in twice] == [o.token_ids for o in one]

@@ -13,7 +13,7 @@ from conftest import TINY
 from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.dflash import load_dflash
 from jaxspec.drafters.eagle import DraftHead, HeadConfig, load_head
-from jaxspec.programs import compile_count
+from jaxspec.program_store import compile_count
 from jaxspec.rollout import RolloutConfig, jit_rollout, lookup_draft, make_rollout
 
 PAGE = 4

@@ -27,8 +27,8 @@ from jaxspec.kv_cache import KVCache
 from jaxspec import program_workers
 from jaxspec.paging import PagePool, pages_that_fit
 from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
-from jaxspec.programs import (BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket,
-                              enable_compilation_cache, prefill_shapes)
+from jaxspec.program_store import enable_compilation_cache
+from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket, prefill_shapes
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 from jaxspec.scheduler.admission import Admission
 from jaxspec.scheduler.dispatch import Dispatch
