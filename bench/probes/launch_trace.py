@@ -60,18 +60,17 @@ def pointer_pass(gen, prompts, params, program="verify_steps"):
     """One more pass, logging for each call of `program` which loaded copy ran it and the device
     addresses of its arguments (before the call: donated ones are gone after) and of its outputs.
     Returns, per argument and output leaf that moved, how many addresses each copy saw."""
-    from jaxspec.programs import Programs
+    from jaxspec.programs import Programs, _signature, program_flags
     log = []
     run = Programs.run
 
     def logged(self, name, flags, cache, args):
         ptr = lambda t: [x.unsafe_buffer_pointer() if isinstance(x, jax.Array) else None for x in jax.tree.leaves(t)]
-        pair = next((p for k, p in self.twins.items() if k[0] == name), None)
+        pair = self.twins.get((name, program_flags(name, flags), _signature((cache, args))))
         before = ptr((cache, args))
         out = run(self, name, flags, cache, args)
         if name == program:
-            copy = None if pair is None else id(pair[0])
-            log.append((copy, before, ptr(out)))
+            log.append((None if pair is None else id(pair[0]), before, ptr(out)))  # run() put the copy it used first
         return out
 
     Programs.run = logged
