@@ -45,9 +45,10 @@ XLA_SORT_PROGRAMS = ("decode",)
 # turn each see their own outputs' addresses come back every other call: in a chain of a small
 # looping program 0.025 updates a call instead of 1, 0.48 ms a call instead of 0.66
 # (cmdbuf_update-NVIDIA-H100-80GB-HBM3.json, 'two-fresh' against 'fresh'). In the engine the gain
-# is not measured yet: the one A/B run made no twins (launch_trace-twins-*.json: one copy), so they
-# stay off until bench/probes/launch_trace.py --twins on,off shows them paying. Programs reads this
-# when it builds.
+# is not shown yet: its one A/B run still updated about once a call either way and cannot tell
+# whether the twins ran (launch_trace-twins-*.json, its note), and a new page table (a request's
+# pages grow) moves an argument too. So they stay off until bench/probes/launch_trace.py --twins
+# on,off shows them paying. Programs reads this when it builds.
 TWIN_EXECUTABLES = False
 
 
