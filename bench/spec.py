@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, run_torch_anchor, write_results
-from jaxspec import SamplingParams, SpecConfig
+from jaxspec import SamplingParams, SpecConfig, compile_options
 from jaxspec.speculative import shipped_drafter
 from jaxspec.generator import Generator
 from jaxspec.models.loading import load
@@ -111,7 +111,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = batch * this (batch 1: 8)")
     ap.add_argument("--algos", default="plain,ngram:8",
-                    help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>")
+                    help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>; a '+twins' suffix "
+                    "loads each program twice (compile_options.TWIN_EXECUTABLES)")
     ap.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (default: the shipped one)")
     ap.add_argument("--eagle-model", default=None, help="EAGLE head directory (default: the shipped one)")
     ap.add_argument("--dflash-model", default=None, help="DFLASH drafter directory (default: the shipped one)")
@@ -143,6 +144,7 @@ def main():
         while any(lab == label for _, lab in gens):
             label += "#2"  # the same algorithm again: a control for the noise between rounds
         a, _, head_dir = a.partition("=")  # "eagle3:6:4:24=runs/x/head": that head, not --draft-model
+        a, twins = (a[:-len("+twins")], True) if a.endswith("+twins") else (a, False)  # compile_options.py
         a, auto = (a[:-len("/auto")], True) if a.endswith("/auto") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
@@ -170,8 +172,10 @@ def main():
         kw["attn_impl"] = attn_impl or "auto"
         if auto:
             kw["spec_policy"] = "auto"
+        compile_options.TWIN_EXECUTABLES = twins  # read by the Generator's programs as they are made
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, warmup=not args.lazy, **kw)
+        compile_options.TWIN_EXECUTABLES = False
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":

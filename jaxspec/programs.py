@@ -124,6 +124,7 @@ class Programs:
         self.fns = {name: _with_state(treedef, fn) for name, fn in fns.items()}
         self.table: dict[tuple, object] = {}
         # a second loaded copy of each program, used in turn with the first (compile_options.TWIN_EXECUTABLES)
+        self.make_twins = twin_executables() and mesh is None
         self.twins: dict[tuple, list] = {}
         self.twin_errors: list[str] = []
         self.build_seconds = {"lower": 0.0, "compile": 0.0}  # of build(): tracing + lowering, then compiling
@@ -175,9 +176,9 @@ class Programs:
         return (pair[0] if pair else self.table[key])(self.state, cache, *args)
 
     def _install(self, key, exe, spec):
-        """Keep a built program, and its twin where twin_executables() holds (program_store.twin)."""
+        """Keep a built program, and its twin where make_twins holds (program_store.twin)."""
         self.table[key] = exe
-        if twin_executables() and self.mesh is None:
+        if self.make_twins:
             twin, error = program_store.twin(exe, self.store, self.store and self._executable_name(*spec))
             if twin is None:
                 self.twin_errors.append(f"{key[0]}: {error}")

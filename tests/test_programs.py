@@ -170,7 +170,7 @@ def test_twin_executables_used_in_turn_give_the_same_tokens(tiny, monkeypatch):
     kept = jax.config.jax_compilation_cache_dir
     try:  # on the CPU an executable from the persistent cache does not load again whole (program_store.py)
         one = make().generate(prompts, params)
-        monkeypatch.setattr(programs, "twin_executables", lambda: True)
+        monkeypatch.setattr(programs, "twin_executables", lambda: True)  # read when Programs are made
         gen = make()
         twice = gen.generate(prompts, params)
     finally:
