@@ -209,6 +209,24 @@ def humaneval_prompts():
     return [json.loads(l)["prompt"] for l in raw.decode().splitlines() if l.strip()]
 
 
+def trace_events(log_dir: str):
+    """(events, process names by pid, thread names by (pid, tid)) of the newest jax.profiler trace
+    under log_dir."""
+    path = max(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
+    events = json.load(gzip.open(path))["traceEvents"]
+    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
+                         for e in events if e.get("ph") == "M" and e.get("name") == kind}
+    return events, meta("process_name"), meta("thread_name")
+
+
+def gpu_kernels(events, procs, threads) -> list:
+    """The GPU kernels of a trace: the stream lines' events (derived lines, XLA Ops and Modules,
+    would count them twice)."""
+    gpu = {p for p, n in procs.items() if "GPU" in n.upper()}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
+            and "stream" in threads.get((e["pid"], e.get("tid")), "").lower()]
+
+
 def device_kernels(run, steps: int, log_dir: str, top: int = 12):
     """Profile `run()` (issuing `steps` steps, then syncing) and sum the GPU kernels it ran: per
     step, kernel time, kernel count, and the span from the first kernel's start to the last one's
@@ -217,15 +235,8 @@ def device_kernels(run, steps: int, log_dir: str, top: int = 12):
     jax.profiler.start_trace(log_dir)
     run()
     jax.profiler.stop_trace()
-    path = max(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
-    events = json.load(gzip.open(path))["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu = {p for p, n in procs.items() if "GPU" in n.upper()}
-    # the stream lines hold the kernels; derived lines (XLA Ops, Modules) would count them twice
-    ks = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
-          and "stream" in threads.get((e["pid"], e.get("tid")), "").lower()]
+    events, procs, threads = trace_events(log_dir)
+    ks = gpu_kernels(events, procs, threads)
     if not ks:
         print("device_kernels: no GPU kernels; processes:", sorted(set(procs.values()))[:10],
               "threads:", sorted(set(threads.values()))[:20])

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import re
 import sys
@@ -31,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import print_table, write_results
+from common import print_table, trace_events, write_results
 from host_probe import SMOL, one_pass
 from jaxspec import Generator, SamplingParams, compile_options
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
@@ -45,11 +42,7 @@ COLS = ["algorithm", "twins", "batch", "calls", "wall_ms_per_call", "wait_ms_per
 
 def host_events(log_dir):
     """(name, thread name, µs) of every complete event on a non-GPU line of the newest trace."""
-    path = max(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
-    events = json.load(gzip.open(path))["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events, procs, threads = trace_events(log_dir)
     gpu = {p for p, n in procs.items() if "GPU" in n.upper() and "HOST" not in n.upper()}
     thread = lambda e: re.sub(r"/-?\d+$", "", threads.get((e["pid"], e.get("tid")), "?"))  # one line a pool
     return [(e["name"], thread(e), e["dur"]) for e in events

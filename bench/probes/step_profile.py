@@ -12,7 +12,6 @@ op (the optimized HLO's metadata: source file and line -> the enclosing function
 from __future__ import annotations
 
 import argparse
-import glob
 import gzip
 import json
 import os
@@ -63,17 +62,6 @@ def hlo_sources(hlo_text: str, depth: int = 3) -> dict:
     return out
 
 
-def kernel_events(log_dir):
-    path = max(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
-    events = json.load(gzip.open(path))["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu = {p for p, n in procs.items() if "GPU" in n.upper()}
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu
-            and "stream" in threads.get((e["pid"], e.get("tid")), "").lower()]
-
-
 def attribute(events, sources: dict, steps: int):
     """Kernel µs a step and kernels a step by source, the kernels one by one (name, source, µs and
     launches a step), and a few unattributed kernels' profile args. XLA names a fusion's kernel
@@ -103,7 +91,7 @@ def child(args):
     import numpy as np
     from flax import nnx
 
-    from common import SMOLLM2, random_model
+    from common import SMOLLM2, gpu_kernels, random_model, trace_events
     from jaxspec.drafters.eagle import DraftHead, HeadConfig
     from jaxspec.models import ModelConfig
     from jaxspec.rollout import jit_rollout
@@ -148,7 +136,7 @@ def child(args):
                 jax.profiler.start_trace(log)
                 jax.block_until_ready(call())
                 jax.profiler.stop_trace()
-                ev = kernel_events(log)
+                ev = gpu_kernels(*trace_events(log))
                 by, each, odd = attribute(ev, sources, n_steps)
                 row.update(kernel_ms=sum(e["dur"] for e in ev) / n_steps / 1e3, kernels=len(ev) / n_steps,
                            by_source=[(k, round(t, 2), round(c, 2)) for k, t, c in by],
