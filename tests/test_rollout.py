@@ -1,5 +1,6 @@
 """The jittable rollout against the Generator: each algorithm's tokens, seeded samples and
 logprobs, stops, vmap, a data-parallel mesh, and new weights without a recompile."""
+import dataclasses
 import functools
 
 import jax
@@ -172,6 +173,11 @@ def test_a_large_batch_verifies_a_cut_tree_or_decodes_plainly(tiny, tiny_eagle3,
     assert RolloutConfig("eagle3", num_draft_tokens=8, max_verify_tokens=None).tree(1000) == TreeShape(3, 4, 8)
     dflash = RolloutConfig("dflash", num_draft_tokens=4, max_verify_tokens=12)
     assert dflash.tree(3) == TreeShape(3, 1, 4) and dflash.tree(4) is None  # its block is never cut
+    sampled = RolloutConfig("eagle3", num_steps=3, topk=2, num_draft_tokens=6, max_verify_tokens=12, min_nodes=4,
+                            sample=True, sampled_max_verify_tokens=6)
+    assert sampled.tree(1) == TreeShape(3, 2, 6) and sampled.tree(2) is None  # 3 nodes a row < min_nodes
+    assert dataclasses.replace(sampled, sampled_max_verify_tokens=None).tree(2) == TreeShape(3, 2, 6)
+    assert dataclasses.replace(sampled, sample=False).tree(2) == TreeShape(3, 2, 6)
     greedy, _ = reference(tiny)
     toks, lens = padded(PROMPTS)
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
