@@ -51,6 +51,8 @@ def test_gated_up_and_matmul_residual_match_reference():
     r = np.random.default_rng(1)
     x, norm, w = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((32, 64), (64,), (64, 2 * 96)))
     close(gated_up(x, norm, w, eps=1e-6, interpret=True), gated_up_ref(x, norm, w, eps=1e-6))
+    for splits, bk in ((2, None), (3, 16)):  # K split over programs; 3 x 2 chunks of 16 run past K = 64
+        close(gated_up(x, norm, w, eps=1e-6, splits=splits, bk=bk, interpret=True), gated_up_ref(x, norm, w, eps=1e-6))
     a, wd, res = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((16, 96), (96, 64), (16, 64)))
     close(matmul_residual(a, wd, res, interpret=True), matmul_residual_ref(a, wd, res))
 

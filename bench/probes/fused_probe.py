@@ -1,7 +1,7 @@
 """Device time of each fused layer kernel (pallas/qkv_project, gated_up, matmul_residual) against
 the XLA ops it replaces, at the Llama-3-8B and SmolLM2 shapes, for a few column blocks, K steps
 and warp counts: which settings the model should pass.
-    python bench/probes/fused_probe.py [--rows 16,64]
+    python bench/probes/fused_probe.py [--rows 16,64] [--ops gate_up]
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="16,64")
     ap.add_argument("--models", default="smollm2-135m")
+    ap.add_argument("--ops", default="", help="e.g. gate_up (default: qkv, gate_up, down)")
+    ap.add_argument("--tag", default="")
     args = ap.parse_args()
     bw = copy_bandwidth()
     bf = jnp.bfloat16
@@ -67,19 +69,24 @@ def main():
                 "gate_up": ("_gated", w_up.size * 2, gated_up, gated_up_ref,
                             lambda fn, **kw: lambda x: fn(x, norm, w_up, eps=1e-5, **kw),
                             [dict(bn=bn, num_warps=nw, bk=bk) for bn in (16, 32) for nw in (4, 8)
-                             for bk in (64, 128, 256, 512)]),
+                             for bk in (64, 128, 256, 512)]
+                            + [dict(bn=bn, bk=bk, splits=sp) for sp in (2, 3, 4, 6) for bn in (16, 32) for bk in (64, 128)]),
                 "down": ("_matmul", w_down.size * 2, matmul_residual, matmul_residual_ref,
                          lambda fn, **kw: lambda x: fn(jnp.tile(x, (1, f // h + 1))[:, :f], w_down, x, **kw),
                          [dict(bn=bn, num_warps=nw, bk=bk) for bn in (16, 32) for nw in (4, 8)
                           for bk in (128, 256, 512, 1024)]),
             }
             for op, (kname, nbytes, fn, ref, bind, variants) in cases.items():
+                if args.ops and op not in args.ops.split(","):
+                    continue
                 base_us, base_k = device_us(bind(ref), [(x,) for x in xs])
                 rows_out.append(dict(model=name, rows=m, op=op, variant="xla", us=base_us, kernels=base_k,
                                      bandwidth_fraction=nbytes / (base_us * 1e-6) / (bw / 2)))
                 for kw in variants:
                     try:
-                        us, k = device_us(bind(functools.partial(fn, **kw)), [(x,) for x in xs], kname)
+                        # a K split's time includes XLA's sum of the splits after the kernel
+                        us, k = device_us(bind(functools.partial(fn, **kw)), [(x,) for x in xs],
+                                          None if kw.get("splits", 1) > 1 else kname)
                     except Exception as e:  # a variant Triton cannot build: noted, not fatal
                         rows_out.append(dict(model=name, rows=m, op=op, variant=str(kw), error=str(e)[:200]))
                         continue
@@ -88,7 +95,7 @@ def main():
                                          vs_xla=base_us / us))
                 print_table([r for r in rows_out if r["op"] == op and r["rows"] == m and r["model"] == name],
                             ["model", "rows", "op", "variant", "us", "kernels", "bandwidth_fraction", "vs_xla"])
-    print(write_results("fused_probe", rows_out, {"copy_bandwidth_GBps": bw / 1e9}))
+    print(write_results("fused_probe" + args.tag, rows_out, {"copy_bandwidth_GBps": bw / 1e9}))
 
 
 if __name__ == "__main__":

@@ -37,9 +37,11 @@ def dot(a, b):
                                precision=precision)
 
 
-def project(x_ref, w_ref, cols, bn: int, bk: int, norm_ref=None, eps: float = 0.0):
+def project(x_ref, w_ref, cols, bn: int, bk: int, norm_ref=None, eps: float = 0.0, chunks=None):
     """x @ W[:, c : c + bn] for each c in cols -> float32 [Mp, bn] each; with norm_ref, rms_norm(x)
-    @ W (the row's 1/rms scales the product: (x * s * g) @ W = s * ((x * g) @ W)).
+    @ W (the row's 1/rms scales the product: (x * s * g) @ W = s * ((x * g) @ W)). chunks: (first,
+    count), only K chunks first .. first + count (a split of K; first may be traced), the products
+    left unscaled by 1/rms (the caller scales the splits' sum).
 
     One loop over K with the norm's sum of squares in it. SmolLM2's QKV projection, one row, on the
     H200: 9.4 us this way (decode-smol-NVIDIA-H200.json, 47960d2), 9.7 with the sum of squares a
@@ -47,7 +49,7 @@ def project(x_ref, w_ref, cols, bn: int, bk: int, norm_ref=None, eps: float = 0.
     (register spills; that file's version at 921c261), against 2.4 for XLA's reduction."""
     k = x_ref.shape[1]
     rows = x_ref.shape[0]
-    ragged = k % bk != 0
+    ragged = k % bk != 0 or chunks is not None  # (a split's chunks may run past K)
 
     def read(ref, idx, ok):  # the ragged last chunk reads zeros past K
         return plgpu.load(ref.at[idx], mask=ok, other=0) if ragged else ref[idx]
@@ -66,6 +68,9 @@ def project(x_ref, w_ref, cols, bn: int, bk: int, norm_ref=None, eps: float = 0.
                      for acc, c in zip(accs, cols)), ss
 
     init = (tuple(jnp.zeros((rows, bn), jnp.float32) for _ in cols), jnp.zeros((rows, 1), jnp.float32))
+    if chunks is not None:
+        first, count = chunks
+        return jax.lax.fori_loop(0, count, lambda i, c: body(first + i, c), init)[0]
     accs, ss = jax.lax.fori_loop(0, -(-k // bk), body, init)
     if norm_ref is not None:
         inv = jax.lax.rsqrt(ss / k + eps)
