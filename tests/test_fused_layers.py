@@ -55,6 +55,7 @@ def test_gated_up_and_matmul_residual_match_reference():
         close(gated_up(x, norm, w, eps=1e-6, splits=splits, bk=bk, interpret=True), gated_up_ref(x, norm, w, eps=1e-6))
     a, wd, res = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((16, 96), (96, 64), (16, 64)))
     close(matmul_residual(a, wd, res, interpret=True), matmul_residual_ref(a, wd, res))
+    close(matmul_residual(a, wd, res, splits=4, bk=16, interpret=True), matmul_residual_ref(a, wd, res))
 
 
 def test_merge_splits_matches_combine_and_relayout():

@@ -74,7 +74,8 @@ def main():
                 "down": ("_matmul", w_down.size * 2, matmul_residual, matmul_residual_ref,
                          lambda fn, **kw: lambda x: fn(jnp.tile(x, (1, f // h + 1))[:, :f], w_down, x, **kw),
                          [dict(bn=bn, num_warps=nw, bk=bk) for bn in (16, 32) for nw in (4, 8)
-                          for bk in (128, 256, 512, 1024)]),
+                          for bk in (128, 256, 512, 1024)]
+                         + [dict(bn=bn, bk=bk, splits=sp) for sp in (2, 4, 6) for bn in (16, 32) for bk in (64, 128, 256)]),
             }
             for op, (kname, nbytes, fn, ref, bind, variants) in cases.items():
                 if args.ops and op not in args.ops.split(","):

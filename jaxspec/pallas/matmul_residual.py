@@ -2,13 +2,16 @@
 out and MLP down). XLA ran the GEMV as a reduction and the add as another kernel.
 
 Grid: one program per block of bn output columns, walking K in chunks. `matmul_residual_ref` is
-the reference.
+the reference. With splits > 1 the grid also splits K (as gated_up's: more programs, shorter K
+chains; SmolLM2's down projection has 36 column blocks over K = 1536) and XLA sums the splits
+and adds the residual after it.
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxspec.pallas.rows import full, k_chunk, project, triton_params
@@ -21,11 +24,29 @@ def _matmul_residual_kernel(x_ref, w_ref, r_ref, o_ref, *, bn, bk):
     o_ref[...] = r_ref[...] + acc.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("bn", "bk", "interpret", "num_warps", "num_stages"))
-def matmul_residual(x, w, residual, *, bn=16, bk=None, interpret=False, num_warps=4, num_stages=3):
+def _matmul_split_kernel(x_ref, w_ref, o_ref, *, bn, bk, chunks):
+    [acc] = project(x_ref, w_ref, (pl.program_id(0) * bn,), bn, bk, chunks=(pl.program_id(1) * chunks, chunks))
+    o_ref[...] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("bn", "bk", "splits", "interpret", "num_warps", "num_stages"))
+def matmul_residual(x, w, residual, *, bn=16, bk=None, splits=1, interpret=False, num_warps=4, num_stages=3):
     """x [Mp, K], w [K, N], residual [Mp, N] -> residual + x @ w."""
     m, k = x.shape
     n = w.shape[1]
+    if splits > 1:
+        bk = bk or k_chunk(-(-k // splits))
+        chunks = -(-k // (bk * splits))  # K chunks a split walks
+        part = pl.pallas_call(
+            functools.partial(_matmul_split_kernel, bn=bn, bk=bk, chunks=chunks),
+            grid=(n // bn, splits),
+            in_specs=[full(x), full(w)],
+            out_specs=pl.BlockSpec((None, m, bn), lambda p, s: (s, 0, p)),
+            out_shape=jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
+            interpret=interpret,
+            compiler_params=None if interpret else triton_params(num_warps, num_stages),
+        )(x, w)
+        return residual + part.sum(0).astype(residual.dtype)  # rounded before the add, as below
     bk = bk or k_chunk(k)
     kernel = functools.partial(_matmul_residual_kernel, bn=bn, bk=bk)
     return pl.pallas_call(
