@@ -1,4 +1,6 @@
 """The fixed program set: its size, built at start-up, and no compile after it."""
+import collections
+
 import jax
 import numpy as np
 import pytest
@@ -172,9 +174,22 @@ def test_twin_executables_used_in_turn_give_the_same_tokens(tiny, monkeypatch):
         one = make().generate(prompts, params)
         monkeypatch.setattr(programs, "twin_executables", lambda: True)  # read when Programs are made
         gen = make()
+        gen.generate(prompts, params)  # builds the programs and their twins
+        twins = gen.scheduler.programs.twins
+        assert twins and all(len(pair) == 2 and pair[0] is not pair[1] for pair in twins.values())
+        used = collections.Counter()
+
+        def counted(exe, tag):
+            def call(*args):
+                used[tag] += 1
+                return exe(*args)
+            return call
+        for key, pair in twins.items():
+            pair[:] = [counted(pair[0], (key, 0)), counted(pair[1], (key, 1))]
         twice = gen.generate(prompts, params)
     finally:
         program_store.enable_compilation_cache(kept or "off")
-    twins = gen.scheduler.programs.twins
-    assert twins and all(len(pair) == 2 and pair[0] is not pair[1] for pair in twins.values())
     assert [o.token_ids for o in twice] == [o.token_ids for o in one]
+    # every program's calls went to its two copies in turn, and verify calls ran on both
+    assert all(abs(used[(key, 0)] - used[(key, 1)]) <= 1 for key in twins)
+    assert any(key[0] == "verify_steps" and used[(key, 0)] and used[(key, 1)] for key in twins)
