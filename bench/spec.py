@@ -172,10 +172,10 @@ def main():
         kw["attn_impl"] = attn_impl or "auto"
         if auto:
             kw["spec_policy"] = "auto"
-        compile_options.TWIN_EXECUTABLES = twins  # read by the Generator's programs as they are made
+        kept, compile_options.TWIN_EXECUTABLES = compile_options.TWIN_EXECUTABLES, twins  # read as programs are made
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, warmup=not args.lazy, **kw)
-        compile_options.TWIN_EXECUTABLES = False
+        compile_options.TWIN_EXECUTABLES = kept
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":

@@ -7,7 +7,8 @@ columns F + j, so the gating never leaves the kernel. `gated_up_ref` is the refe
 
 With splits > 1 the grid also splits K: each program walks 1/splits of it, so a one-row GEMV has
 splits times the programs and a K chain as many times shorter (at SmolLM2's shape one kernel a
-layer took 9.4 us against XLA's 3.2 for the GEMV: step_profile-, fused_probe-*.json), and XLA
+layer took 9.4 us on the H100, step_profile-NVIDIA-H100-80GB-HBM3.json; XLA's ops 3.2 us on the
+H200, fused_probe-NVIDIA-H200.json), and XLA
 sums the splits, scales by the rows' 1/rms and gates in one fusion after it.
 """
 from __future__ import annotations
@@ -18,16 +19,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.pallas.rows import full, k_chunk, project, rms_norm, triton_params
+from jaxspec.pallas.rows import full, k_chunk, project, rms_norm, split_chunks, triton_params
 
 
 def _gated_up_kernel(x_ref, norm_ref, w_ref, o_ref, *, eps, bn, bk, inter):
     j = pl.program_id(0) * bn
     gate, up = project(x_ref, w_ref, (j, inter + j), bn, bk, norm_ref, eps)
-    # rounded to the activations' dtype between steps, as the unfused ops are
-    gate = gate.astype(o_ref.dtype).astype(jnp.float32)
-    up = up.astype(o_ref.dtype).astype(jnp.float32)
-    o_ref[...] = ((gate * jax.nn.sigmoid(gate)).astype(o_ref.dtype).astype(jnp.float32) * up).astype(o_ref.dtype)
+    o_ref[...] = _gating(gate, up, o_ref.dtype)
+
+
+def _gating(gate, up, dtype):
+    """silu(gate) * up from float32 products, rounded to the activations' dtype between steps as
+    the unfused ops are (in the kernel, and after a K split's sum)."""
+    gate = gate.astype(dtype).astype(jnp.float32)
+    up = up.astype(dtype).astype(jnp.float32)
+    return ((gate * jax.nn.sigmoid(gate)).astype(dtype).astype(jnp.float32) * up).astype(dtype)
 
 
 def _gated_up_split_kernel(x_ref, norm_ref, w_ref, gate_ref, up_ref, *, bn, bk, inter, chunks):
@@ -60,8 +66,7 @@ def gated_up(x, norm_w, w_gate_up, *, eps, bn=16, bk=None, splits=1, interpret=F
 def _gated_up_split(x, norm_w, w_gate_up, eps, bn, bk, splits, interpret, num_warps, num_stages):
     m, h = x.shape
     inter = w_gate_up.shape[1] // 2
-    bk = bk or k_chunk(-(-h // splits))
-    chunks = -(-h // (bk * splits))  # K chunks a split walks
+    bk, chunks = split_chunks(h, splits, bk)
     kernel = functools.partial(_gated_up_split_kernel, bn=bn, bk=bk, inter=inter, chunks=chunks)
     part = jax.ShapeDtypeStruct((splits, m, inter), jnp.float32)
     gate, up = pl.pallas_call(
@@ -75,10 +80,7 @@ def _gated_up_split(x, norm_w, w_gate_up, eps, bn, bk, splits, interpret, num_wa
     )(x, norm_w, w_gate_up)
     xf = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    # rounded to the activations' dtype between steps, as the one-split kernel does
-    gate = (gate.sum(0) * inv).astype(x.dtype).astype(jnp.float32)
-    up = (up.sum(0) * inv).astype(x.dtype).astype(jnp.float32)
-    return ((gate * jax.nn.sigmoid(gate)).astype(x.dtype).astype(jnp.float32) * up).astype(x.dtype)
+    return _gating(gate.sum(0) * inv, up.sum(0) * inv, x.dtype)
 
 
 def gated_up_ref(x, norm_w, w_gate_up, *, eps):

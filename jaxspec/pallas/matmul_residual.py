@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.pallas.rows import full, k_chunk, project, triton_params
+from jaxspec.pallas.rows import full, k_chunk, project, split_chunks, triton_params
 
 
 def _matmul_residual_kernel(x_ref, w_ref, r_ref, o_ref, *, bn, bk):
@@ -35,8 +35,7 @@ def matmul_residual(x, w, residual, *, bn=16, bk=None, splits=1, interpret=False
     m, k = x.shape
     n = w.shape[1]
     if splits > 1:
-        bk = bk or k_chunk(-(-k // splits))
-        chunks = -(-k // (bk * splits))  # K chunks a split walks
+        bk, chunks = split_chunks(k, splits, bk)
         part = pl.pallas_call(
             functools.partial(_matmul_split_kernel, bn=bn, bk=bk, chunks=chunks),
             grid=(n // bn, splits),

@@ -30,6 +30,13 @@ def k_chunk(k: int, most: int = 256) -> int:
     return max(16, min(most, 1 << (k - 1).bit_length()))
 
 
+def split_chunks(k: int, splits: int, bk: int | None) -> tuple[int, int]:
+    """(K step, K chunks a split walks) for a kernel that splits K over `splits` programs: the
+    chunks of the last split may run past K (project reads zeros there)."""
+    bk = bk or k_chunk(-(-k // splits))
+    return bk, -(-k // (bk * splits))
+
+
 def dot(a, b):
     """[M, K] x [K, N] -> float32; float32 operands as IEEE dots (Triton would take TF32)."""
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
