@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = batch * this (batch 1: 8)")
     ap.add_argument("--algos", default="plain,ngram:8",
                     help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>; a '+twins' suffix "
-                    "loads each program twice (compile_options.TWIN_EXECUTABLES)")
+                    "loads each program twice (compile_options.TWIN_EXECUTABLES), a '+v8' one runs 8 verify steps a call")
     ap.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (default: the shipped one)")
     ap.add_argument("--eagle-model", default=None, help="EAGLE head directory (default: the shipped one)")
     ap.add_argument("--dflash-model", default=None, help="DFLASH drafter directory (default: the shipped one)")
@@ -145,6 +145,7 @@ def main():
             label += "#2"  # the same algorithm again: a control for the noise between rounds
         a, _, head_dir = a.partition("=")  # "eagle3:6:4:24=runs/x/head": that head, not --draft-model
         a, twins = (a[:-len("+twins")], True) if a.endswith("+twins") else (a, False)  # compile_options.py
+        a, _, vsteps = a.partition("+v")  # "eagle3:6:4:24+v8": 8 verify steps a call (Scheduler verify_steps)
         a, auto = (a[:-len("/auto")], True) if a.endswith("/auto") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
@@ -172,6 +173,8 @@ def main():
         kw["attn_impl"] = attn_impl or "auto"
         if auto:
             kw["spec_policy"] = "auto"
+        if vsteps:
+            kw["verify_steps"] = int(vsteps)
         kept, compile_options.TWIN_EXECUTABLES = compile_options.TWIN_EXECUTABLES, twins  # read as programs are made
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, warmup=not args.lazy, **kw)

@@ -534,6 +534,13 @@ def test_verify_calls_chain_to_a_requests_last_tokens(tiny, tiny_eagle3):
     want = Generator(tiny, None, **KW).generate(prompts, stop)[0].token_ids
     assert gen.generate(prompts, stop)[0].token_ids == want and len(want) <= 31
     assert gen.scheduler.pool.in_use == 0
+    # eight steps a call (the outputs' full width): the same tokens, half the calls
+    gen8 = eagle_generator(tiny, head, TreeShape(3, 2, 6), verify_steps=8)
+    assert [c.token_ids for c in gen8.generate(prompts, params)] == [c.token_ids for c in plain]
+    assert gen8.scheduler.stats["verify_steps"] == 3
+    assert gen8.generate(prompts, stop)[0].token_ids == want and gen8.scheduler.pool.in_use == 0
+    with pytest.raises(ValueError, match="verify_steps=9 must be in"):
+        eagle_generator(tiny, head, TreeShape(3, 2, 6), verify_steps=9)
 
 
 def test_dense_forward_equals_the_paged_forward(tiny):

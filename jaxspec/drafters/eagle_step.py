@@ -272,7 +272,7 @@ def next_inputs(tree_out, width, kv_lens, count, sb):
     return tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, dataclasses.replace(sb, step=sb.step + count)
 
 
-MAX_VERIFY_STEPS = 4  # a verify_steps call's most steps (its outputs' width)
+MAX_VERIFY_STEPS = 8  # a verify_steps call's most steps (its outputs' width); Scheduler(verify_steps=) runs fewer
 
 
 def verify_steps(verify_step, tree: TreeShape, state, cache, tokens, parents, page_table, kv_lens, num_nodes,

@@ -38,6 +38,7 @@ from jaxspec.sharding import cache_sharding
 from jaxspec.scheduler.request import InFlight, Request
 
 
+VERIFY_STEPS = 4  # a verify call's steps while the batch is steady (launch cost against tokens past a stop)
 DEFAULT_SPEC_MIN_GAIN = 1.1  # see Scheduler.__init__ (tests set it to 0: drafting always pays)
 
 
@@ -48,8 +49,8 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                  prefill_chunk=512, drafter=None, attn_impl="auto", jit=True, kv_dtype=None,
                  spec_max_verify_tokens=128, spec_max_host_verify_tokens=16, spec_min_nodes=None, spec_min_accept=2.0,
                  spec_probe_every=8, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
-                 warmup_flags=None, compile_cache=None, build_workers=None, mesh=None, mem_fraction=None,
-                 spec_policy="fixed", spec_trees=None):
+                 verify_steps=VERIFY_STEPS, warmup_flags=None, compile_cache=None, build_workers=None, mesh=None,
+                 mem_fraction=None, spec_policy="fixed", spec_trees=None):
         """mesh: a tensor-parallel mesh (sharding.tp_mesh) the model is laid out and sharded for:
         the caches are sharded by KV head, the programs partitioned over it. mem_fraction: with
         num_pages None, the KV pool takes this share of the device memory left free after the
@@ -122,6 +123,9 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.policy = (DraftPolicy(min_gain, spec_min_accept, spec_probe_every)
                        if drafter is not None and not self.device_drafter else None)
         self.overlap = overlap
+        if not 1 <= verify_steps <= MAX_VERIFY_STEPS:
+            raise ValueError(f"verify_steps={verify_steps} must be in [1, {MAX_VERIFY_STEPS}]")
+        self.verify_steps = verify_steps
         self._setup_trees(model, drafter, spec_policy, auto_trees, programs_kw)
         # Plain decoding runs up to decode_steps steps a call while the batch is steady (see
         # _decode_steps_now); 1 launches a call a step.
@@ -306,10 +310,10 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
 
     def _verify_steps_now(self, reqs) -> int:
         """Speculative steps the next verify call runs: a device drafter's steps chain on the
-        device, up to MAX_VERIFY_STEPS while the batch is steady (as _decode_steps_now)."""
+        device, up to verify_steps while the batch is steady (as _decode_steps_now)."""
         if not self.device_drafter or self.decode_steps == 1:
             return 1
-        return min(MAX_VERIFY_STEPS, self._decode_steps_now(reqs))
+        return min(self.verify_steps, self._decode_steps_now(reqs))
 
     def _time_step(self, kind, batch, now, prefill=False):
         if self.policy is not None:  # only a host drafter's policy reads the step times

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxspec import program_store
 from jaxspec.draft_policy import DraftPolicy
-from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS, nodes_that_fit
+from jaxspec.drafters.eagle_step import nodes_that_fit
 from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket
 from jaxspec.spec_policy import StepCosts, TreeChoice, time_call
 
@@ -142,13 +142,13 @@ class TreeSizing:
         costs, reps = StepCosts(), 3
         # pages no request holds (at a warm-up: any), else no context
         context = min(TIMING_CONTEXT, self.max_seq_len // 2) if not (self.running or self.pool.cached) else 0
-        pages = min(-(-(context + 2 * self._span(None, 64, MAX_VERIFY_STEPS)) // self.page_size), self.pool.num_pages - 1,
+        pages = min(-(-(context + 2 * self._span(None, 64, self.verify_steps)) // self.page_size), self.pool.num_pages - 1,
                     self.max_pages_per_seq) if context else 0
         for progs, name, flags, cache, args in specs:
             if flags.sample or name not in ("decode", "verify_steps"):
                 continue
             rows, n = args[0].shape
-            steps = MAX_DECODE_STEPS if name == "decode" else MAX_VERIFY_STEPS
+            steps = MAX_DECODE_STEPS if name == "decode" else self.verify_steps
             args = list(self._dummy_decode(rows, steps, alive=True) if name == "decode"
                         else self._dummy_verify(rows, n, steps, alive=True))
             at = 1 if name == "decode" else 2  # the page table, then the kv lengths
