@@ -1,5 +1,7 @@
 """jaxspec: speculative decoding in JAX/Pallas."""
 
+from jaxspec import compile_options  # noqa: F401  (XLA flags the GPU client must see as it starts)
+
 __all__ = ["Generator", "SamplingParams", "Completion", "SpecConfig"]
 
 
