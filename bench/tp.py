@@ -109,6 +109,13 @@ def main(argv=None):
         print(write_results("tp_memory", table, {"model": args.model, "dtype": "bfloat16"}))
         return table
     bw = copy_bandwidth(args.bandwidth_bytes)  # one device's
+
+    def save(rows, checks):
+        for r in rows:  # against the first TP size's step (TP 1 by default), where measured
+            base = [x for x in rows if (x["tp"], x["batch"], x["algorithm"]) == (tps[0], r["batch"], r["algorithm"])]
+            r["speedup"] = base[0]["ms_per_step"] / r["ms_per_step"] if base else None
+        return write_results("tp", rows, {"model": args.model, "memory": table, "copy_bandwidth_GBps": bw / 1e9,
+                                          "identical_to_tp1": {str(k): v for k, v in checks.items()}})
     rows = []
     reference = None
     for tp in tps:
@@ -134,10 +141,8 @@ def main(argv=None):
                                  tokens_per_s=b / t if algo == "plain" else None,
                                  nodes_per_s=b * tokens / t, floor_ms=floor * 1e3, floor_ratio=t / floor))
                 print_table(rows[-1:], ["tp", "batch", "algorithm", "ms_per_step", "tokens_per_s", "floor_ratio"])
+                save(rows, {})  # as it goes: a call cut short keeps what it measured
         del model
-    for r in rows:  # against the first TP size's step (TP 1 by default)
-        base = next(x for x in rows if (x["tp"], x["batch"], x["algorithm"]) == (tps[0], r["batch"], r["algorithm"]))
-        r["speedup"] = base["ms_per_step"] / r["ms_per_step"]
     checks = {}
     if args.check:
         model = random_model(cfg, jnp.bfloat16)
@@ -146,10 +151,10 @@ def main(argv=None):
             reference = reference or toks
             checks[tp] = toks == reference
             print(f"tp {tp}: greedy tokens identical to TP {tps[0]}: {checks[tp]}")
+            save(rows, checks)
     print()
     print_table(rows, ["tp", "batch", "algorithm", "ms_per_step", "tokens_per_s", "floor_ratio", "speedup"])
-    print(write_results("tp", rows, {"model": args.model, "memory": table, "copy_bandwidth_GBps": bw / 1e9,
-                                     "identical_to_tp1": {str(k): v for k, v in checks.items()}}))
+    print(save(rows, checks))
     return rows
 
 
