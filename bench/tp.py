@@ -100,6 +100,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="also compare greedy outputs with TP 1's")
     ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args(argv)
     cfg = ModelConfig(**MODELS[args.model])
     tps, batches = [int(x) for x in args.tp.split(",")], [int(x) for x in args.batches.split(",")]
@@ -114,7 +115,7 @@ def main(argv=None):
         for r in rows:  # against the first TP size's step (TP 1 by default), where measured
             base = [x for x in rows if (x["tp"], x["batch"], x["algorithm"]) == (tps[0], r["batch"], r["algorithm"])]
             r["speedup"] = base[0]["ms_per_step"] / r["ms_per_step"] if base else None
-        return write_results("tp", rows, {"model": args.model, "memory": table, "copy_bandwidth_GBps": bw / 1e9,
+        return write_results("tp" + args.tag, rows, {"model": args.model, "memory": table, "copy_bandwidth_GBps": bw / 1e9,
                                           "identical_to_tp1": {str(k): v for k, v in checks.items()}})
     rows = []
     reference = None
