@@ -33,6 +33,10 @@ TRITON_GEMM_MAX_ROWS = 32
 # (1565 against 1421 tok/s; spec-cub1- against spec-cub0-NVIDIA-H200.json, one machine, MT-bench).
 # So only the programs that loop over the shared sampler (`decode`, the rollout's loop) take XLA's
 # sort; the rest keep CUB's. None: XLA's default.
+# COLLECTIVES (a tensor-parallel loop's all-reduces as commands, so that the loop could be one too)
+# failed in bench/tp.py on two H100s, 8B decode: "Failed to instantiate CUDA graph:
+# CUDA_ERROR_INVALID_VALUE" (jax 0.11.2). Without it TP 2 ran 0.85x one GPU's step at batch 1
+# (tp-NVIDIA-H100-80GB-HBM3.json).
 COMMAND_BUFFERS: str | None = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
 if os.environ.get("JAXSPEC_COMMAND_BUFFERS") is not None:  # probes: "" turns them off (a profile then sees each kernel)
     COMMAND_BUFFERS = os.environ["JAXSPEC_COMMAND_BUFFERS"] or None
@@ -45,11 +49,9 @@ XLA_SORT_PROGRAMS = ("decode",)
 # EAGLE-3 (launch_trace-NVIDIA-H100-80GB-HBM3.json). Two loaded copies of each program used in
 # turn each see their own outputs' addresses come back every other call: in a chain of a small
 # looping program 0.025 updates a call instead of 1, 0.48 ms a call instead of 0.66
-# (cmdbuf_update-NVIDIA-H100-80GB-HBM3.json, 'two-fresh' against 'fresh'). In the engine the gain
-# is not shown yet: its one A/B run still updated about once a call either way and cannot tell
-# whether the twins ran (launch_trace-twins-*.json, its note), and a new page table (a request's
-# pages grow) moves an argument too. So they stay off until bench/probes/launch_trace.py --twins
-# on,off shows them paying. Programs reads this when it builds.
+# (cmdbuf_update-NVIDIA-H100-80GB-HBM3.json, 'two-fresh' against 'fresh'). In the engine they did
+# not pay: its outputs still moved about once a call (launch_trace-twins-*.json), and through the
+# Generator EAGLE-3 with them ran 0.97x its speed without them at batch 1 and 8 (spec-steps-*.json).
 TWIN_EXECUTABLES = False
 
 # Most of that re-recording came from the programs' temporary buffer, not their arguments: XLA's
@@ -57,6 +59,7 @@ TWIN_EXECUTABLES = False
 # the commands that touch a moved argument or output are re-recorded. EAGLE-3, random weights:
 # 0.47 ms of updates a call instead of 1.70 at batch 1 and 0.54 instead of 5.36 at batch 8, where a
 # call took 7.9 ms instead of 11.4 (launch_trace-mode-SKIP_TEMP- against -mode-default-*.json).
+# Through the Generator (real weights) the change was within noise (spec-mode-*.json).
 # The GPU client reads XLA_FLAGS once, as it starts: request_stable_temps() adds the flag before.
 # JAXSPEC_CMDBUF_UPDATE_MODE="" leaves XLA's default (ALWAYS_UPDATE).
 CMDBUF_UPDATE_MODE = os.environ.get("JAXSPEC_CMDBUF_UPDATE_MODE", "SKIP_TEMP")

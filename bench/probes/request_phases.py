@@ -45,7 +45,8 @@ def main():
     model, tok = load("smollm2-135m")
     prompts = [[{"role": "user", "content": q}] for q in mt_bench_prompts()[:args.prompts]]
     gens = {"plain": Generator(model, tok, max_batch=8, max_seq_len=1024, warmup=True),
-            "eagle3:6:4:24": Generator(model, tok, drafter=SpecConfig("EAGLE3").build(model, "smollm2-135m"),
+            "eagle3:6:4:24": Generator(model, tok, drafter=SpecConfig("EAGLE3", num_steps=6, eagle_topk=4,
+                                                                      num_draft_tokens=24).build(model, "smollm2-135m"),
                                        max_batch=8, max_seq_len=1024, warmup=True)}
     one, full = SamplingParams(max_tokens=1), SamplingParams(max_tokens=args.max_tokens)
     rows, profile = [], None
@@ -77,7 +78,7 @@ def main():
             gen.generate(prompts[0], full)
             prof.disable()
             buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(25)  # no machine paths
             profile = buf.getvalue().splitlines()[:40]
         after_first = sum(f - s for f, s in zip(fulls, firsts))
         n_steps = max(1, sum(steps))
