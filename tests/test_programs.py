@@ -193,3 +193,29 @@ def test_twin_executables_used_in_turn_give_the_same_tokens(tiny, monkeypatch):
     # every program's calls went to its two copies in turn, and verify calls ran on both
     assert all(abs(used[(key, 0)] - used[(key, 1)]) <= 1 for key in twins)
     assert any(key[0] == "verify_steps" and used[(key, 0)] and used[(key, 1)] for key in twins)
+
+
+def test_skip_temp_update_mode_is_requested_only_where_the_xla_knows_it(monkeypatch):
+    """XLA_FLAGS gets SKIP_TEMP only with a CUDA plugin and jaxlib >= 0.11.2 (jaxlib 0.10.2 aborts
+    on the flag) before any backend starts; a flag already set is left as it is."""
+    from jax._src import xla_bridge
+
+    from jaxspec import compile_options as co
+    versions = {"jaxlib": (0, 11, 2), "jax-cuda12-plugin": (0, 11, 2)}
+    monkeypatch.setattr(co, "_version", lambda dist: versions.get(dist))
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+    assert co.request_stable_temps()
+    assert co._MODE_FLAG + "=SKIP_TEMP" in co.os.environ["XLA_FLAGS"]
+    assert co.os.environ["XLA_FLAGS"].startswith("--xla_foo=1 ")
+    monkeypatch.setenv("XLA_FLAGS", "")
+    versions["jaxlib"] = (0, 10, 2)
+    assert not co.request_stable_temps() and co.os.environ["XLA_FLAGS"] == ""
+    versions["jaxlib"], versions["jax-cuda12-plugin"] = (0, 11, 2), None
+    assert not co.request_stable_temps()  # no CUDA plugin: a CPU machine
+    versions["jax-cuda12-plugin"] = (0, 11, 2)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert not co.request_stable_temps()  # too late: the client has read XLA_FLAGS
+    monkeypatch.setattr(co, "CMDBUF_UPDATE_MODE", "")
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    assert not co.request_stable_temps() and co.os.environ["XLA_FLAGS"] == ""
