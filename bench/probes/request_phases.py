@@ -10,7 +10,7 @@ spec-mode-*.json). This splits each request: `first_ms` is a max_tokens=1 reques
 first token, alongside the scheduler's own timers per step. A cProfile of one EAGLE-3 request lists
 the host's top functions.
 
-    python bench/probes/request_phases.py [--prompts 8] [--max-tokens 128]
+    python bench/probes/request_phases.py [--prompts 8] [--max-tokens 128] [--algos plain,eagle3:3:4:8,eagle3:6:4:24]
 """
 from __future__ import annotations
 
@@ -40,14 +40,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--algos", default="plain,eagle3:6:4:24", help="plain and eagle3:<steps>:<topk>:<tokens> trees")
+    ap.add_argument("--lazy", action="store_true", help="no start-up build (a CPU smoke run)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     model, tok = load("smollm2-135m")
     prompts = [[{"role": "user", "content": q}] for q in mt_bench_prompts()[:args.prompts]]
-    gens = {"plain": Generator(model, tok, max_batch=8, max_seq_len=1024, warmup=True),
-            "eagle3:6:4:24": Generator(model, tok, drafter=SpecConfig("EAGLE3", num_steps=6, eagle_topk=4,
-                                                                      num_draft_tokens=24).build(model, "smollm2-135m"),
-                                       max_batch=8, max_seq_len=1024, warmup=True)}
+    gens = {}
+    for algo in args.algos.split(","):
+        name, *tree = algo.split(":")
+        steps, topk, nodes = map(int, tree or (0, 0, 0))
+        drafter = None if name == "plain" else SpecConfig(name.upper(), num_draft_tokens=nodes, num_steps=steps,
+                                                          eagle_topk=topk).build(model, "smollm2-135m")
+        gens[algo] = Generator(model, tok, drafter=drafter, max_batch=8, max_seq_len=1024, warmup=not args.lazy)
     one, full = SamplingParams(max_tokens=1), SamplingParams(max_tokens=args.max_tokens)
     rows, profile = [], None
     for name, gen in gens.items():
@@ -72,7 +77,7 @@ def main():
             steps.append(after["verified_rows"] - before["verified_rows"] if name != "plain" else len(out.token_ids) - 1)
             for k in TIMERS:
                 timers[k] += after.get(k, 0.0) - before.get(k, 0.0)
-        if name != "plain":
+        if name != "plain" and profile is None:
             prof = cProfile.Profile()
             prof.enable()
             gen.generate(prompts[0], full)
