@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, run_torch_anchor, write_results
-from jaxspec import SamplingParams, SpecConfig, compile_options
+from jaxspec import SamplingParams, SpecConfig
 from jaxspec.speculative import shipped_drafter
 from jaxspec.generator import Generator
 from jaxspec.models.loading import load
@@ -111,8 +111,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = batch * this (batch 1: 8)")
     ap.add_argument("--algos", default="plain,ngram:8",
-                    help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>; a '+twins' suffix "
-                    "loads each program twice (compile_options.TWIN_EXECUTABLES), a '+v8' one runs 8 verify steps a call")
+                    help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>; a '+v8' suffix "
+                    "runs 8 verify steps a call")
     ap.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (default: the shipped one)")
     ap.add_argument("--eagle-model", default=None, help="EAGLE head directory (default: the shipped one)")
     ap.add_argument("--dflash-model", default=None, help="DFLASH drafter directory (default: the shipped one)")
@@ -144,7 +144,6 @@ def main():
         while any(lab == label for _, lab in gens):
             label += "#2"  # the same algorithm again: a control for the noise between rounds
         a, _, head_dir = a.partition("=")  # "eagle3:6:4:24=runs/x/head": that head, not --draft-model
-        a, twins = (a[:-len("+twins")], True) if a.endswith("+twins") else (a, False)  # compile_options.py
         a, _, vsteps = a.partition("+v")  # "eagle3:6:4:24+v8": 8 verify steps a call (Scheduler verify_steps)
         a, auto = (a[:-len("/auto")], True) if a.endswith("/auto") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
@@ -175,10 +174,8 @@ def main():
             kw["spec_policy"] = "auto"
         if vsteps:
             kw["verify_steps"] = int(vsteps)
-        kept, compile_options.TWIN_EXECUTABLES = compile_options.TWIN_EXECUTABLES, twins  # read as programs are made
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, warmup=not args.lazy, **kw)
-        compile_options.TWIN_EXECUTABLES = kept
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":

@@ -46,15 +46,10 @@ XLA_SORT_PROGRAMS = ("decode",)
 # moved since its last launch (command_buffer_thunk.cc). A chained call is launched while the last
 # call's outputs are still held (the host reads them next), so its outputs land elsewhere: every
 # engine call was re-recorded, 1.4 ms of host time a call at batch 1 and 2.8 ms at batch 8 for
-# EAGLE-3 (launch_trace-NVIDIA-H100-80GB-HBM3.json). Two loaded copies of each program used in
-# turn each see their own outputs' addresses come back every other call: in a chain of a small
-# looping program 0.025 updates a call instead of 1, 0.48 ms a call instead of 0.66
-# (cmdbuf_update-NVIDIA-H100-80GB-HBM3.json, 'two-fresh' against 'fresh'). In the engine they did
-# not pay: its outputs still moved about once a call (launch_trace-twins-*.json), and through the
-# Generator EAGLE-3 with them ran 0.97x its speed without them at batch 1 and 8 (spec-steps-*.json).
-TWIN_EXECUTABLES = False
-
-# Most of that re-recording came from the programs' temporary buffer, not their arguments: XLA's
+# EAGLE-3 (launch_trace-NVIDIA-H100-80GB-HBM3.json). Two loaded copies of each program used in turn
+# did not help: the outputs still moved about once a call (launch_trace-twins-*.json) and EAGLE-3
+# with them ran 0.97x its speed without (spec-steps-*.json); that code is gone (git history, c21d56d).
+# Most of the re-recording came from the programs' temporary buffer, not their arguments: XLA's
 # SKIP_TEMP mode (jaxlib >= 0.11.2; the VMM allocator) gives it a stable virtual address, and only
 # the commands that touch a moved argument or output are re-recorded. EAGLE-3, random weights:
 # 0.47 ms of updates a call instead of 1.70 at batch 1 and 0.54 instead of 5.36 at batch 8, where a
@@ -102,12 +97,6 @@ def loop_options(xla_sort: bool = True) -> dict | None:
     if jax.default_backend() != "gpu" or not COMMAND_BUFFERS:
         return None
     return {"xla_gpu_enable_command_buffer": COMMAND_BUFFERS, "xla_gpu_enable_cub_radix_sort": not xla_sort}
-
-
-def twin_executables() -> bool:
-    """Whether programs are loaded twice and used in turn (TWIN_EXECUTABLES): on a GPU with
-    command buffers only."""
-    return TWIN_EXECUTABLES and jax.default_backend() == "gpu" and bool(COMMAND_BUFFERS)
 
 
 def program_options(name: str, args) -> dict | None:

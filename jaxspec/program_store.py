@@ -19,8 +19,7 @@ versions, the device, the model's and drafter's configs, the program's name, sam
 argument shapes. An unreadable entry is rebuilt. (Executables are pickled: the store is the
 user's own cache folder, read by nobody else.)
 
-Also here: the switch of JAX's persistent compilation cache, the count of executables built, and
-a program's twin (a second loaded copy: compile_options.TWIN_EXECUTABLES).
+Also here: the switch of JAX's persistent compilation cache and the count of executables built.
 """
 from __future__ import annotations
 
@@ -114,24 +113,6 @@ def load_executable(store: str, name: str):
                                                          execution_devices=jax.devices()[:1])
     except Exception:  # noqa: BLE001 - truncated, or written by another runtime
         return None
-
-
-def twin(compiled, store: str | None, name: str | None):
-    """(a second executable of a program, loaded anew with its own command buffers, None) or (None,
-    why not): the store's entry `name` read again, or without a store (every program compiled in
-    this process) `compiled` serialized and loaded. A program that JAX's persistent cache supplied
-    (the store keeps none of those) gets none: serialized again such an executable, like one
-    loaded from a file, can load without its functions (compile_lowered)."""
-    if store:
-        exe = load_executable(store, name)
-        return (exe, None) if exe else (None, "no executable in the store (supplied by the compilation cache)")
-    try:
-        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        _load_kernel_runtimes()
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                         execution_devices=jax.devices()[:1]), None
-    except Exception as e:  # noqa: BLE001 - then the one executable serves every call
-        return None, f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import program_store, sampling
-from jaxspec.compile_options import program_options, twin_executables
+from jaxspec.compile_options import program_options
 from jaxspec.verify import verify_and_accept
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -123,10 +123,6 @@ class Programs:
         self._target_leaves = len(jax.tree.leaves(state[0])) if head is not None else len(self.state)
         self.fns = {name: _with_state(treedef, fn) for name, fn in fns.items()}
         self.table: dict[tuple, object] = {}
-        # a second loaded copy of each program, used in turn with the first (compile_options.TWIN_EXECUTABLES)
-        self.make_twins = twin_executables() and mesh is None
-        self.twins: dict[tuple, list] = {}
-        self.twin_errors: list[str] = []
         self.build_seconds = {"lower": 0.0, "compile": 0.0}  # of build(): tracing + lowering, then compiling
         self.store_reads = 0  # programs read back from the store rather than traced
         self.executable_reads = 0  # of those, read back compiled
@@ -167,23 +163,10 @@ class Programs:
         key = (name, flags, _signature((cache, args)))
         if key not in self.table:
             spec = (name, flags, cache, args)
-            self._install(key, self._count_read(self._read_executable(*spec)) or self._compile(*spec), spec)
+            self.table[key] = self._count_read(self._read_executable(*spec)) or self._compile(*spec)
             if self.warm:
                 self.late_compiles.append(key)
-        pair = self.twins.get(key)
-        if pair:
-            pair.reverse()  # the copies in turn
-        return (pair[0] if pair else self.table[key])(self.state, cache, *args)
-
-    def _install(self, key, exe, spec):
-        """Keep a built program, and its twin where make_twins holds (program_store.twin)."""
-        self.table[key] = exe
-        if self.make_twins:
-            twin, error = program_store.twin(exe, self.store, self.store and self._executable_name(*spec))
-            if twin is None:
-                self.twin_errors.append(f"{key[0]}: {error}")
-            else:
-                self.twins[key] = [twin, exe]
+        return self.table[key](self.state, cache, *args)
 
     def _executable_name(self, name, flags, cache, args) -> str | None:
         return self.store and program_store.executable_name(self.entry(name, flags, cache, args), program_options(name, args))
@@ -264,7 +247,7 @@ class Programs:
                 for fut in concurrent.futures.as_completed(futures):
                     key = futures[fut]
                     exe = self._count_read(fut.result()) if key in kept else fut.result()
-                    self._install(key, exe or self._compile(*todo[key]), todo[key])  # an unreadable one is compiled again
+                    self.table[key] = exe or self._compile(*todo[key])  # an unreadable one is compiled again
                     if bar is not None:
                         bar.update(1)
             if bar is not None:

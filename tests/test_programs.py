@@ -1,5 +1,4 @@
 """The fixed program set: its size, built at start-up, and no compile after it."""
-import collections
 
 import jax
 import numpy as np
@@ -157,42 +156,6 @@ def test_failed_program_workers_leave_the_build_to_the_engine(tiny, tmp_path, mo
         info = gen.scheduler.warmup()
     assert gen.scheduler.programs.store_reads == 0 and info["programs"] == len(list(tmp_path.glob("*.jaxexport")))
     assert gen.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
-
-
-def test_twin_executables_used_in_turn_give_the_same_tokens(tiny, monkeypatch):
-    """Each program loaded twice and used in turn (so that on a GPU a chained call finds its
-    command buffer's addresses as it left them): the outputs equal one executable's."""
-    import jaxspec.program_store as program_store
-    import jaxspec.programs as programs
-    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
-    prompts = [[5, 6, 7], [9, 3, 3, 1, 8]]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=9, temperature=0.9, seed=3)]
-    make = lambda: Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 2, 4)), max_batch=2, max_seq_len=64,
-                             decode_steps=2, compile_cache="off")
-    kept = jax.config.jax_compilation_cache_dir
-    try:  # on the CPU an executable from the persistent cache does not load again whole (program_store.py)
-        one = make().generate(prompts, params)
-        monkeypatch.setattr(programs, "twin_executables", lambda: True)  # read when Programs are made
-        gen = make()
-        gen.generate(prompts, params)  # builds the programs and their twins
-        twins = gen.scheduler.programs.twins
-        assert twins and all(len(pair) == 2 and pair[0] is not pair[1] for pair in twins.values())
-        used = collections.Counter()
-
-        def counted(exe, tag):
-            def call(*args):
-                used[tag] += 1
-                return exe(*args)
-            return call
-        for key, pair in twins.items():
-            pair[:] = [counted(pair[0], (key, 0)), counted(pair[1], (key, 1))]
-        twice = gen.generate(prompts, params)
-    finally:
-        program_store.enable_compilation_cache(kept or "off")
-    assert [o.token_ids for o in twice] == [o.token_ids for o in one]
-    # every program's calls went to its two copies in turn, and verify calls ran on both
-    assert all(abs(used[(key, 0)] - used[(key, 1)]) <= 1 for key in twins)
-    assert any(key[0] == "verify_steps" and used[(key, 0)] and used[(key, 1)] for key in twins)
 
 
 def test_skip_temp_update_mode_is_requested_only_where_the_xla_knows_it(monkeypatch):

@@ -8,7 +8,9 @@ SmolLM2-shaped target with random bf16 weights (and a random EAGLE-3 head) runs 
 each batch, ignore_eos; after warm passes one pass runs under jax.profiler. Events nest, so each
 name's time includes its children's.
 
-    python bench/probes/launch_trace.py [--batches 1,8] [--algos plain,eagle3] [--twins on,off]
+    python bench/probes/launch_trace.py [--batches 1,8] [--algos plain,eagle3]
+
+(Run it under JAXSPEC_CMDBUF_UPDATE_MODE= and without: `update_mode` says which ran.)
 """
 from __future__ import annotations
 
@@ -30,13 +32,13 @@ from flax import nnx
 
 from common import print_table, trace_events, write_results
 from host_probe import SMOL, one_pass
-from jaxspec import Generator, SamplingParams, compile_options
+from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models import Llama
 
 
-COLS = ["algorithm", "twins", "batch", "calls", "wall_ms_per_call", "wait_ms_per_call", "updates_per_call",
+COLS = ["algorithm", "update_mode", "batch", "calls", "wall_ms_per_call", "wait_ms_per_call", "updates_per_call",
         "update_ms_per_call", "tokens_per_s"]
 
 
@@ -50,20 +52,19 @@ def host_events(log_dir):
 
 
 def pointer_pass(gen, prompts, params, program="verify_steps"):
-    """One more pass, logging for each call of `program` which loaded copy ran it and the device
-    addresses of its arguments (before the call: donated ones are gone after) and of its outputs.
-    Returns, per argument and output leaf that moved, how many addresses each copy saw."""
-    from jaxspec.programs import Programs, _signature, program_flags
+    """One more pass, logging for each call of `program` the device addresses of its arguments
+    (before the call: donated ones are gone after) and of its outputs. Returns, per argument and
+    output leaf that moved, how many addresses it had."""
+    from jaxspec.programs import Programs
     log = []
     run = Programs.run
 
     def logged(self, name, flags, cache, args):
         ptr = lambda t: [x.unsafe_buffer_pointer() if isinstance(x, jax.Array) else None for x in jax.tree.leaves(t)]
-        pair = self.twins.get((name, program_flags(name, flags), _signature((cache, args))))
         before = ptr((cache, args))
         out = run(self, name, flags, cache, args)
         if name == program:
-            log.append((None if pair is None else id(pair[0]), before, ptr(out)))  # run() put the copy it used first
+            log.append((before, ptr(out)))
         return out
 
     Programs.run = logged
@@ -72,14 +73,12 @@ def pointer_pass(gen, prompts, params, program="verify_steps"):
     finally:
         Programs.run = run
     moved = {}
-    for side in (1, 2):
+    for side in (0, 1):
         for i in range(len(log[0][side]) if log else 0):
-            seen = collections.defaultdict(set)
-            for copy, *ptrs in log:
-                seen[copy].add(ptrs[side - 1][i])
-            if any(len(v) > 1 for v in seen.values()):
-                moved[f"{'in' if side == 1 else 'out'}[{i}]"] = sorted(len(v) for v in seen.values())
-    return dict(calls=len(log), copies=len({c for c, *_ in log}), moved=moved)
+            seen = {ptrs[side][i] for ptrs in log}
+            if len(seen) > 1:
+                moved[f"{'out' if side else 'in'}[{i}]"] = len(seen)
+    return dict(calls=len(log), moved=moved)
 
 
 def traced_pass(gen, prompts, params):
@@ -96,8 +95,6 @@ def main():
     ap.add_argument("--algos", default="plain,eagle3")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=40, help="host events printed a row (the file keeps 60)")
-    ap.add_argument("--twins", default="on", help="on,off: programs loaded twice and used in turn, or not "
-                    "(compile_options.TWIN_EXECUTABLES)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     model = Llama(SMOL, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -108,20 +105,17 @@ def main():
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
-    for algo, twins in [(a, t) for a in args.algos.split(",") for t in args.twins.split(",")]:
-        compile_options.TWIN_EXECUTABLES = twins == "on"
+    mode = os.environ.get("XLA_FLAGS", "").partition("command_buffer_update_mode=")[2].split(" ")[0] or "default"
+    for algo in args.algos.split(","):
         t0 = time.perf_counter()
         gen = make[algo]()
-        print(f"{algo} twins {twins}: built in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{algo}: built in {time.perf_counter() - t0:.0f} s", flush=True)
         for b in map(int, args.batches.split(",")):
             prompts = [[int(t) for t in rng.integers(3, SMOL.vocab_size, 64)] for _ in range(b)]
             for _ in range(2):
                 one_pass(gen, prompts, params)
             r, events = traced_pass(gen, prompts, params)
             moved = pointer_pass(gen, prompts, params, "verify_steps" if algo == "eagle3" else "decode")
-            progs = [gen.scheduler.programs] + list(getattr(gen.scheduler, "tree_programs", {}).values())
-            moved["twins"] = sum(len(p.twins) for p in progs)
-            moved["twin_errors"] = sorted({e for p in progs for e in p.twin_errors})[:3]
             print("addresses:", moved, flush=True)
             calls = r["steps"]
             by = collections.defaultdict(lambda: [0.0, 0])
@@ -131,7 +125,7 @@ def main():
                 by[key][1] += 1
             top = sorted(by.items(), key=lambda kv: -kv[1][0])[:60]
             updates = [d for n, _, d in events if n == "command_buffer::update"]
-            rows.append(dict(algorithm=algo, twins=twins, batch=b, calls=calls, wall_ms_per_call=1e3 * r["wall"] / calls,
+            rows.append(dict(algorithm=algo, update_mode=mode, batch=b, calls=calls, wall_ms_per_call=1e3 * r["wall"] / calls,
                              wait_ms_per_call=1e3 * r["wait"] / calls, updates_per_call=len(updates) / calls,
                              update_ms_per_call=sum(updates) / 1e3 / calls,
                              tokens_per_s=r["tokens"] / r["wall"], addresses=moved,
