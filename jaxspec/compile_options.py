@@ -88,7 +88,12 @@ def request_stable_temps() -> bool:
     return True
 
 
-STABLE_TEMPS = request_stable_temps()  # at import: jaxspec imports this before it runs anything
+def update_mode() -> str:
+    """The command-buffer update mode XLA_FLAGS asks for ('default': XLA's own, ALWAYS_UPDATE)."""
+    return os.environ.get("XLA_FLAGS", "").partition(_MODE_FLAG + "=")[2].split(" ")[0] or "default"
+
+
+request_stable_temps()  # at import: jaxspec imports this module before it runs anything
 
 
 def loop_options(xla_sort: bool = True) -> dict | None:

@@ -171,6 +171,7 @@ def test_skip_temp_update_mode_is_requested_only_where_the_xla_knows_it(monkeypa
     assert co.request_stable_temps()
     assert co._MODE_FLAG + "=SKIP_TEMP" in co.os.environ["XLA_FLAGS"]
     assert co.os.environ["XLA_FLAGS"].startswith("--xla_foo=1 ")
+    assert co.update_mode() == "SKIP_TEMP"
     monkeypatch.setenv("XLA_FLAGS", "")
     versions["jaxlib"] = (0, 10, 2)
     assert not co.request_stable_temps() and co.os.environ["XLA_FLAGS"] == ""

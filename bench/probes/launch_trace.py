@@ -32,7 +32,7 @@ from flax import nnx
 
 from common import print_table, trace_events, write_results
 from host_probe import SMOL, one_pass
-from jaxspec import Generator, SamplingParams
+from jaxspec import Generator, SamplingParams, compile_options
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models import Llama
@@ -105,7 +105,7 @@ def main():
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
-    mode = os.environ.get("XLA_FLAGS", "").partition("command_buffer_update_mode=")[2].split(" ")[0] or "default"
+    mode = compile_options.update_mode()
     for algo in args.algos.split(","):
         t0 = time.perf_counter()
         gen = make[algo]()
