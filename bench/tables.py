@@ -84,17 +84,18 @@ def policy() -> str:
 
 
 def heads() -> str:
-    """EAGLE-3 heads side by side in one run: the shipped one (draft_model set) and the one before."""
-    d = _load("spec-head4")
+    """EAGLE-3 heads side by side in one run, per tree: the shipped one (draft_model set) and the one before."""
+    d = _load("spec-head5")
     rows = [r for r in d["rows"] if r["algorithm"] == "eagle3"]
     cols = sorted({(r["dataset"], r["batch"]) for r in rows}, key=lambda c: (c[0] != "mt-bench", c[1]))
-    out = [f"`spec-head4-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
-           "| head | " + " | ".join(f"{ds} b{b}: vs plain (accept length)" for ds, b in cols) + " |",
-           "|" + " --- |" * (len(cols) + 1)]
-    for shipped in (False, True):
-        cells = [next(f"{r['speedup']:.2f}x ({r['accept_length']:.2f})" for r in rows
-                      if (r["dataset"], r["batch"]) == c and bool(r.get("draft_model")) == shipped) for c in cols]
-        out.append(f"| {'stage 3 (shipped)' if shipped else 'stage 2'} | " + " | ".join(cells) + " |")
+    out = [f"`spec-head5-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
+           "| head | tree | " + " | ".join(f"{ds} b{b}: vs plain (accept length)" for ds, b in cols) + " |",
+           "|" + " --- |" * (len(cols) + 2)]
+    for tree in dict.fromkeys(r["tree"] for r in rows):
+        for shipped in (False, True):
+            cells = [next(f"{r['speedup']:.2f}x ({r['accept_length']:.2f})" for r in rows if r["tree"] == tree
+                          and (r["dataset"], r["batch"]) == c and bool(r.get("draft_model")) == shipped) for c in cols]
+            out.append(f"| {'stage 4 (shipped)' if shipped else 'stage 3'} | {tree} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

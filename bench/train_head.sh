@@ -7,6 +7,9 @@
 # Stage 3 (the shipped head): a third corpus (seed 2, committed in data/), then both committed corpora,
 # answers-only loss, the head in bf16 (about 153k tokens/s on an H100; runs of < 10 minutes resume):
 #   bash bench/train_head.sh seed2-data GGUF RUN3; bash bench/train_head.sh stage3 GGUF RUN3 MINUTES
+# Stage 4 (the shipped head): a fourth corpus (seed 3, all 50 openers, committed in data/), then the three
+# committed corpora in packed rows of 768 tokens (one 8.4-minute run reached 3,425 of the 20,000 steps):
+#   bash bench/train_head.sh seed3-data GGUF RUN4; bash bench/train_head.sh stage4 GGUF RUN4 MINUTES
 # The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
 #   bash bench/train_head.sh dflash GGUF RUN MINUTES
@@ -28,8 +31,13 @@ case $stage in
           --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 3e-4 --steps 16000 --loss-on answer --pack-len 0 \
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
+  seed3-data) python -m jaxspec.train "${common[@]}" --num-prompts 36864 --seed 3 --data-only ;;
+  stage4) python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 --ttt 6 \
+          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 3e-4 --steps 20000 --loss-on answer --pack-len 768 \
+          --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash) python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" --data data/smollm2-135m-selfgen-seed0/data.npz \
           --seq-len 384 --steps 14000 --batch 16 --anchors 64 --lr 8e-4 --block-size 16 --draft-layers 3 \
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data, train, more-data, more, seed2-data, stage3 or dflash" >&2; exit 2 ;;
+  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4 or dflash" >&2; exit 2 ;;
 esac

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
 
 import jax
 
@@ -56,8 +57,11 @@ XLA_SORT_PROGRAMS = ("decode",)
 # call took 7.9 ms instead of 11.4 (launch_trace-mode-SKIP_TEMP- against -mode-default-*.json).
 # Through the Generator (real weights) the change was within noise (spec-mode-*.json).
 # The GPU client reads XLA_FLAGS once, as it starts: request_stable_temps() adds the flag before.
-# JAXSPEC_CMDBUF_UPDATE_MODE="" leaves XLA's default (ALWAYS_UPDATE).
+# JAXSPEC_CMDBUF_UPDATE_MODE="" leaves XLA's default (ALWAYS_UPDATE). Training keeps the default:
+# `python -m jaxspec.train` under SKIP_TEMP died (SIGSEGV) in its first orbax checkpoint save, twice,
+# and ran through with the flag off (session 57, H100, jaxlib 0.11.2; the stage-4 head's card).
 CMDBUF_UPDATE_MODE = os.environ.get("JAXSPEC_CMDBUF_UPDATE_MODE", "SKIP_TEMP")
+DEFAULT_MODE_ENTRIES = ("jaxspec.train",)  # `python -m` entry points that keep XLA's default mode
 _MODE_FLAG = "--xla_gpu_command_buffer_update_mode"
 
 
@@ -76,6 +80,8 @@ def request_stable_temps() -> bool:
         return True
     if not CMDBUF_UPDATE_MODE or (_version("jaxlib") or (0,)) < (0, 11, 2):
         return False
+    if _started_as(DEFAULT_MODE_ENTRIES):
+        return False
     if not any(_version(d) for d in ("jax-cuda12-plugin", "jax-cuda13-plugin")):
         return False
     try:
@@ -86,6 +92,13 @@ def request_stable_temps() -> bool:
         return False
     os.environ["XLA_FLAGS"] = f"{flags} {_MODE_FLAG}={CMDBUF_UPDATE_MODE}".strip()
     return True
+
+
+def _started_as(modules) -> bool:
+    """Whether this process is `python -m <one of modules>` (jaxspec's __init__ runs before the
+    module does, while sys.argv[0] is still '-m': the interpreter's own argv tells)."""
+    argv = getattr(sys, "orig_argv", [])
+    return any(a == "-m" and b in modules for a, b in zip(argv, argv[1:]))
 
 
 def update_mode() -> str:

@@ -160,7 +160,8 @@ def test_failed_program_workers_leave_the_build_to_the_engine(tiny, tmp_path, mo
 
 def test_skip_temp_update_mode_is_requested_only_where_the_xla_knows_it(monkeypatch):
     """XLA_FLAGS gets SKIP_TEMP only with a CUDA plugin and jaxlib >= 0.11.2 (jaxlib 0.10.2 aborts
-    on the flag) before any backend starts; a flag already set is left as it is."""
+    on the flag) before any backend starts, and not for `python -m jaxspec.train`; a flag already set
+    is left as it is."""
     from jax._src import xla_bridge
 
     from jaxspec import compile_options as co
@@ -180,6 +181,11 @@ def test_skip_temp_update_mode_is_requested_only_where_the_xla_knows_it(monkeypa
     versions["jax-cuda12-plugin"] = (0, 11, 2)
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
     assert not co.request_stable_temps()  # too late: the client has read XLA_FLAGS
-    monkeypatch.setattr(co, "CMDBUF_UPDATE_MODE", "")
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(co.sys, "orig_argv", ["python3", "-m", "jaxspec.train", "--kind", "eagle3"], raising=False)
+    assert not co.request_stable_temps() and co.os.environ["XLA_FLAGS"] == ""  # training keeps XLA's default
+    monkeypatch.setattr(co.sys, "orig_argv", ["python3", "bench/spec.py", "-m", "x"], raising=False)
+    assert co.request_stable_temps()
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(co, "CMDBUF_UPDATE_MODE", "")
     assert not co.request_stable_temps() and co.os.environ["XLA_FLAGS"] == ""
