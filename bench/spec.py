@@ -14,7 +14,8 @@ Each (dataset, batch) runs its prompts twice per algorithm to compile (the engin
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
 reverse order every other round (a pass is timed again, up to twice, if it compiled a new shape:
 `compiles_in_timed_run`, `timed_passes`); tokens/s counts emitted tokens over wall time with
-`batch` requests in flight, the median over rounds, and speedup is the median of per-round ratios
+`batch` requests in flight (`--admission waves`: `batch` prompts at a time, the default;
+`continuous`: all queued, `batch` at most running), the median over rounds, and speedup is the median of per-round ratios
 (`--min-seconds` adds rounds where passes are short);
 `speedup_pooled` divides all rounds' tokens by all their seconds. An algorithm named twice runs
 twice (`plain,plain,...`: the second plain's speedup is the noise between two identical engines).
@@ -43,15 +44,24 @@ from jaxspec.generator import Generator
 from jaxspec.models.loading import load
 
 
-def run(gen, prompts, batch, max_tokens):
-    """All prompts, at most `batch` in flight; returns (completions, seconds). A drafter that
-    learns from what it saw (NGRAM's trie) starts every pass empty: the passes repeat the same
-    prompts, and drafting a pass's answers from an earlier pass's would measure recall."""
+def run(gen, prompts, batch, max_tokens, admission="waves"):
+    """All prompts, at most `batch` in flight; returns (completions, seconds). `waves`: `batch`
+    prompts at a time, the next wave when the last one's slowest request ends (static batching);
+    `continuous`: all queued at once, a waiting one admitted as soon as a request ends (a server's
+    continuous batching, SGLang's offline-throughput bench). A drafter that learns from what it saw
+    (NGRAM's trie) starts every pass empty: the passes repeat the same prompts, and drafting a pass's
+    answers from an earlier pass's would measure recall."""
     reset = getattr(gen.scheduler.drafter, "reset", None)
     if reset is not None:
         reset()
     params = SamplingParams(max_tokens=max_tokens)
     t0 = time.perf_counter()
+    if admission == "continuous":
+        built, gen.scheduler.max_batch = gen.scheduler.max_batch, batch  # admission's cap; programs unchanged
+        try:
+            return gen.generate(prompts, params), time.perf_counter() - t0
+        finally:
+            gen.scheduler.max_batch = built
     outs = []
     for i in range(0, len(prompts), batch):
         outs += gen.generate(prompts[i:i + batch], params)
@@ -69,7 +79,7 @@ def compiled_programs(gen) -> int:
     return sum(len(p.table) for p in gen.scheduler.program_groups)
 
 
-def timed_run(gen, prompts, batch, max_tokens):
+def timed_run(gen, prompts, batch, max_tokens, admission):
     """One timed pass. A compile inside it (drafts, hence shapes, can differ between passes) is a
     stall of seconds: the pass is repeated, at most twice, and the count reported."""
     drafter = gen.scheduler.drafter
@@ -77,7 +87,7 @@ def timed_run(gen, prompts, batch, max_tokens):
         s0 = dict(gen.scheduler.stats)
         h0, o0 = getattr(drafter, "host_time", 0.0), getattr(drafter, "overlapped_time", 0.0)
         c0 = compiled_programs(gen)
-        outs, secs = run(gen, prompts, batch, max_tokens)
+        outs, secs = run(gen, prompts, batch, max_tokens, admission)
         compiles = compiled_programs(gen) - c0
         if compiles == 0:
             break
@@ -126,6 +136,8 @@ def main():
                     help="more rounds (up to 4x --repeats) until each algorithm has this much timed")
     ap.add_argument("--warmup-threads", type=int, default=0,
                     help="engines compiling at once in the warm-up passes (0: all; 1: one after another)")
+    ap.add_argument("--admission", default="waves",
+                    help="waves, continuous or both (comma-separated; rows' `admission`): see run()")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--torch-anchor", action="store_true",
                     help="also run bench/torch_anchor.py's plain step (context 256) and give vs_torch")
@@ -190,83 +202,85 @@ def main():
             # side, a thread each: XLA compiles without the GIL (one engine after another, the
             # EAGLE batch-64 compiles left no time for HumanEval in spec-v19-eagle-b64's call)
             def warm(gen):
-                run(gen, ps, b, args.max_tokens)
-                run(gen, ps, b, args.max_tokens)
+                for mode in args.admission.split(","):
+                    run(gen, ps, b, args.max_tokens, mode)
+                    run(gen, ps, b, args.max_tokens, mode)
             with concurrent.futures.ThreadPoolExecutor(args.warmup_threads or len(gens)) as pool:
                 list(pool.map(warm, gens.values()))
             # what exists now lives to the end (models, compiled programs): the collector's full
             # passes need not walk it (a pause of its own inside a timed pass is noise)
             gc.collect()
             gc.freeze()
-            for gen in gens.values():  # the auto policy's choices in the timed rounds alone
-                if gen.scheduler.spec_policy is not None:
-                    gen.scheduler.spec_policy.chosen.clear()
-            # timed rounds, the algorithms interleaved within each round so that drift (clocks, host
-            # noise) hits all of them alike; speedups are per round, then the median
-            timed = {k: [] for k in gens}
-            rounds = 0
-            # at least --repeats rounds, more (up to 4x) until every algorithm has --min-seconds of
-            # timed passes: a large batch's pass is short, and host noise then swamps one round
-            while rounds < args.repeats or (rounds < 4 * args.repeats and
-                                            min(sum(r["secs"] for r in v) for v in timed.values()) < args.min_seconds):
-                order = list(gens.items())
-                for key, gen in (order if rounds % 2 == 0 else order[::-1]):
-                    timed[key].append(timed_run(gen, ps, b, args.max_tokens))
-                rounds += 1
-            base = None
-            for (name, label), gen in gens.items():
-                runs = timed[(name, label)]
-                tps = [r["tokens"] / r["secs"] for r in runs]
-                outs = runs[0]["outs"]
-                row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
-                           algorithm=name, config=label.split("=")[0], dataset=ds, batch=b,
-                           draft_model=os.path.relpath(label.split("=")[1]) if "=" in label else None,
-                           policy="auto" if label.endswith("/auto") else "fixed",
-                           tree=getattr(getattr(gen.scheduler.drafter, "tree", None), "label", None),
-                           token_map=(label.split("/map")[1].split("@")[0].split("/")[0] if "/map" in label
-                                      else ("none" if name in ("eagle", "eagle3", "naive_eagle") else None)),
-                           token_map_refresh=int(label.split("/refresh")[1].split("@")[0]) if "/refresh" in label else None,
-                           draft_tokens=getattr(gen.scheduler.drafter, "num_nodes", None),
-                           tokens_per_s=float(np.median(tps)), tokens_per_s_runs=tps, requests=len(ps),
-                           tokens=runs[0]["tokens"], compiles_in_timed_run=sum(r["compiles"] for r in runs),
-                           timed_passes=sum(r["passes"] for r in runs))
-                if base is None:
-                    base = (tps, [o.token_ids for o in outs], runs)
-                else:
-                    ratios = [t / p for t, p in zip(tps, base[0])]
-                    vs = sum(r["verify_steps"] for r in runs)
-                    acc = [a for o in outs for a in (o.accept_lengths or [])]
-                    row.update(speedup=float(np.median(ratios)), speedup_runs=ratios,
-                               speedup_pooled=pooled_rate(runs) / pooled_rate(base[2]),
-                               accept_length=sum(acc) / max(len(acc), 1),
-                               identical_to_plain=[o.token_ids for o in outs] == base[1],
-                               verify_steps=vs, emitted=sum(r["emitted"] for r in runs))
-                    policy = gen.scheduler.spec_policy
-                    if policy is not None:  # what the auto policy learned, and chose at this batch
-                        summary = policy.summary()
-                        row.update(auto_accept_length=summary["accept_length"],
-                                   auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
-                                   auto_observed_ms=summary["observed_ms"],
-                                   step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
-                                                                                          key=str)])
-                    if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host
-                        row["draft_host_ms_per_step"] = 1e3 * sum(r["host"] for r in runs) / max(vs, 1)
-                        # trie insertion, done while the device runs a step (not on the critical path)
-                        row["overlapped_host_ms_per_step"] = (
-                            1e3 * sum(r["overlapped"] for r in runs) / max(sum(r["steps"] for r in runs), 1))
-                rows.append(row)
-                print_table(rows[-1:], ["config", "dataset", "batch", "tokens_per_s", "speedup", "accept_length",
-                                        "compiles_in_timed_run",
-                                        "identical_to_plain", "draft_host_ms_per_step", "overlapped_host_ms_per_step"])
-                write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)})  # partial results survive
+            for mode in args.admission.split(","):
+                for gen in gens.values():  # the auto policy's choices in the timed rounds alone
+                    if gen.scheduler.spec_policy is not None:
+                        gen.scheduler.spec_policy.chosen.clear()
+                # timed rounds, the algorithms interleaved within each round so that drift (clocks, host
+                # noise) hits all of them alike; speedups are per round, then the median
+                timed = {k: [] for k in gens}
+                rounds = 0
+                # at least --repeats rounds, more (up to 4x) until every algorithm has --min-seconds of
+                # timed passes: a large batch's pass is short, and host noise then swamps one round
+                while rounds < args.repeats or (rounds < 4 * args.repeats and
+                                                min(sum(r["secs"] for r in v) for v in timed.values()) < args.min_seconds):
+                    order = list(gens.items())
+                    for key, gen in (order if rounds % 2 == 0 else order[::-1]):
+                        timed[key].append(timed_run(gen, ps, b, args.max_tokens, mode))
+                    rounds += 1
+                base = None
+                for (name, label), gen in gens.items():
+                    runs = timed[(name, label)]
+                    tps = [r["tokens"] / r["secs"] for r in runs]
+                    outs = runs[0]["outs"]
+                    row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
+                               algorithm=name, config=label.split("=")[0], dataset=ds, batch=b, admission=mode,
+                               draft_model=os.path.relpath(label.split("=")[1]) if "=" in label else None,
+                               policy="auto" if label.endswith("/auto") else "fixed",
+                               tree=getattr(getattr(gen.scheduler.drafter, "tree", None), "label", None),
+                               token_map=(label.split("/map")[1].split("@")[0].split("/")[0] if "/map" in label
+                                          else ("none" if name in ("eagle", "eagle3", "naive_eagle") else None)),
+                               token_map_refresh=int(label.split("/refresh")[1].split("@")[0]) if "/refresh" in label else None,
+                               draft_tokens=getattr(gen.scheduler.drafter, "num_nodes", None),
+                               tokens_per_s=float(np.median(tps)), tokens_per_s_runs=tps, requests=len(ps),
+                               tokens=runs[0]["tokens"], compiles_in_timed_run=sum(r["compiles"] for r in runs),
+                               timed_passes=sum(r["passes"] for r in runs))
+                    if base is None:
+                        base = (tps, [o.token_ids for o in outs], runs)
+                    else:
+                        ratios = [t / p for t, p in zip(tps, base[0])]
+                        vs = sum(r["verify_steps"] for r in runs)
+                        acc = [a for o in outs for a in (o.accept_lengths or [])]
+                        row.update(speedup=float(np.median(ratios)), speedup_runs=ratios,
+                                   speedup_pooled=pooled_rate(runs) / pooled_rate(base[2]),
+                                   accept_length=sum(acc) / max(len(acc), 1),
+                                   identical_to_plain=[o.token_ids for o in outs] == base[1],
+                                   verify_steps=vs, emitted=sum(r["emitted"] for r in runs))
+                        policy = gen.scheduler.spec_policy
+                        if policy is not None:  # what the auto policy learned, and chose at this batch
+                            summary = policy.summary()
+                            row.update(auto_accept_length=summary["accept_length"],
+                                       auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
+                                       auto_observed_ms=summary["observed_ms"],
+                                       step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
+                                                                                              key=str)])
+                        if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host
+                            row["draft_host_ms_per_step"] = 1e3 * sum(r["host"] for r in runs) / max(vs, 1)
+                            # trie insertion, done while the device runs a step (not on the critical path)
+                            row["overlapped_host_ms_per_step"] = (
+                                1e3 * sum(r["overlapped"] for r in runs) / max(sum(r["steps"] for r in runs), 1))
+                    rows.append(row)
+                    print_table(rows[-1:], ["config", "dataset", "batch", "admission", "tokens_per_s", "speedup", "accept_length",
+                                            "compiles_in_timed_run",
+                                            "identical_to_plain", "draft_host_ms_per_step", "overlapped_host_ms_per_step"])
+                    write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)})  # partial results survive
     if args.torch_anchor:
         anchor = {r["batch"]: r for r in run_torch_anchor("smollm2-135m", args.batches, 256)}
         for r in rows:
             r["vs_torch"] = r["tokens_per_s"] / anchor[r["batch"]]["tokens_per_s"]
         rows += [dict(r, dataset="random", config="torch-compile") for r in anchor.values()]
     print()
-    print_table(rows, ["config", "dataset", "batch", "draft_tokens", "tokens_per_s", "speedup", "speedup_pooled", "vs_torch",
-                       "accept_length",
+    print_table(rows, ["config", "dataset", "batch", "admission", "draft_tokens", "tokens_per_s", "speedup", "speedup_pooled",
+                       "vs_torch", "accept_length",
                        "identical_to_plain", "draft_host_ms_per_step", "overlapped_host_ms_per_step"])
     print(write_results("spec" + args.tag, rows, {"dtype": str(model.embed[...].dtype)}))
 
