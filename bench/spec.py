@@ -93,6 +93,7 @@ def timed_run(gen, prompts, batch, max_tokens, admission):
             break
     st = gen.scheduler.stats
     return dict(outs=outs, secs=secs, tokens=sum(len(o.token_ids) for o in outs), compiles=compiles,
+                preemptions=st["preemptions"] - s0["preemptions"],
                 passes=timed_pass + 1, verify_steps=st["verify_steps"] - s0["verify_steps"],
                 emitted=st["emitted"] - s0["emitted"], steps=st["steps"] - s0["steps"],
                 host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0)
@@ -136,6 +137,10 @@ def main():
                     help="more rounds (up to 4x --repeats) until each algorithm has this much timed")
     ap.add_argument("--warmup-threads", type=int, default=0,
                     help="engines compiling at once in the warm-up passes (0: all; 1: one after another)")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="each engine's KV pages of 16 tokens (default: a whole 1024-token sequence per request of "
+                    "--max-batch, so that no pass preempts: the engine's own default, 256 tokens a request, is short of "
+                    "HumanEval's second 64 prompts + 128 tokens, 1,203 pages of 1,024; rows' `preemptions`)")
     ap.add_argument("--admission", default="waves",
                     help="waves, continuous or both (comma-separated; rows' `admission`): see run()")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
@@ -187,7 +192,8 @@ def main():
         if vsteps:
             kw["verify_steps"] = int(vsteps)
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
-                                        page_size=16, warmup=not args.lazy, **kw)
+                                        page_size=16, num_pages=args.num_pages or 1 + args.max_batch * 1024 // 16,
+                                        warmup=not args.lazy, **kw)
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":
@@ -243,7 +249,8 @@ def main():
                                draft_tokens=getattr(gen.scheduler.drafter, "num_nodes", None),
                                tokens_per_s=float(np.median(tps)), tokens_per_s_runs=tps, requests=len(ps),
                                tokens=runs[0]["tokens"], compiles_in_timed_run=sum(r["compiles"] for r in runs),
-                               timed_passes=sum(r["passes"] for r in runs))
+                               timed_passes=sum(r["passes"] for r in runs),
+                               preemptions=sum(r["preemptions"] for r in runs))
                     if base is None:
                         base = (tps, [o.token_ids for o in outs], runs)
                     else:
