@@ -41,8 +41,8 @@ def tiny():
 
 
 def run_mixed_requests_with_aborts(gen, rng, n=1000):
-    """n random requests (greedy/sampled, random stops and lengths); every fifth call aborts a
-    random request (waiting, running or finished). Afterwards no page may be in use."""
+    """n random requests (greedy/sampled, random stops and lengths); every fifth call aborts one
+    of the last 30 (waiting, running or finished). Afterwards no page may be in use."""
     from jaxspec import SamplingParams
     sched = gen.scheduler
     reqs = []
@@ -54,7 +54,7 @@ def run_mixed_requests_with_aborts(gen, rng, n=1000):
         if i % 7 == 0:
             sched.step()
         if i % 5 == 0:
-            sched.abort(reqs[int(rng.integers(0, len(reqs)))])
+            sched.abort(reqs[int(rng.integers(max(0, len(reqs) - 30), len(reqs)))])
     while sched.has_work:
         sched.step()
     assert all(r.finished for r in reqs)

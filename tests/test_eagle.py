@@ -163,7 +163,7 @@ def test_eagle_overlapped_and_multi_step_calls_equal_synchronous(tiny):
 def test_draft_tree_is_parent_first_with_distinct_siblings(tiny, tiny_eagle3):
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
     gen = eagle_generator(tiny, head, TreeShape(3, 4, 16))
-    reqs = [gen.submit(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in random_prompts(3, 4)]
+    reqs = [gen.submit(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in random_prompts(3, 4)]
     seen = 0
     while gen.scheduler.has_work:
         gen.scheduler.step()

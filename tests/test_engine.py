@@ -219,6 +219,28 @@ def test_multi_step_decode_equals_one_step_a_call(tiny):
     assert small.scheduler.stats["preemptions"] > 0 and small.scheduler.pool.in_use == 0
 
 
+def test_a_newcomer_decodes_in_the_step_that_prefills_it(tiny):
+    """A request admitted while others decode joins the batch's decode call in the step of its
+    (one-chunk) prefill, not a step later beside a one-step call; its tokens are its own alone."""
+    rng = np.random.default_rng(8)
+    first, second = (list(map(int, rng.integers(0, 62, n))) for n in (7, 5))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    gen = make_gen(tiny, max_batch=2)
+    sched = gen.scheduler
+    a = sched.add(first, params)
+    while len(a.output_ids) < 3:
+        sched.step()
+    b = sched.add(second, params)
+    while b.kv_len < len(second):  # the step that admits and prefills it
+        sched.step()
+    in_call = sched.inflight is not None and b in sched.inflight.reqs
+    assert in_call or len(b.output_ids) > 1
+    while sched.has_work:
+        sched.step()
+    alone = make_gen(tiny).generate([first, second], params)
+    assert [a.output_ids, b.output_ids] == [c.token_ids for c in alone] and sched.pool.in_use == 0
+
+
 def test_sampling_seeded_reproducible_and_batch_independent(tiny):
     gen = make_gen(tiny)
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=20, seed=7, ignore_eos=True)

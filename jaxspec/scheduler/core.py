@@ -267,9 +267,12 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                 return
         self._admit()
         prefill = [r for r in self.running if r.todo > 1]
-        decode = [r for r in self.running if r.todo == 1]
         if prefill:
             self._run_prefill(prefill)
+        # a request whose prompt this chunk finished decodes in this step's call with the rest (the
+        # chunk is read back before): a newcomer then costs a prefill call, not also a one-step
+        # decode call beside the batch's chained ones
+        decode = [r for r in self.running if r.todo == 1]
         if decode:
             tree, nodes = self._choice_for(decode)
             rows = bucket(len(decode), BATCH_BUCKETS)  # the bucket whose programs (tree, nodes) are
