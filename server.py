@@ -4,7 +4,7 @@
 
 The routes and streaming are here; the request bodies and response pieces are
 jaxspec/openai_api.py, and the thread that owns the scheduler jaxspec/engine_thread.py (handlers
-reach it through a command queue and get tokens back through per-request asyncio queues). A
+reach it through a command queue and hear of new tokens through a Mailbox into the event loop). A
 client that disconnects aborts its requests; a bad request gets a 4xx with a message.
 """
 from __future__ import annotations
@@ -32,6 +32,29 @@ from jaxspec.sampling import SamplingParams
 
 
 
+class Mailbox:
+    """The engine thread's token updates into the event loop. call_soon_threadsafe wakes the loop
+    through a self-pipe write each time: at concurrency 32 that is a syscall per request per step.
+    Here all updates posted between two turns of the loop cost one wake-up."""
+
+    def __init__(self, loop):
+        self.loop, self.items, self.lock, self.armed = loop, [], threading.Lock(), False
+
+    def post(self, queue: asyncio.Queue, item):
+        with self.lock:
+            self.items.append((queue, item))
+            if self.armed:
+                return
+            self.armed = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self):
+        with self.lock:
+            items, self.items, self.armed = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 def _error(status, message, kind="invalid_request_error"):
     headers = {"Retry-After": "1"} if status == 503 else None
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
@@ -56,6 +79,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
     app.state.max_queued_requests = max_queued_requests
     app.state.request_timeout = request_timeout
     started = int(time.time())
+    mailboxes: dict = {}  # event loop -> its Mailbox (one loop in a server; tests may start others)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
@@ -102,7 +126,9 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
         limit = app.state.request_timeout
         deadline = None if not limit else loop.time() + limit
         timed_out = f"request timed out after {limit:g} s (--request-timeout)" if limit else ""
-        queues, handles = [], []
+        handles = []
+        updates: asyncio.Queue = asyncio.Queue()  # (choice index, finished) as the engine emits
+        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
         try:  # a bad request hears what is wrong with it even while the queue is full
             engine.sched.check(prompt_ids, params)
         except ValueError as e:
@@ -112,18 +138,16 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
             raise APIError(503, f"server busy: {waiting} requests waiting (--max-queued-requests "
                                 f"{app.state.max_queued_requests}); retry later", "server_busy")
 
-        def make_cb(q):
-            return lambda req, new: loop.call_soon_threadsafe(q.put_nowait, (list(new), req.finished))
+        def make_cb(i):
+            return lambda req, new: mailbox.post(updates, (i, req.finished))
 
         try:
             for i in range(n):
                 p = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i})
-                q: asyncio.Queue = asyncio.Queue()
                 try:
-                    h = await asyncio.to_thread(engine.submit, prompt_ids, p, make_cb(q))
+                    h = await asyncio.to_thread(engine.submit, prompt_ids, p, make_cb(i))
                 except ValueError as e:
                     raise APIError(400, str(e)) from None
-                queues.append(q)
                 handles.append(h)
         except APIError:
             for h in handles:
@@ -143,15 +167,14 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
 
         if not stream:
             try:
-                for q, h in zip(queues, handles):
-                    while not h.req.finished:
-                        if deadline is not None and loop.time() > deadline:
-                            raise APIError(504, timed_out, "timeout")
-                        try:
-                            await asyncio.wait_for(q.get(), timeout=0.5)
-                        except asyncio.TimeoutError:
-                            if await request.is_disconnected():
-                                raise asyncio.CancelledError
+                while not all(h.req.finished for h in handles):
+                    if deadline is not None and loop.time() > deadline:
+                        raise APIError(504, timed_out, "timeout")
+                    try:
+                        await asyncio.wait_for(updates.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            raise asyncio.CancelledError
             except (asyncio.CancelledError, APIError):
                 for h in handles:
                     engine.abort(h)
@@ -171,43 +194,33 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
             readers = [IncrementalText(tok) for _ in range(n)]
             closed = [False] * n
             try:
-                merged: asyncio.Queue = asyncio.Queue()
-
-                async def pump(i):
-                    while True:
-                        new, finished = await queues[i].get()
-                        await merged.put((i, finished))
-                        if finished:
-                            return
-
-                tasks = [asyncio.create_task(pump(i)) for i in range(n)]
                 done = 0
                 while done < n:
                     try:
                         left = None if deadline is None else max(deadline - loop.time(), 0.0)
-                        i, finished = await asyncio.wait_for(merged.get(), timeout=left)
+                        got = [await asyncio.wait_for(updates.get(), timeout=left)]
                     except asyncio.TimeoutError:
                         err = {"error": {"message": timed_out, "type": "timeout", "code": 504}}
                         yield f"data: {json.dumps(err)}\n\n"
                         break
-                    req = handles[i].req
-                    text = streamable_text(tok, req, readers[i])
-                    end = max(sent_text[i], len(text))
-                    piece = text[sent_text[i]:end]
-                    lp = None
-                    if params.logprobs is not None:
-                        lp = logprob_items(tok, req, sent_tok[i], len(req.logprobs))
-                        sent_tok[i] = len(req.logprobs)
-                    if (piece or req.finished) and not closed[i]:
-                        closed[i] = req.finished
-                        sent_text[i] = max(sent_text[i], end)
-                        chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                 "model": model_name, "choices": [choice(chat, want_lp, i, req, piece, True, lp)]}
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                    if req.finished and finished:
-                        done += 1
-                for t in tasks:
-                    t.cancel()
+                    while not updates.empty():  # what came while the last chunk was sent: one chunk a choice
+                        got.append(updates.get_nowait())
+                    for i in dict.fromkeys(i for i, _ in got):
+                        req = handles[i].req
+                        text = streamable_text(tok, req, readers[i])
+                        end = max(sent_text[i], len(text))
+                        piece = text[sent_text[i]:end]
+                        lp = None
+                        if params.logprobs is not None:
+                            lp = logprob_items(tok, req, sent_tok[i], len(req.logprobs))
+                            sent_tok[i] = len(req.logprobs)
+                        if (piece or req.finished) and not closed[i]:
+                            closed[i] = req.finished
+                            sent_text[i] = max(sent_text[i], end)
+                            chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                                     "model": model_name, "choices": [choice(chat, want_lp, i, req, piece, True, lp)]}
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                    done = sum(closed)
                 if include_usage:  # OpenAI's stream_options: a last chunk with no choices, the counts
                     last = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
                             "model": model_name, "choices": [], "usage": usage()}
