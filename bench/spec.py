@@ -140,7 +140,7 @@ def main():
     ap.add_argument("--num-pages", type=int, default=None,
                     help="each engine's KV pages of 16 tokens (default: a whole 1024-token sequence per request of "
                     "--max-batch, so that no pass preempts: the engine's own default, 256 tokens a request, is short of "
-                    "HumanEval's second 64 prompts + 128 tokens, 1,203 pages of 1,024; rows' `preemptions`)")
+                    "HumanEval's second 64 prompts with their 128 new tokens; rows' `preemptions`)")
     ap.add_argument("--admission", default="waves",
                     help="waves, continuous or both (comma-separated; rows' `admission`): see run()")
     ap.add_argument("--tag", default="", help="suffix of the results file name")

@@ -53,10 +53,9 @@ def main():
     cfg = dataclasses.replace(big.cfg, num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
                               num_kv_heads=2, head_dim=16)
     model = Llama(cfg, rngs=nnx.Rngs(0))
-    top = max(map(int, args.concurrency.split(",")))
-    gen = Generator(model, tok, max_batch=top, max_seq_len=512, page_size=16, warmup=True)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     levels = list(map(int, args.concurrency.split(",")))
+    gen = Generator(model, tok, max_batch=max(levels), max_seq_len=512, page_size=16, warmup=True)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     chats = CHATS[:args.requests]
     direct = {}
     for c in levels:  # before the server starts: its engine thread then owns the scheduler
