@@ -26,8 +26,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from jaxspec.detokenize import IncrementalText
 from jaxspec.engine_thread import Engine
 from jaxspec.generator import Generator, streamable_text, text_of
-from jaxspec.openai_api import (APIError, ChatBody, CompletionBody, SamplingFields, choice, logprob_items,
-                                sampling_params)
+from jaxspec.openai_api import (APIError, ChatBody, CompletionBody, SamplingFields, StreamOptions, choice,
+                                logprob_items, sampling_params)
 from jaxspec.sampling import SamplingParams
 
 
@@ -121,7 +121,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
         return sampling_params(body, logprobs, model_name, gen.model.cfg.vocab_size)
 
     async def run(request: Request, prompt_ids, params: SamplingParams, n: int, chat: bool, stream: bool,
-                  include_usage: bool = False):
+                  options: StreamOptions | None = None):
         loop = asyncio.get_running_loop()
         limit = app.state.request_timeout
         deadline = None if not limit else loop.time() + limit
@@ -219,9 +219,11 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
                             sent_text[i] = max(sent_text[i], end)
                             chunk = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
                                      "model": model_name, "choices": [choice(chat, want_lp, i, req, piece, True, lp)]}
+                            if options and options.continuous_usage_stats:
+                                chunk["usage"] = usage()
                             yield f"data: {json.dumps(chunk)}\n\n"
                     done = sum(closed)
-                if include_usage:  # OpenAI's stream_options: a last chunk with no choices, the counts
+                if options and options.include_usage:  # a last chunk with no choices, the counts
                     last = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
                             "model": model_name, "choices": [], "usage": usage()}
                     yield f"data: {json.dumps(last)}\n\n"
@@ -242,8 +244,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
             ids = gen.encode(body.prompt)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        usage = bool((body.stream_options or {}).get("include_usage"))
-        return await run(request, ids, params, body.n, False, body.stream, usage)
+        return await run(request, ids, params, body.n, False, body.stream, body.stream_options)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -257,8 +258,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
             ids = gen.encode([m.model_dump() for m in body.messages])
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        usage = bool((body.stream_options or {}).get("include_usage"))
-        return await run(request, ids, params, body.n, True, body.stream, usage)
+        return await run(request, ids, params, body.n, True, body.stream, body.stream_options)
 
     return app
 

@@ -5,12 +5,14 @@
 
 Closed loop: `c` clients, each sending its next request when the last one ends. Open loop:
 Poisson arrivals at `r` requests/s (a seeded schedule, the same for every algorithm), whatever
-the server's pace. Each request streams (SSE, with OpenAI's `stream_options.include_usage`):
-TTFT = first content chunk after sending, ITL = the gaps between content chunks (a speculative
-step can deliver several tokens in one, and a multi-step call of plain decoding up to 8), TPOT =
-a request's (latency - TTFT) / (tokens - 1), the time a token costs whatever the chunking,
-tokens from the usage chunk. A row: output tokens/s and requests/s over the load's wall time,
-TTFT / ITL / TPOT / latency p50 and p99. One server per algorithm: server.py in its own process
+the server's pace. Each request streams (SSE, with `stream_options` `include_usage` and vLLM's
+`continuous_usage_stats`: every chunk carries the completion tokens so far): TTFT = first content
+chunk after sending; ITL = the gaps between content chunks (vLLM's benchmark: a speculative step
+can deliver several tokens in one, and a multi-step call of plain decoding up to 8); ITL-token =
+each gap divided among the tokens its chunk brought (SGLang's bench_serving); TPOT = a request's
+(latency - TTFT) / (tokens - 1). A row: output tokens/s and requests/s over the load's wall time,
+TTFT / ITL / ITL-token / TPOT / latency p50 and p99. `--client-procs N` spreads the closed loop's
+clients over N processes. One server per algorithm: server.py in its own process
 with its defaults (the load's client threads hold this process's GIL, not the server's), its
 programs built before the port opens; every load point warmed once untimed.
 `--plot` draws throughput against p50 ITL (closed loop) and against p50 TTFT (open loop).
@@ -40,11 +42,11 @@ from common import RESULTS, device_name, humaneval_prompts, mt_bench_prompts, pr
 
 
 def stream_one(client, url, messages, max_tokens):
-    """One streamed chat completion: (ttft, chunk gaps, latency, completion tokens, finish)."""
+    """One streamed chat completion: (ttft, chunk gaps, per-token gaps, latency, completion tokens)."""
     t0 = time.perf_counter()
-    times, tokens = [], 0
+    times, counts, tokens = [], [], 0
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -55,26 +57,39 @@ def stream_one(client, url, messages, max_tokens):
                 tokens = chunk["usage"]["completion_tokens"]
             if any(c.get("delta", {}).get("content") for c in chunk["choices"]):
                 times.append(time.perf_counter())
+                counts.append(tokens)
     end = time.perf_counter()
-    return dict(ttft=(times[0] - t0) if times else end - t0, itl=list(np.diff(times)), latency=end - t0,
-                tokens=tokens)
+    # SGLang's bench_serving convention: a chunk's gap spread over the tokens it brought
+    per_token = [g / (b - a) for g, a, b in zip(np.diff(times), counts, counts[1:]) for _ in range(max(b - a, 0))]
+    return dict(ttft=(times[0] - t0) if times else end - t0, itl=list(np.diff(times)), itl_token=per_token,
+                latency=end - t0, tokens=tokens, start=t0, end=end)
 
 
 def summarize(results, wall):
     ttft = [r["ttft"] for r in results]
     itl = [g for r in results for g in r["itl"]] or [0.0]
+    itl_token = [g for r in results for g in r["itl_token"]] or [0.0]
     lat = [r["latency"] for r in results]
     tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1] or [0.0]
     tokens = sum(r["tokens"] for r in results)
     pct = lambda xs, q: float(np.percentile(xs, q))
     return dict(requests=len(results), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
                 requests_per_s=len(results) / wall, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
-                itl_p50_s=pct(itl, 50), itl_p99_s=pct(itl, 99), tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
+                itl_p50_s=pct(itl, 50), itl_p99_s=pct(itl, 99), itl_token_p50_s=pct(itl_token, 50),
+                itl_token_p99_s=pct(itl_token, 99), tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
                 latency_p50_s=pct(lat, 50), latency_p99_s=pct(lat, 99))
 
 
-def closed_loop(url, chats, concurrency, max_tokens):
-    """`concurrency` clients over all chats, each sending its next when the last one ended."""
+def closed_loop(url, chats, concurrency, max_tokens, procs=1):
+    """`concurrency` clients over all chats, each sending its next when the last one ended. procs > 1:
+    the clients spread over that many processes (one process's GIL can cap the load it generates)."""
+    if procs > 1:
+        return _closed_loop_procs(url, chats, concurrency, max_tokens, procs)
+    results = _clients(url, chats, concurrency, max_tokens)
+    return summarize(results, max(r["end"] for r in results) - min(r["start"] for r in results))
+
+
+def _clients(url, chats, concurrency, max_tokens):
     todo = iter(chats)
     lock = threading.Lock()
     results = []
@@ -90,11 +105,25 @@ def closed_loop(url, chats, concurrency, max_tokens):
                 with lock:
                     results.append(res)
 
-    t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
         for f in [ex.submit(client_loop) for _ in range(concurrency)]:
             f.result()
-    return summarize(results, time.perf_counter() - t0)
+    return results
+
+
+def _closed_loop_procs(url, chats, concurrency, max_tokens, procs):
+    """Process k runs every procs-th client and chat; perf_counter is CLOCK_MONOTONIC on Linux, one
+    clock for all processes, so the wall time spans the first start to the last end."""
+    import multiprocessing
+    procs = min(procs, concurrency)
+    shares = [(url, chats[k::procs], len(range(k, concurrency, procs)), max_tokens) for k in range(procs)]
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        results = [r for part in ex.map(_clients_star, shares) for r in part]
+    return summarize(results, max(r["end"] for r in results) - min(r["start"] for r in results))
+
+
+def _clients_star(share):
+    return _clients(*share)
 
 
 def open_loop(url, chats, rate, max_tokens, seed=0):
@@ -193,7 +222,7 @@ def server_process(model, algo, max_running, log_path, start_timeout=900):
                 proc.kill()
 
 
-def run(serve, algos, datasets, concurrency, rates, max_tokens, requests):
+def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client_procs=1):
     """Rows for every (algorithm, dataset, load point); serve(algo) is a context manager yielding
     that algorithm's server's url."""
     rows = []
@@ -204,13 +233,13 @@ def run(serve, algos, datasets, concurrency, rates, max_tokens, requests):
                     for p in points:
                         n = max(requests, 2 * p) if kind == "closed" else requests
                         batch = [chats[i % len(chats)] for i in range(n)]
-                        load = (lambda b: closed_loop(url, b, p, max_tokens)) if kind == "closed" else (
+                        load = (lambda b: closed_loop(url, b, p, max_tokens, client_procs)) if kind == "closed" else (
                             lambda b: open_loop(url, b, p, max_tokens))
                         load(batch[:min(len(batch), max(p, 4))] if kind == "closed" else batch[:4])  # warm this shape
-                        rows.append(dict(algorithm=algo, dataset=ds, load=kind,
+                        rows.append(dict(algorithm=algo, dataset=ds, load=kind, client_procs=client_procs,
                                          **({"concurrency": p} if kind == "closed" else {"rate": p}), **load(batch)))
                         print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
-                                                "ttft_p50_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s"])
+                                                "ttft_p50_s", "itl_p50_s", "itl_token_p50_s", "tpot_p50_s"])
     return rows
 
 
@@ -234,6 +263,9 @@ def main():
     ap.add_argument("--rates", default="4,16,64", help="open-loop request rates (requests/s)")
     ap.add_argument("--requests", type=int, default=128, help="requests a load point (closed loop: at least 2x clients)")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="processes the closed loop's clients spread over (each process's GIL caps its clients)")
+    ap.add_argument("--tag", default="")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--in-process", action="store_true",
                     help="serve from a thread of this process, as before 0b426f6 (its GIL shared with the clients' "
@@ -262,13 +294,13 @@ def main():
             log = os.path.join(tempfile.gettempdir(), f"jaxspec-serve-{algo.replace(':', '_')}.log")
             return server_process(args.model, algo, max(conc), log)
 
-    rows = run(serve, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests)
+    rows = run(serve, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests, args.client_procs)
     print()
     print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s", "requests_per_s",
-                       "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s", "tpot_p99_s"])
+                       "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_token_p50_s", "itl_token_p99_s", "tpot_p50_s"])
     if args.plot:
-        print(plot(rows, os.path.join(RESULTS, f"serve-{device_name()}.png")))
-    print(write_results("serve", rows, {"max_tokens": args.max_tokens}))
+        print(plot(rows, os.path.join(RESULTS, f"serve{args.tag}-{device_name()}.png")))
+    print(write_results("serve" + args.tag, rows, {"max_tokens": args.max_tokens}))
 
 
 if __name__ == "__main__":

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
 
 from jaxspec.sampling import SamplingParams
 
 
 MAX_STOPS = 64  # each is matched against every step's new text
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's stream_options; continuous_usage_stats (vLLM's): every chunk carries the counts so far,
+    so a client can tell how many tokens each chunk brought."""
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class SamplingFields(BaseModel):
@@ -27,11 +35,17 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     n: StrictInt = 1
     stream: StrictBool = False
-    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the token counts
+    stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: StrictBool = False
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     @field_validator("n")
     @classmethod

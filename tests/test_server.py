@@ -193,6 +193,17 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     assert lines[-1] == "data: [DONE]"
     last = json.loads(lines[-2][6:])
     assert last["choices"] == [] and last["usage"] == full["usage"]
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
+                      json={"messages": msgs, "max_tokens": 12, "temperature": 0, "stream": True,
+                            "stream_options": {"continuous_usage_stats": True}}) as r:
+        chunks = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]  # vLLM's continuous_usage_stats: the counts so far
+    assert all(c["choices"] for c in chunks) and counts == sorted(counts) and counts[-1] == full["usage"]["completion_tokens"]
+    for bad, what in (({"include_usage": 1}, "include_usage"), ({"usage": True}, "usage")):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "stream": True, "stream_options": bad})
+        assert r.status_code == 400 and what in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and "only allowed when stream is true" in r.json()["error"]["message"]
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
     import serve as bench
     import argparse
@@ -205,6 +216,8 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     chats = [[{"role": "user", "content": q}] for q in ("Say hi.", "Name a fruit.", "Count to three.", "Spell cat.")]
     one = bench.stream_one(httpx.Client(), url, chats[0], 8)
     assert 0 < one["ttft"] <= one["latency"] and 0 < one["tokens"] <= 8
+    # each chunk gap spread over its tokens: as many per-token gaps as tokens after the first chunk's
+    assert len(one["itl_token"]) >= len(one["itl"]) and sum(one["itl_token"]) == pytest.approx(sum(one["itl"]))
     for row in (bench.closed_loop(url, chats, 2, 8), bench.open_loop(url, chats, 50.0, 8)):
         assert row["requests"] == 4 and 4 <= row["tokens"] <= 32
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
