@@ -186,7 +186,7 @@ def server_flags(algo) -> list:
 
 
 @contextlib.contextmanager
-def server_process(model, algo, max_running, log_path, start_timeout=900):
+def server_process(model, algo, max_running, log_path, start_timeout=900, extra_args=()):
     """server.py in a process of its own (its GIL not shared with the load's client threads) on a
     free loopback port; yields its url once /health answers (its programs are built before the
     port opens), and stops it after."""
@@ -196,7 +196,7 @@ def server_process(model, algo, max_running, log_path, start_timeout=900):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(repo, "server.py"), "--model", model,
            "--port", str(port), "--max-running-requests", str(max_running), "--context-length", "1024",
-           *server_flags(algo)]
+           *server_flags(algo), *extra_args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -265,6 +265,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--client-procs", type=int, default=1,
                     help="processes the closed loop's clients spread over (each process's GIL caps its clients)")
+    ap.add_argument("--server-args", default="", help="more server.py flags, for every server of the run")
     ap.add_argument("--tag", default="")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--in-process", action="store_true",
@@ -292,7 +293,7 @@ def main():
     else:
         def serve(algo):
             log = os.path.join(tempfile.gettempdir(), f"jaxspec-serve-{algo.replace(':', '_')}.log")
-            return server_process(args.model, algo, max(conc), log)
+            return server_process(args.model, algo, max(conc), log, extra_args=args.server_args.split())
 
     rows = run(serve, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests, args.client_procs)
     print()
@@ -300,7 +301,7 @@ def main():
                        "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_token_p50_s", "itl_token_p99_s", "tpot_p50_s"])
     if args.plot:
         print(plot(rows, os.path.join(RESULTS, f"serve{args.tag}-{device_name()}.png")))
-    print(write_results("serve" + args.tag, rows, {"max_tokens": args.max_tokens}))
+    print(write_results("serve" + args.tag, rows, {"max_tokens": args.max_tokens, "server_args": args.server_args}))
 
 
 if __name__ == "__main__":
