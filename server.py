@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import sys
 import threading
 import time
 import uuid
@@ -54,12 +53,6 @@ class Mailbox:
             items, self.items, self.armed = self.items, [], False
         for queue, item in items:
             queue.put_nowait(item)
-
-
-# The engine thread gives up the GIL in every call into XLA and must take it back from the event
-# loop's thread, which at concurrency 32 held it two thirds of the time (py-spy --gil on the H100):
-# with Python's 5 ms switch interval each take-back could wait that long, against ~1 ms steps.
-SWITCH_INTERVAL = 0.0005
 
 
 def _error(status, message, kind="invalid_request_error"):
@@ -315,8 +308,6 @@ def build_app(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights and KV (default: bfloat16 on GPU)")
     ap.add_argument("--tp-size", type=int, default=1, help="devices to split the model over (tensor parallel)")
     ap.add_argument("--num-pages", type=int)
-    ap.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL,
-                    help="seconds a Python thread holds the GIL while another waits for it (Python's default: 0.005)")
     ap.add_argument("--skip-warmup", action="store_true",
                     help="serve at once and compile each program when a request first needs it")
     args = ap.parse_args(argv)
@@ -334,7 +325,6 @@ def build_app(argv=None):
 
 def main(argv=None):
     app, args = build_app(argv)
-    sys.setswitchinterval(args.switch_interval)
     # the model, tokenizer and drafter live as long as the server: the collector's full passes
     # need not walk them (each pass pauses every request's stream)
     gc.collect()
