@@ -10,6 +10,9 @@
 # Stage 4 (the shipped head): a fourth corpus (seed 3, all 50 openers, committed in data/), then the three
 # committed corpora in packed rows of 768 tokens (one 8.4-minute run reached 3,425 of the 20,000 steps):
 #   bash bench/train_head.sh seed3-data GGUF RUN4; bash bench/train_head.sh stage4 GGUF RUN4 MINUTES
+# Stage 5: the stage-4 head with its draft vocabulary grown from 8,192 to 16,384 ids (its own rows kept, the
+# next most frequent ids' rows from the target's lm_head), then the three committed corpora as in stage 4:
+#   bash bench/train_head.sh stage5 GGUF RUN5 MINUTES
 # The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
 #   bash bench/train_head.sh dflash GGUF RUN MINUTES
@@ -36,8 +39,12 @@ case $stage in
           --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 3e-4 --steps 20000 --loss-on answer --pack-len 768 \
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
+  stage5) python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 --ttt 6 \
+          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --draft-vocab 16384 --lr 2e-4 --steps 3000 \
+          --loss-on answer --pack-len 768 --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash) python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" --data data/smollm2-135m-selfgen-seed0/data.npz \
           --seq-len 384 --steps 14000 --batch 16 --anchors 64 --lr 8e-4 --block-size 16 --draft-layers 3 \
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4 or dflash" >&2; exit 2 ;;
+  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5 or dflash" >&2; exit 2 ;;
 esac

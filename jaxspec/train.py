@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxspec import train_eagle
 from jaxspec.drafters.eagle import export_head
-from jaxspec.train_data import answer_temperatures, build_data, pack, pack_rows
+from jaxspec.train_data import answer_temperatures, build_data, one_per_row, pack, pack_rows
 
 # -- 3. curves ------------------------------------------------------------------------------------------
 def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
@@ -120,7 +120,9 @@ def parse_args(argv=None):
     ap.add_argument("--sampled-fraction", type=float, default=0.25, help="answers sampled at T=0.7 instead of greedy")
     ap.add_argument("--gen-batch", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=384)
-    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="EAGLE-3 draft vocabulary: a fresh head's most frequent target ids (default 4096); with "
+                         "--init-from, a larger size grows the head's own (its ids and rows kept)")
     ap.add_argument("--intermediate-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=32)
@@ -227,8 +229,9 @@ def train(args, target=None, tokenizer=None):
     pack_len = args.seq_len if args.pack_len is None and args.kind != "dflash" else args.pack_len
     if args.kind == "dflash" and pack_len:
         raise ValueError("--pack-len: a DFLASH drafter trains on one sequence a row")
-    train_rows = pack_rows(tr_tok, tr_len, tr_start, pack_len, args.seed) if pack_len else (tr_tok, tr_len, tr_start)
-    row_tokens = (train_rows[1] > 0).sum(1) if pack_len else tr_len
+    train_rows = (pack_rows(tr_tok, tr_len, tr_start, pack_len, args.seed) if pack_len else
+                  (tr_tok, tr_len, tr_start) if args.kind == "dflash" else one_per_row(tr_tok, tr_len, tr_start))
+    row_tokens = (train_rows[1] > 0).sum(1) if args.kind != "dflash" else tr_len
     packing = dict(packed_rows=len(row_tokens), pack_len=pack_len,
                    packed_density=round(float(row_tokens.sum()) / (len(row_tokens) * pack_len), 3)) if pack_len else {}
     opt_state = tx.init(params)

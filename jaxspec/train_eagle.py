@@ -10,6 +10,8 @@ t+2+j. The head's parameters are float32 (the optimizer's master copy); the loss
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,8 @@ from jaxspec.drafters.eagle import DraftHead, HeadConfig
 from jaxspec.models.llama import causal_mask, dense_forward
 from jaxspec.sampling import NEG_INF
 from jaxspec.train_data import draft_vocabulary, token_counts, vocabulary_coverage
+
+DEFAULT_DRAFT_VOCAB = 4096  # a fresh EAGLE-3 head's, without --draft-vocab
 
 
 def floats_as(tree, dtype):
@@ -140,6 +144,34 @@ def make_train_step(target, head_graph, head_rest, tx, hot, head_cfg: HeadConfig
     return step, evaluate, t_state
 
 
+def grow_draft_vocab(head: DraftHead, target, counts, size: int) -> DraftHead:
+    """An EAGLE-3 head with its draft vocabulary grown to `size` target ids: its own ids and lm_head
+    rows kept, the most frequent of the others (by counts) added. A new id's row is its target
+    output row through the linear map that best takes the target's rows of the head's own ids to
+    the head's trained rows (least squares): trained rows keep about half of the target's direction
+    (cosine 0.55 on the shipped head), and the target's rows as they are outscored the trained ones
+    (the grown head's first-draft accuracy fell from 0.79 to 0.12). A token outside the draft
+    vocabulary can never be drafted: the shipped head's 8,192 ids missed 5% of the target's greedy
+    MT-bench tokens."""
+    old = np.asarray(head.draft_to_target[...])
+    if size <= len(old):
+        raise ValueError(f"--draft-vocab {size}: the head's draft vocabulary has {len(old)} ids; it can only grow")
+    ranked = np.argsort(-np.asarray(counts), kind="stable")
+    hot = np.sort(np.concatenate([old, ranked[~np.isin(ranked, old)][:size - len(old)]])).astype(np.int32)
+    grown = DraftHead(dataclasses.replace(head.cfg, draft_vocab_size=size), dtype=jnp.float32)
+    for name, var in vars(head).items():
+        if isinstance(var, nnx.Param) and name != "lm_head":
+            getattr(grown, name)[...] = jnp.asarray(var[...], jnp.float32)
+    tw = np.asarray(target.embed[...].T if target.cfg.tie_word_embeddings else target.lm_head[...], np.float32)
+    trained = np.asarray(head.lm_head[...], np.float32)
+    fit, *_ = np.linalg.lstsq(tw[:, old].T, trained.T, rcond=None)  # [H, H]: target row -> trained row
+    rows = (tw[:, hot].T @ fit).T
+    rows[:, np.searchsorted(hot, old)] = trained
+    grown.lm_head[...] = jnp.asarray(rows)
+    grown.draft_to_target[...] = jnp.asarray(hot)
+    return grown
+
+
 def init_head(target, cfg: HeadConfig, hot, seed: int) -> DraftHead:
     """Random layer; the draft lm_head starts as the target's output rows of the draft vocabulary
     and the MLP as the target's last layer's (a warm start that shortens training a lot)."""
@@ -182,9 +214,12 @@ def head_for_run(args, target, tokens, lengths):
         head = load_head(args.init_from, target.cfg, target)
         if head.cfg.kind != args.kind:
             raise ValueError(f"--init-from {args.init_from} holds an {head.cfg.kind} head, not {args.kind}")
+        counts = token_counts(tokens, lengths, vocab)
+        if head.cfg.kind == "eagle3" and args.draft_vocab and args.draft_vocab != head.cfg.draft_vocab_size:
+            head = grow_draft_vocab(head, target, counts, min(args.draft_vocab, vocab))
         hot = np.asarray(head.draft_to_target[...]) if head.cfg.kind == "eagle3" else np.arange(vocab)
-        return head, hot, vocabulary_coverage(token_counts(tokens, lengths, vocab), hot)
-    vd = min(args.draft_vocab, vocab) if args.kind == "eagle3" else vocab
+        return head, hot, vocabulary_coverage(counts, hot)
+    vd = min(args.draft_vocab or DEFAULT_DRAFT_VOCAB, vocab) if args.kind == "eagle3" else vocab
     hot, coverage = draft_vocabulary(tokens, lengths, vocab, vd)
     layers = tuple(int(x) for x in args.capture_layers.split(",")) if args.capture_layers else None
     cfg = HeadConfig.for_target(target.cfg, args.kind, draft_vocab_size=vd, intermediate_size=args.intermediate_size,

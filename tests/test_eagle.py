@@ -90,6 +90,32 @@ def test_training_goes_on_from_an_exported_head(tmp_path, tiny, tiny_eagle3):
     assert np.array_equal(np.asarray(went_on.draft_to_target[...]), np.asarray(shipped.draft_to_target[...]))
     assert json.load(open(tmp_path / "on" / "head" / "card.json"))["init_from"] == "head"  # no machine path
 
+def test_growing_the_draft_vocabulary_keeps_the_head_and_adds_the_target_rows(tiny):
+    """grow_draft_vocab: the head's own ids and lm_head rows kept, the most frequent others added
+    with their target rows mapped as the head's own were, every other weight the same; it never shrinks."""
+    from jaxspec.train_eagle import grow_draft_vocab
+    rng = np.random.default_rng(0)
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3", draft_vocab_size=16), rngs=nnx.Rngs(5))
+    old = np.sort(rng.choice(TINY.vocab_size, 16, replace=False)).astype(np.int32)
+    head.draft_to_target[...] = jnp.asarray(old)
+    counts = rng.integers(0, 1000, TINY.vocab_size)
+    grown = grow_draft_vocab(head, tiny, counts, 40)
+    hot = np.asarray(grown.draft_to_target[...])
+    added = np.setdiff1d(hot, old)
+    others = np.setdiff1d(np.arange(TINY.vocab_size), old)
+    assert grown.cfg.draft_vocab_size == 40 and len(hot) == 40 and np.all(np.diff(hot) > 0) and np.isin(old, hot).all()
+    assert set(added) == set(others[np.argsort(-counts[others], kind="stable")][:24])  # the most frequent others
+    lm = np.asarray(grown.lm_head[...])
+    assert np.array_equal(lm[:, np.searchsorted(hot, old)], np.asarray(head.lm_head[...]))
+    target_rows = np.asarray(tiny.embed[...], np.float32).T
+    fit, *_ = np.linalg.lstsq(target_rows[:, old].T, np.asarray(head.lm_head[...]).T, rcond=None)
+    assert np.allclose(lm[:, np.searchsorted(hot, added)], (target_rows[:, added].T @ fit).T, atol=1e-5)
+    for name in ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "input_norm", "hidden_norm", "norm"):
+        assert np.array_equal(np.asarray(getattr(grown, name)[...]), np.asarray(getattr(head, name)[...]))
+    with pytest.raises(ValueError, match="has 16 ids; it can only grow"):
+        grow_draft_vocab(head, tiny, counts, 8)
+
+
 TREES = [TreeShape(3, 2, 6), TreeShape(1, 1, 2), TreeShape(4, 1, 5), TreeShape(3, 4, 16)]
 
 
