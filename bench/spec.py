@@ -138,7 +138,7 @@ def main():
     ap.add_argument("--warmup-threads", type=int, default=0,
                     help="engines compiling at once in the warm-up passes (0: all; 1: one after another)")
     ap.add_argument("--num-pages", type=int, default=None,
-                    help="each engine's KV pages of 16 tokens (default: a whole 1024-token sequence per request of "
+                    help="each engine's KV pages of 16 tokens (default: a whole 1024-token sequence and a tree's slack per request of "
                     "--max-batch, so that no pass preempts: the engine's own default, 256 tokens a request, is short of "
                     "HumanEval's second 64 prompts with their 128 new tokens; rows' `preemptions`)")
     ap.add_argument("--admission", default="waves",
@@ -192,7 +192,7 @@ def main():
         if vsteps:
             kw["verify_steps"] = int(vsteps)
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
-                                        page_size=16, num_pages=args.num_pages or 1 + args.max_batch * 1024 // 16,
+                                        page_size=16, num_pages=args.num_pages or 1 + args.max_batch * (1024 + 128) // 16,
                                         warmup=not args.lazy, **kw)
     rows = []
     for ds in args.datasets.split(","):
