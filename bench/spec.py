@@ -138,9 +138,9 @@ def main():
     ap.add_argument("--warmup-threads", type=int, default=0,
                     help="engines compiling at once in the warm-up passes (0: all; 1: one after another)")
     ap.add_argument("--num-pages", type=int, default=None,
-                    help="each engine's KV pages of 16 tokens (default: a whole 1024-token sequence and a tree's slack per request of "
-                    "--max-batch, so that no pass preempts: the engine's own default, 256 tokens a request, is short of "
-                    "HumanEval's second 64 prompts with their 128 new tokens; rows' `preemptions`)")
+                    help="each engine's KV pages of 16 tokens (default: a whole 1024-token sequence and a tree's slack "
+                    "per request of --max-batch, so that no pass preempts: the engine's own default, 256 tokens a "
+                    "request, is short of HumanEval's second 64 prompts with their 128 new tokens; rows' `preemptions`)")
     ap.add_argument("--admission", default="waves",
                     help="waves, continuous or both (comma-separated; rows' `admission`): see run()")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
