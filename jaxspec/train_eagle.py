@@ -148,11 +148,10 @@ def grow_draft_vocab(head: DraftHead, target, counts, size: int) -> DraftHead:
     """An EAGLE-3 head with its draft vocabulary grown to `size` target ids: its own ids and lm_head
     rows kept, the most frequent of the others (by counts) added. A new id's row is its target
     output row through the linear map that best takes the target's rows of the head's own ids to
-    the head's trained rows (least squares): trained rows keep about half of the target's direction
-    (cosine 0.55 on the shipped head), and the target's rows as they are outscored the trained ones
-    (the grown head's first-draft accuracy fell from 0.79 to 0.12). A token outside the draft
-    vocabulary can never be drafted: the shipped head's 8,192 ids missed 5% of the target's greedy
-    MT-bench tokens."""
+    the head's trained rows (least squares): trained rows keep about half of the target's direction,
+    and new rows taken as they are outscored the trained ones, so the grown head drafted mostly new
+    ids. A token outside the draft vocabulary can never be drafted (what the shipped head's ids
+    leave out of the target's own greedy text: bench/probes/draft_vocab.py)."""
     old = np.asarray(head.draft_to_target[...])
     if size <= len(old):
         raise ValueError(f"--draft-vocab {size}: the head's draft vocabulary has {len(old)} ids; it can only grow")
