@@ -14,8 +14,9 @@ MAX_STOPS = 64  # each is matched against every step's new text
 
 class StreamOptions(BaseModel):
     """OpenAI's stream_options; continuous_usage_stats (vLLM's): every chunk carries the counts so far,
-    so a client can tell how many tokens each chunk brought."""
-    model_config = ConfigDict(extra="forbid")
+    so a client can tell how many tokens each chunk brought. Other keys (OpenAI adds some, e.g.
+    include_obfuscation) are ignored, as the body's unknown fields are."""
+    model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 

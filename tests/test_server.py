@@ -199,7 +199,7 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
         chunks = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
     counts = [c["usage"]["completion_tokens"] for c in chunks]  # vLLM's continuous_usage_stats: the counts so far
     assert all(c["choices"] for c in chunks) and counts == sorted(counts) and counts[-1] == full["usage"]["completion_tokens"]
-    for bad, what in (({"include_usage": 1}, "include_usage"), ({"usage": True}, "usage")):
+    for bad, what in (({"include_usage": 1}, "include_usage"), ({"continuous_usage_stats": "yes"}, "continuous_usage")):
         r = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "stream": True, "stream_options": bad})
         assert r.status_code == 400 and what in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "stream_options": {"include_usage": True}})
