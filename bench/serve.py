@@ -83,9 +83,9 @@ def summarize(results, wall):
 def closed_loop(url, chats, concurrency, max_tokens, procs=1):
     """`concurrency` clients over all chats, each sending its next when the last one ended. procs > 1:
     the clients spread over that many processes (one process's GIL can cap the load it generates)."""
-    if procs > 1:
-        return _closed_loop_procs(url, chats, concurrency, max_tokens, procs)
-    results = _clients(url, chats, concurrency, max_tokens)
+    results = (_clients_in_processes(url, chats, concurrency, max_tokens, procs) if procs > 1 else
+               _clients(url, chats, concurrency, max_tokens))
+    # perf_counter is CLOCK_MONOTONIC on Linux, one clock for all processes
     return summarize(results, max(r["end"] for r in results) - min(r["start"] for r in results))
 
 
@@ -111,15 +111,13 @@ def _clients(url, chats, concurrency, max_tokens):
     return results
 
 
-def _closed_loop_procs(url, chats, concurrency, max_tokens, procs):
-    """Process k runs every procs-th client and chat; perf_counter is CLOCK_MONOTONIC on Linux, one
-    clock for all processes, so the wall time spans the first start to the last end."""
+def _clients_in_processes(url, chats, concurrency, max_tokens, procs):
+    """Process k runs every procs-th client and chat: the results of all."""
     import multiprocessing
     procs = min(procs, concurrency)
     shares = [(url, chats[k::procs], len(range(k, concurrency, procs)), max_tokens) for k in range(procs)]
     with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        results = [r for part in ex.map(_clients_star, shares) for r in part]
-    return summarize(results, max(r["end"] for r in results) - min(r["start"] for r in results))
+        return [r for part in ex.map(_clients_star, shares) for r in part]
 
 
 def _clients_star(share):

@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxspec import train_eagle
 from jaxspec.drafters.eagle import export_head
-from jaxspec.train_data import answer_temperatures, build_data, one_per_row, pack, pack_rows
+from jaxspec.train_data import answer_temperatures, build_data, pack, pack_rows
 
 # -- 3. curves ------------------------------------------------------------------------------------------
 def plot_curves(metrics_path: str, out_dir: str) -> list[str]:
@@ -230,7 +230,8 @@ def train(args, target=None, tokenizer=None):
     if args.kind == "dflash" and pack_len:
         raise ValueError("--pack-len: a DFLASH drafter trains on one sequence a row")
     train_rows = (pack_rows(tr_tok, tr_len, tr_start, pack_len, args.seed) if pack_len else
-                  (tr_tok, tr_len, tr_start) if args.kind == "dflash" else one_per_row(tr_tok, tr_len, tr_start))
+                  (tr_tok, tr_len, tr_start) if args.kind == "dflash" else
+                  (tr_tok, *map(np.asarray, train_eagle.unpacked(tr_tok, tr_len, tr_start))))
     row_tokens = (train_rows[1] > 0).sum(1) if args.kind != "dflash" else tr_len
     packing = dict(packed_rows=len(row_tokens), pack_len=pack_len,
                    packed_density=round(float(row_tokens.sum()) / (len(row_tokens) * pack_len), 3)) if pack_len else {}

@@ -208,14 +208,6 @@ def pack_rows(tokens, lengths, starts, row_len: int, seed: int = 0):
     return tuple(out)
 
 
-def one_per_row(tokens, lengths, starts):
-    """pack_rows' four arrays with one sequence a row, unpacked (EAGLE's --pack-len 0)."""
-    at = np.arange(tokens.shape[1])[None]
-    inside = at < lengths[:, None]
-    return (np.where(inside, tokens, 0).astype(np.int32), inside.astype(np.int32),
-            np.where(inside, at, 0).astype(np.int32), inside & (at >= starts[:, None]))
-
-
 def token_counts(tokens, lengths, vocab_size: int):
     """How often each id occurs in the sequences (rows of tokens, lengths long): [vocab_size]."""
     return np.bincount(tokens[np.arange(tokens.shape[1])[None] < lengths[:, None]], minlength=vocab_size)
