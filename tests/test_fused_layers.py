@@ -1,6 +1,6 @@
-"""The fused layer kernels (pallas/qkv_project, gated_up, matmul_residual, merge_splits) under
-interpret=True against their references, and the model and engine on them (attn_impl='fused')
-against the unfused path."""
+"""The layer kernels (pallas/qkv_project, gated_up, matmul_residual) under
+interpret=True against their references, and the model and engine on them (attn_impl 'fused':
+the fused layers; 'pallas': XLA's layers around the attention kernel) against the jnp path."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +14,6 @@ from jaxspec.models import Llama, ModelConfig
 from jaxspec.models.llama import fused_layers, rope_frequencies, rope_table
 from jaxspec.pallas.gated_up import gated_up, gated_up_ref
 from jaxspec.pallas.matmul_residual import matmul_residual, matmul_residual_ref
-from jaxspec.pallas.merge_splits import merge_splits, merge_splits_ref
 from jaxspec.pallas.qkv_project import qkv_project, qkv_project_ref
 
 # head_dim 32: rope's halves are one 16-wide column block each (the kernels' smallest)
@@ -58,25 +57,16 @@ def test_gated_up_and_matmul_residual_match_reference():
     close(matmul_residual(a, wd, res, splits=4, bk=16, interpret=True), matmul_residual_ref(a, wd, res))
 
 
-def test_merge_splits_matches_combine_and_relayout():
-    r = np.random.default_rng(2)
-    b, hkv, s, rows, d, t, g = 2, 2, 4, 16, 32, 3, 4
-    acc = jnp.asarray(r.standard_normal((b, hkv, s, rows, d)), jnp.float32)
-    m = jnp.asarray(r.standard_normal((b, hkv, s, rows)), jnp.float32).at[:, :, 1].set(-1e30)  # split 1 empty
-    l = jnp.asarray(r.random((b, hkv, s, rows)) + 0.5, jnp.float32).at[:, :, 1].set(0.0)
-    kw = dict(tokens=t, group=g, out_rows=16, dtype=jnp.float32)
-    close(merge_splits(acc, m, l, interpret=True, **kw)[:b * t], merge_splits_ref(acc, m, l, **kw)[:b * t], 1e-6)
-
-
 @pytest.fixture(scope="module")
 def model():
     return Llama(CFG, rngs=nnx.Rngs(4))
 
 
 @pytest.mark.parametrize("t,tree", [(1, False), (5, True)], ids=["decode", "tree-verify"])
-def test_fused_forward_matches_unfused(model, t, tree):
-    """Decode over a long page table (split-K partials merged in the kernel) and a tree verify; the
-    final hidden, a kept layer's hidden and every cache slot agree."""
+def test_kernel_forwards_match_jnp(model, t, tree):
+    """The fused layers, and the unfused ones on the attention kernel: decode over a long page
+    table (split-K partials merged by the last split) and a tree verify; the final hidden, a kept
+    layer's hidden and every cache slot agree (on the CPU: a GPU's XLA dots take TF32)."""
     b, ps, width = 3, 16, 16
     rng = np.random.default_rng(t)
     tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
@@ -92,16 +82,17 @@ def test_fused_forward_matches_unfused(model, t, tree):
             anc[j] |= anc[par[j]]
         mask = jnp.asarray(np.broadcast_to(anc, (b, t, t)))
     outs = {}
-    for impl in ("ref", "fused"):
+    for impl in ("ref", "fused", "pallas"):
         cache = KVCache(*(jnp.full((2, b * width + 1, ps, 2, 32), 0.1, jnp.float32) for _ in range(2)))
         outs[impl] = model(tokens, positions, cache, page_table, kv_lens, q_lens, mask, hidden_layers=(0,),
                            attn_impl=impl)
-    for i in range(b):
-        n = int(q_lens[i])
-        close(outs["fused"][0][i, :n], outs["ref"][0][i, :n])
-        close(outs["fused"][2][:, i, :n], outs["ref"][2][:, i, :n])
-    close(outs["fused"][1].k, outs["ref"][1].k)
-    close(outs["fused"][1].v, outs["ref"][1].v)
+    for impl in ("fused", "pallas"):
+        for i in range(b):
+            n = int(q_lens[i])
+            close(outs[impl][0][i, :n], outs["ref"][0][i, :n])
+            close(outs[impl][2][:, i, :n], outs["ref"][2][:, i, :n])
+        close(outs[impl][1].k, outs["ref"][1].k)
+        close(outs[impl][1].v, outs["ref"][1].v)
 
 
 def test_fused_layers_choice():

@@ -6,8 +6,9 @@ group. It walks its split's share of the request's pages `pages_per_block` at a 
 [pages_per_block * page_size, D] tile gathered row by row through the page table: several pages'
 loads in flight per iteration) with an online softmax. With more than one split (split-K, for
 small batches and long contexts) each split writes its unnormalised partial output and
-log-sum-exp terms, and `combine_splits` merges them. The new tokens' visibility among
-themselves is either causal (computed) or a draft tree, passed bit-packed: bit j of
+log-sum-exp terms, and the last split of a group to finish (an atomic count) merges them. The
+output is stored in token layout, [tokens, Hq * D], the next projection's input. The new tokens'
+visibility among themselves is either causal (computed) or a draft tree, passed bit-packed: bit j of
 tree_bits[b, t, j // 32] says query t may read new token j, so a [T, T] mask never leaves the
 tree-mask program as bools.
 
@@ -20,9 +21,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.attention_ref import NEG_INF
-from jaxspec.pallas.merge_splits import combine_splits, merge_splits
 from jaxspec.pallas.rows import full, triton_params
 
 SMS = 132  # H100 SXM multiprocessors: split-K aims to give each of them work
@@ -55,9 +56,9 @@ def _exp2(x, approx):
     return y
 
 
-def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
+def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *out_refs,
             group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
-            exp2_approx):
+            exp2_approx, num_tokens, num_q_heads, num_q_blocks, interpret):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -128,13 +129,41 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     unmasked = jnp.clip((kv_len - first * page_size) // block, 0, num_blocks)
     carry = jax.lax.fori_loop(0, unmasked, functools.partial(tile, masked=False), init)
     m, l, acc = jax.lax.fori_loop(unmasked, num_blocks, functools.partial(tile, masked=True), carry)
-    if lse_refs:  # split-K: the partial result, merged by combine_splits
-        m_ref, l_ref = lse_refs
-        o_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = l
-    else:
-        o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+    row = (b * num_tokens + t) * num_q_heads + h * group + rows % group  # each row's in the token layout
+
+    def store(out_ref, total, norm):  # the rows of the real tokens, [tokens * Hq, D]
+        out = (total / jnp.maximum(norm, 1e-30)[:, None]).astype(out_ref.dtype)
+        plgpu.store(out_ref.at[row[:, None], jnp.arange(d)[None, :]], out, mask=(t < num_tokens)[:, None])
+
+    if splits == 1:
+        store(out_refs[0], acc, l)
+        return
+    # split-K: each split leaves its partial result; the last of a group's splits to finish merges
+    # them. A merge after this kernel cost more: XLA's three kernels took 4.2 us a layer, a Pallas
+    # one 4.8; here the kernel takes 1.6 us longer, plus a 0.9 us memset of the counts (8B decode
+    # at batch 1, decode-merge-*.json)
+    _, o_ref, acc_ref, m_ref, l_ref, count_ref = out_refs  # (count_ref aliases the counts passed in)
+    r0 = qb * block_rows
+    acc_ref[b, h, split, pl.ds(r0, block_rows), :] = acc
+    m_ref[b, h, split, pl.ds(r0, block_rows)] = m
+    l_ref[b, h, split, pl.ds(r0, block_rows)] = l
+    if not interpret:  # (the interpreter runs a program at a time)
+        plgpu.debug_barrier()  # every thread's partials written before the (acquire-release) count
+    group_id = (b * (num_q_heads // group) + h) * num_q_blocks + qb
+    arrived = plgpu.atomic_add(count_ref, group_id, jnp.ones((), jnp.int32))
+
+    @pl.when(arrived == splits - 1)
+    def _merge():
+        part = lambda ref, s, *tail: ref[b, h, jnp.int32(s), pl.ds(r0, block_rows), *tail]
+        ms = [part(m_ref, s) for s in range(splits)]  # base-2 maxima; an empty split's is NEG_INF, its l 0
+        m_all = functools.reduce(jnp.maximum, ms)
+        total, norm = jnp.zeros_like(acc), jnp.zeros_like(l)
+        for s in range(splits):  # unrolled: every split's loads in flight at once
+            w = jnp.exp2(ms[s] - m_all)
+            total = total + part(acc_ref, s, slice(None)) * w[:, None]
+            norm = norm + part(l_ref, s) * w
+        store(o_ref, total, norm)
+        count_ref[group_id] = 0  # ready for the next call
 
 
 def _axes(grid_order, ids):
@@ -143,7 +172,7 @@ def _axes(grid_order, ids):
     return named["b"], named["h"], named["q"], named["s"]
 
 
-MAX_SPLITS = 16  # the combine reads every split's partial result, empty or not
+MAX_SPLITS = 16  # the merge reads every split's partial result, empty or not
 
 
 def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
@@ -166,7 +195,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                     pages_per_block=None, splits=None, grid_order=None, token_rows=None):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D], or with
     token_rows, [token_rows, Hq * D] (row b * T + t: the fused layers' layout; rows past B * T
-    unspecified), split-K partials merged straight into it by merge_splits.py.
+    unspecified).
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
@@ -201,37 +230,36 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     v_rows = v_pages.reshape(v_pages.shape[0], -1, *v_pages.shape[3:])
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
-                               grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret)
+                               grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret,
+                               num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks,
+                               interpret=interpret)
 
     def spec(shape, index):  # index: (request, head, query block, split) -> block index
         return pl.BlockSpec(shape, lambda *g: index(*_axes(grid_order, g)))
 
     qspec = spec((None, None, block_rows, d), lambda i, j, k, s: (i, j, k, 0))
-    if splits == 1:
-        out_specs, out_shape = qspec, jax.ShapeDtypeStruct(qr.shape, q.dtype)
-    else:
+    out_rows = token_rows or b * t
+    out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
+    args = [layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows]
+    outs = [out]
+    if splits > 1:  # partials, and how many of each (request, head, query block)'s splits are done
         part = (b, hkv, splits, padded)
-        out_specs = (spec((None, None, None, block_rows, d), lambda i, j, k, s: (i, j, s, k, 0)),
-                     spec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)),
-                     spec((None, None, None, block_rows), lambda i, j, k, s: (i, j, s, k)))
-        out_shape = (jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
-                     jax.ShapeDtypeStruct(part, jnp.float32))
-    out = pl.pallas_call(
+        counts = jnp.zeros((b * hkv * q_blocks,), jnp.int32)
+        args.append(counts)
+        outs += [jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+                 jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(counts.shape, counts.dtype)]
+    res = pl.pallas_call(
         kernel,
         grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
-        in_specs=[full(layer), full(page_table), full(kv_lens), full(q_lens), full(bits), qspec,
-                  full(k_rows), full(v_rows)],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=[full(a) for a in args[:5]] + [qspec] + [full(a) for a in args[6:]],
+        out_specs=[full(o) for o in outs],
+        out_shape=outs,
+        input_output_aliases={8: 4} if splits > 1 else {},
         interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
-    )(layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows)
-    if splits > 1 and token_rows is not None:
-        return merge_splits(*out, tokens=t, group=g, out_rows=token_rows, dtype=q.dtype, interpret=interpret)
-    if splits > 1:
-        out = combine_splits(*out).astype(q.dtype)
-    out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-    return out if token_rows is None else token_layout(out, token_rows)
+    )(*args)
+    # [out_rows, Hq * D]: row r * T + t holds token t of request r (rows past B * T are left unwritten)
+    return res[0].reshape(out_rows, hq * d) if token_rows else res[0].reshape(b, t, hq, d)
 
 
 def token_layout(out, token_rows):
