@@ -38,9 +38,12 @@ def test_paged_attention_kernel_matches_reference(b, t, hq, hkv, d, ps, tree, dt
     check_kernel(b, t, hq, hkv, d, ps, tree, dtype)
 
 
+@pytest.mark.parametrize("merge_in_kernel", [False, True], ids=["xla-merge", "kernel-merge"])
 @pytest.mark.parametrize("case,pages_per_block,splits,grid_order", BLOCKINGS)
-def test_paged_attention_split_k_and_page_blocks_match_reference(case, pages_per_block, splits, grid_order):
-    check_kernel(*CASES[case], pages_per_block=pages_per_block, splits=splits, grid_order=grid_order)
+def test_paged_attention_split_k_and_page_blocks_match_reference(case, pages_per_block, splits, grid_order,
+                                                                 merge_in_kernel):
+    check_kernel(*CASES[case], pages_per_block=pages_per_block, splits=splits, grid_order=grid_order,
+                 merge_in_kernel=merge_in_kernel)
 
 
 @pytest.mark.parametrize("case,splits", [(3, 1), (1, 3)])

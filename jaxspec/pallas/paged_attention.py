@@ -6,9 +6,10 @@ group. It walks its split's share of the request's pages `pages_per_block` at a 
 [pages_per_block * page_size, D] tile gathered row by row through the page table: several pages'
 loads in flight per iteration) with an online softmax. With more than one split (split-K, for
 small batches and long contexts) each split writes its unnormalised partial output and
-log-sum-exp terms, and the last split of a group to finish (an atomic count) merges them. The
-output is stored in token layout, [tokens, Hq * D], the next projection's input. The new tokens'
-visibility among themselves is either causal (computed) or a draft tree, passed bit-packed: bit j of
+log-sum-exp terms, merged by the last split of a group to finish (an atomic count) at batch 1,
+by XLA after the kernel otherwise. Outputs are in token layout, [tokens, Hq * D], the next
+projection's input (stored so by the kernel where it merges). The new tokens' visibility among
+themselves is either causal (computed) or a draft tree, passed bit-packed: bit j of
 tree_bits[b, t, j // 32] says query t may read new token j, so a [T, T] mask never leaves the
 tree-mask program as bools.
 
@@ -58,7 +59,7 @@ def _exp2(x, approx):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *out_refs,
             group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
-            exp2_approx, num_tokens, num_q_heads, num_q_blocks, interpret):
+            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -138,15 +139,19 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     if splits == 1:
         store(out_refs[0], acc, l)
         return
-    # split-K: each split leaves its partial result; the last of a group's splits to finish merges
-    # them. A merge after this kernel cost more: XLA's three kernels took 4.2 us a layer, a Pallas
-    # one 4.8; here the kernel takes 1.6 us longer, plus a 0.9 us memset of the counts (8B decode
-    # at batch 1, decode-merge-*.json)
-    _, o_ref, acc_ref, m_ref, l_ref, count_ref = out_refs  # (count_ref aliases the counts passed in)
+    # split-K: each split leaves its partial result. With `merge`, the last of a group's splits to
+    # finish merges them: at batch 1 the 8B decode step took 5.84 ms against 6.10 with XLA's merge
+    # after the kernel (three kernels, 4.2 us a layer; here the kernel takes 1.6 us longer, plus a
+    # 0.9 us memset of the counts), SmolLM2's 1.13 against 1.17 (Pallas's merge kernel, 4.8 us); at
+    # batch 8 SmolLM2's took 1.09 against XLA's 1.05 (decode-merge-*.json)
+    acc_ref, m_ref, l_ref = out_refs[2:5] if merge else out_refs
     r0 = qb * block_rows
     acc_ref[b, h, split, pl.ds(r0, block_rows), :] = acc
     m_ref[b, h, split, pl.ds(r0, block_rows)] = m
     l_ref[b, h, split, pl.ds(r0, block_rows)] = l
+    if not merge:
+        return
+    o_ref, count_ref = out_refs[1], out_refs[5]  # (count_ref aliases the counts passed in, out_refs[0])
     if not interpret:  # (the interpreter runs a program at a time)
         plgpu.debug_barrier()  # every thread's partials written before the (acquire-release) count
     group_id = (b * (num_q_heads // group) + h) * num_q_blocks + qb
@@ -189,10 +194,11 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
-                                             "pages_per_block", "splits", "grid_order", "token_rows"))
+                                             "pages_per_block", "splits", "grid_order", "token_rows",
+                                             "merge_in_kernel"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
-                    pages_per_block=None, splits=None, grid_order=None, token_rows=None):
+                    pages_per_block=None, splits=None, grid_order=None, token_rows=None, merge_in_kernel=None):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D], or with
     token_rows, [token_rows, Hq * D] (row b * T + t: the fused layers' layout; rows past B * T
     unspecified).
@@ -214,6 +220,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     ppb = pages_per_block or auto_ppb
     splits = splits or auto_splits
     grid_order = grid_order or ("qhbs" if q_blocks > 1 else "bhqs")
+    # split-K partials merged by the kernel's last split (default: at batch 1, where it measured faster)
+    merge = splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
     # a split's last block may run up to a block past the request's pages: padding (page 0), masked
     page_table = jnp.pad(page_table, ((0, 0), (0, ppb)))
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
@@ -231,7 +239,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     kernel = functools.partial(_kernel, group=g, page_size=ps, block_rows=block_rows, pages_per_block=ppb,
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
                                grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret,
-                               num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks,
+                               num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks, merge=merge,
                                interpret=interpret)
 
     def spec(shape, index):  # index: (request, head, query block, split) -> block index
@@ -241,25 +249,39 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
     args = [layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows]
-    outs = [out]
-    if splits > 1:  # partials, and how many of each (request, head, query block)'s splits are done
-        part = (b, hkv, splits, padded)
+    part = (b, hkv, splits, padded)
+    parts = [jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+             jax.ShapeDtypeStruct(part, jnp.float32)]
+    outs = [out] if splits == 1 else parts
+    if merge:  # and how many of each (request, head, query block)'s splits are done
         counts = jnp.zeros((b * hkv * q_blocks,), jnp.int32)
         args.append(counts)
-        outs += [jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
-                 jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(counts.shape, counts.dtype)]
+        outs = [out, *parts, jax.ShapeDtypeStruct(counts.shape, counts.dtype)]
     res = pl.pallas_call(
         kernel,
         grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
         in_specs=[full(a) for a in args[:5]] + [qspec] + [full(a) for a in args[6:]],
         out_specs=[full(o) for o in outs],
         out_shape=outs,
-        input_output_aliases={8: 4} if splits > 1 else {},
+        input_output_aliases={8: 4} if merge else {},
         interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
     )(*args)
+    if splits > 1 and not merge:
+        merged = combine_splits(*res)[:, :, :rows].astype(q.dtype)
+        merged = merged.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+        return merged if token_rows is None else token_layout(merged, token_rows)
     # [out_rows, Hq * D]: row r * T + t holds token t of request r (rows past B * T are left unwritten)
     return res[0].reshape(out_rows, hq * d) if token_rows else res[0].reshape(b, t, hq, d)
+
+
+def combine_splits(acc, m, l):
+    """acc [..., S, R, D], m / l [..., S, R] partials of S key ranges -> [..., R, D] softmax output."""
+    m_all = m.max(axis=-2, keepdims=True)
+    # the kernel's maxima are in base 2; an empty split has m = NEG_INF, l = 0: weight 0 unless all are empty
+    w = jnp.exp2(m - m_all)
+    l_all = (l * w).sum(axis=-2)
+    return (acc * w[..., None]).sum(axis=-3) / jnp.maximum(l_all, 1e-30)[..., None]
 
 
 def token_layout(out, token_rows):
