@@ -141,8 +141,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         return
     # split-K: each split leaves its partial result. With `merge`, the last of a group's splits to
     # finish merges them: at batch 1 the 8B decode step took 5.84 ms against 6.10 with XLA's merge
-    # after the kernel (three kernels, 4.2 us a layer; here the kernel takes 1.6 us longer, plus a
-    # 0.9 us memset of the counts), SmolLM2's 1.13 against 1.17 (Pallas's merge kernel, 4.8 us); at
+    # after the kernel (three kernels, 4.1 us a layer; here the kernel takes 1.8 us longer, plus a
+    # 0.9 us memset of the counts), SmolLM2's 1.13 against 1.17 (Pallas's merge kernel, 4.5 us); at
     # batch 8 SmolLM2's took 1.09 against XLA's 1.05 (decode-merge-*.json)
     acc_ref, m_ref, l_ref = out_refs[2:5] if merge else out_refs
     r0 = qb * block_rows
