@@ -62,11 +62,15 @@ def _error(status, message, kind="invalid_request_error"):
 
 
 def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
-               request_timeout: float | None = None) -> FastAPI:
+               request_timeout: float | None = None, stream_interval: int = 1) -> FastAPI:
     """max_queued_requests: requests waiting for a batch slot beyond which new ones get a 503 with
     Retry-After (app.state.max_queued_requests; a burst cannot grow the queue without bound).
     request_timeout: seconds a request may take, queued and running, before it is aborted and its
-    pages freed (a 504, or a streamed error event); None: no limit."""
+    pages freed (a 504, or a streamed error event); None: no limit. stream_interval: a stream's
+    chunk waits for this many new tokens (its first and last do not), as SGLang's and vLLM's
+    --stream-interval: fewer chunks, less of the event loop's time a token under load."""
+    if stream_interval < 1:
+        raise ValueError(f"stream_interval={stream_interval} must be at least 1")
     engine = Engine(gen)
 
     @contextlib.asynccontextmanager
@@ -78,6 +82,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
     app.state.engine = engine
     app.state.max_queued_requests = max_queued_requests
     app.state.request_timeout = request_timeout
+    app.state.stream_interval = stream_interval
     started = int(time.time())
     mailboxes: dict = {}  # event loop -> its Mailbox (one loop in a server; tests may start others)
 
@@ -191,6 +196,8 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
         async def events():
             sent_text = [0] * n
             sent_tok = [0] * n
+            streamed = [0] * n  # output tokens when each choice's last chunk went out
+            interval = app.state.stream_interval
             readers = [IncrementalText(tok) for _ in range(n)]
             closed = [False] * n
             try:
@@ -207,6 +214,9 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
                         got.append(updates.get_nowait())
                     for i in dict.fromkeys(i for i, _ in got):
                         req = handles[i].req
+                        if 0 < streamed[i] and len(req.output_ids) - streamed[i] < interval and not req.finished:
+                            continue  # (the next update takes these tokens along)
+                        streamed[i] = len(req.output_ids)
                         text = streamable_text(tok, req, readers[i])
                         end = max(sent_text[i], len(text))
                         piece = text[sent_text[i]:end]
@@ -297,6 +307,8 @@ def build_app(argv=None):
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--max-queued-requests", type=int, default=1024,
                     help="waiting requests beyond which new ones get 503 + Retry-After")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="new tokens a streamed chunk waits for (its first and last do not): fewer, larger chunks")
     ap.add_argument("--request-timeout", type=float, default=0,
                     help="seconds a request may take, queued and running, before it is aborted (0: no limit)")
     ap.add_argument("--context-length", "--max-seq-len", dest="max_seq_len", type=int,
@@ -320,7 +332,7 @@ def build_app(argv=None):
                                     tp_size=args.tp_size,
                                     warmup=False if args.skip_warmup else "progress")  # before the port opens
     return create_app(gen, args.served_model_name or args.model, args.max_queued_requests,
-                      args.request_timeout or None), args
+                      args.request_timeout or None, args.stream_interval), args
 
 
 def main(argv=None):

@@ -226,6 +226,33 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     assert wait_idle(url)
 
 
+def test_stream_interval_sends_fewer_larger_chunks(server):
+    import json
+
+    import server as srv
+    url, app = server
+    body = {"prompt": "Once upon a time", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+    def counts(interval):  # tokens out when each chunk went out, and the streamed text
+        app.state.stream_interval = interval
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                              json={**body, "stream": True, "stream_options": {"continuous_usage_stats": True}}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        finally:
+            app.state.stream_interval = 1
+        return [c["usage"]["completion_tokens"] for c in chunks], "".join(c["choices"][0]["text"] for c in chunks)
+
+    every, text = counts(1)  # a chunk a decode call: at most 8 tokens (the call's steps) apart
+    assert text == full and max(b - a for a, b in zip(every, every[1:])) <= 8
+    fewer, text = counts(10)
+    assert text == full and fewer[-1] == 30 and len(fewer) < len(every)
+    assert all(b - a >= 10 for a, b in zip(fewer[:-2], fewer[1:-1]))  # only the last may carry fewer
+    with pytest.raises(ValueError, match="stream_interval=0"):
+        srv.create_app(None, "x", stream_interval=0)
+
+
 def test_the_fault_run_loses_nothing(server):
     """bench/serve_faults.py, small: every well-formed answer equals its isolated one, every bad
     request a 4xx naming it, a burst past the queue 503s, no page leaked, nothing stuck."""
