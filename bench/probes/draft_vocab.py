@@ -23,10 +23,10 @@ from common import humaneval_prompts, mt_bench_prompts, print_table, write_resul
 from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.eagle import load_head
 from jaxspec.models.loading import load
+from jaxspec.speculative import shipped_drafter
 from jaxspec.train_data import token_counts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HEAD = os.path.join(REPO, "jaxspec/drafters/weights/smollm2-135m-eagle3")
 SIZES = (8192, 12288, 16384, 24576, 32768)
 
 
@@ -37,7 +37,7 @@ def main():
     args = ap.parse_args()
     model, tok = load("smollm2-135m")
     vocab = model.cfg.vocab_size
-    head = load_head(HEAD, model.cfg, model)
+    head = load_head(shipped_drafter("smollm2-135m", "EAGLE3"), model.cfg, model)
     shipped = np.asarray(head.draft_to_target[...])
     counts = 0
     for path in sorted(glob.glob(os.path.join(REPO, "data/smollm2-135m-selfgen-seed*/data.npz"))):

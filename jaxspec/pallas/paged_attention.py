@@ -130,7 +130,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     unmasked = jnp.clip((kv_len - first * page_size) // block, 0, num_blocks)
     carry = jax.lax.fori_loop(0, unmasked, functools.partial(tile, masked=False), init)
     m, l, acc = jax.lax.fori_loop(unmasked, num_blocks, functools.partial(tile, masked=True), carry)
-    row = (b * num_tokens + t) * num_q_heads + h * group + rows % group  # each row's in the token layout
+    row = (b * num_tokens + t) * num_q_heads + h * group + rows % group  # the rows' places in the token layout
 
     def store(out_ref, total, norm):  # the rows of the real tokens, [tokens * Hq, D]
         out = (total / jnp.maximum(norm, 1e-30)[:, None]).astype(out_ref.dtype)
@@ -249,14 +249,15 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
     args = [layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows]
-    part = (b, hkv, splits, padded)
-    parts = [jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
-             jax.ShapeDtypeStruct(part, jnp.float32)]
-    outs = [out] if splits == 1 else parts
+    outs = [out]
+    if splits > 1:  # the partials (acc, m, l), in place of the output unless the kernel merges them
+        part = (b, hkv, splits, padded)
+        parts = [jax.ShapeDtypeStruct(part + (d,), jnp.float32)] + [jax.ShapeDtypeStruct(part, jnp.float32)] * 2
+        outs = [out, *parts] if merge else parts
     if merge:  # and how many of each (request, head, query block)'s splits are done
         counts = jnp.zeros((b * hkv * q_blocks,), jnp.int32)
         args.append(counts)
-        outs = [out, *parts, jax.ShapeDtypeStruct(counts.shape, counts.dtype)]
+        outs.append(jax.ShapeDtypeStruct(counts.shape, counts.dtype))
     res = pl.pallas_call(
         kernel,
         grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
