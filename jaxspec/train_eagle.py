@@ -83,7 +83,7 @@ def ttt_loss(head, target, feats, final, tokens, segments, positions, loss_mask,
     padding, one id a sequence; positions restart at each); a draft counts where the token it
     predicts is in the position's own sequence and in loss_mask."""
     b, t = tokens.shape
-    dtype = head.wq[...].dtype
+    dtype = head.wqkv[...].dtype
     hidden = feats.astype(dtype) if head.cfg.kind == "eagle" else feats.astype(dtype) @ head.fc[...]
     same = lambda n: (shift(segments, n) == segments) & (segments > 0)  # index i + n in i's sequence
     ks, vs, total, accs, losses, rights = [], [], 0.0, [], [], []
@@ -181,8 +181,7 @@ def init_head(target, cfg: HeadConfig, hot, seed: int) -> DraftHead:
         head.draft_to_target[...] = jnp.asarray(hot, jnp.int32)
     if cfg.intermediate_size == target.cfg.intermediate_size:
         last = target.layers[-1]
-        gate, up = jnp.split(jnp.asarray(last.w_gate_up[...], jnp.float32), 2, axis=-1)
-        head.w_gate[...], head.w_up[...] = gate, up
+        head.w_gate_up[...] = jnp.asarray(last.w_gate_up[...], jnp.float32)
         head.w_down[...] = jnp.asarray(last.w_down[...], jnp.float32)
     return head
 

@@ -110,7 +110,7 @@ def test_growing_the_draft_vocabulary_keeps_the_head_and_adds_the_target_rows(ti
     target_rows = np.asarray(tiny.embed[...], np.float32).T
     fit, *_ = np.linalg.lstsq(target_rows[:, old].T, np.asarray(head.lm_head[...]).T, rcond=None)
     assert np.allclose(lm[:, np.searchsorted(hot, added)], (target_rows[:, added].T @ fit).T, atol=1e-5)
-    for name in ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "input_norm", "hidden_norm", "norm"):
+    for name in ("fc", "wqkv", "wo", "w_gate_up", "w_down", "input_norm", "hidden_norm", "norm"):
         assert np.array_equal(np.asarray(getattr(grown, name)[...]), np.asarray(getattr(head, name)[...]))
     with pytest.raises(ValueError, match="has 16 ids; it can only grow"):
         grow_draft_vocab(head, tiny, counts, 8)
@@ -349,7 +349,7 @@ def test_sglang_eagle3_layout_matches_torch_reading(tmp_path, tiny):
     # export writes the same layout back
     export_head(head, str(tmp_path / "again"), TINY)
     again = load_head(str(tmp_path / "again"), TINY, tiny)
-    for name in ("fc", "wq", "lm_head", "draft_to_target"):
+    for name in ("fc", "wqkv", "w_gate_up", "lm_head", "draft_to_target"):
         np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]), np.asarray(getattr(head, name)[...]))
 
 
@@ -372,7 +372,7 @@ def test_safeailab_eagle_bin_layout_loads(tmp_path, tiny):
     head = load_head(str(tmp_path), TINY, tiny)
     assert head.cfg.kind == "eagle" and head.cfg.fc_bias
     np.testing.assert_array_equal(np.asarray(head.fc[...]), sd["fc.weight"].numpy().T)
-    np.testing.assert_array_equal(np.asarray(head.w_up[...]), sd["layers.0.mlp.up_proj.weight"].float().numpy().T)
+    np.testing.assert_array_equal(np.asarray(head.w_gate_up[...])[:, 64:], sd["layers.0.mlp.up_proj.weight"].float().numpy().T)
     np.testing.assert_array_equal(np.asarray(head.fc_bias[...]), sd["fc.bias"].numpy())
     # and it drafts losslessly
     prompts = random_prompts(4, 3)

@@ -165,3 +165,22 @@ def test_kv_writes_skip_padding_and_compaction_moves_only_accepted():
     want2 = out.copy()
     want2[:, 3, 1] = out[:, 3, 2]
     np.testing.assert_array_equal(moved, want2)
+
+
+@pytest.mark.parametrize("lead,vocab,k,dtype", [((3, 4), 1000, 4, jnp.float32), ((2,), 300, 3, jnp.bfloat16),
+                                                ((5,), 64, 1, jnp.float32), ((1,), 8192, 8, jnp.float32)])
+def test_top_k_log_softmax_kernel_matches_reference(lead, vocab, k, dtype):
+    """The draft tree's top-k (ties to the lower id, a promoted id first) as log_softmax + lax.top_k."""
+    from jaxspec.pallas.top_k import top_k_log_softmax, top_k_log_softmax_ref
+    rng = np.random.default_rng(vocab)
+    x = jnp.asarray(rng.normal(0, 3, lead + (vocab,)), dtype)
+    x = x.at[..., 7].set(jnp.max(x, axis=-1))  # every row's best value twice: ids 7 and the argmax
+    promote = jnp.asarray(rng.integers(-1, vocab, lead), jnp.int32)
+    for p in (None, promote):
+        vals, ids = top_k_log_softmax(x, k, p, interpret=jax.default_backend() != "gpu")
+        ref_vals, ref_ids = top_k_log_softmax_ref(x, k, p)
+        assert vals.shape == ids.shape == lead + (k,) and ids.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+        np.testing.assert_allclose(np.asarray(vals), np.asarray(ref_vals), atol=2e-6)
+    top = np.asarray(top_k_log_softmax(x, k, promote, interpret=jax.default_backend() != "gpu")[1])[..., 0]
+    np.testing.assert_array_equal(top[np.asarray(promote) >= 0], np.asarray(promote)[np.asarray(promote) >= 0])

@@ -95,16 +95,23 @@ class DraftHead(nnx.Module):
         fc_in = 3 * H if eagle3 else 2 * H
         attn_in = 2 * H if eagle3 else H
 
-        def w(*shape):
-            return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype))
+        def m(*shape):
+            return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype)
+
+        w = lambda *shape: nnx.Param(m(*shape))
 
         ones = lambda n: nnx.Param(jnp.ones((n,), dtype))
         self.fc = w(fc_in, H)
         if cfg.fc_bias:
             self.fc_bias = nnx.Param(jnp.zeros((H,), dtype))
-        self.wq, self.wk, self.wv, self.wo = w(attn_in, hq), w(attn_in, hk), w(attn_in, hk), w(hq, H)
+        # q, k and v in one matrix and gate and up in another, as the target's and DFLASH's layers
+        # (checkpoints keep them apart: FUSED). XLA's dot merging had already run the separate
+        # matrices as two GEMMs on the H100 (step_profile-topk-*.json: the draft's GEMM count unchanged)
+        self.wqkv = nnx.Param(jnp.concatenate([m(attn_in, hq), m(attn_in, hk), m(attn_in, hk)], 1))
+        self.wo = w(hq, H)
         self.post_norm = ones(H)
-        self.w_gate, self.w_up, self.w_down = w(H, F), w(H, F), w(F, H)
+        self.w_gate_up = nnx.Param(jnp.concatenate([m(H, F), m(H, F)], 1))
+        self.w_down = w(F, H)
         if eagle3:
             self.input_norm, self.hidden_norm, self.norm = ones(H), ones(H), ones(H)
             self.lm_head = w(H, cfg.draft_vocab_size)
@@ -151,9 +158,10 @@ class DraftHead(nnx.Module):
                                  rms_norm(residual, self.hidden_norm[...], cfg.rms_norm_eps)], axis=-1)
         b, t = emb.shape[:2]
         inv = rope_frequencies(cfg)
-        q = (a @ self.wq[...]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = (a @ self.wk[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = (a @ self.wv[...]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(a @ self.wqkv[...], [hq, hq + hk], axis=-1)
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k, v = (x.reshape(b, t, cfg.num_kv_heads, cfg.head_dim) for x in (k, v))
         return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v, residual
 
     def finish(self, attn_out, residual):
@@ -161,7 +169,8 @@ class DraftHead(nnx.Module):
         b, t = residual.shape[:2]
         x = residual + attn_out.reshape(b, t, -1) @ self.wo[...]
         h = rms_norm(x, self.post_norm[...], self.cfg.rms_norm_eps)
-        return x + (jax.nn.silu(h @ self.w_gate[...]) * (h @ self.w_up[...])) @ self.w_down[...]
+        gate, up = jnp.split(h @ self.w_gate_up[...], 2, axis=-1)
+        return x + (jax.nn.silu(gate) * up) @ self.w_down[...]
 
 
 # -- checkpoint layouts ------------------------------------------------------------------------------
@@ -184,6 +193,8 @@ EAGLE_NAMES = {
     "layers.0.mlp.gate_proj.weight": ("w_gate", True), "layers.0.mlp.up_proj.weight": ("w_up", True),
     "layers.0.mlp.down_proj.weight": ("w_down", True),
 }
+# our fused matrix -> the checkpoint's parts, concatenated along the output axis in this order
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 IGNORED = ("embed_tokens.weight", "t2d", "layers.0.input_layernorm.weight")
 
 
@@ -244,6 +255,15 @@ def load_head(directory: str, target_cfg: ModelConfig, target=None, dtype=jnp.fl
         ours, transpose = names[name]
         a = np.asarray(arr, np.float32)
         found[ours] = a.T if transpose else a
+    for fused, parts in FUSED.items():
+        missing = [p for p in parts if p not in found]
+        if missing:
+            raise CheckpointError(f"draft model {directory}: tensor for {missing[0]!r} is missing")
+        shapes = {found[p].shape[0] for p in parts}
+        if len(shapes) != 1:
+            raise CheckpointError(f"draft model {directory}: {', '.join(parts)} have different input sizes "
+                                  f"{[found[p].shape for p in parts]}")
+        found[fused] = np.concatenate([found.pop(p) for p in parts], axis=1)
     if kind == "eagle3" and "lm_head" not in found and target is not None and cfg.draft_vocab_size == cfg.vocab_size:
         found["lm_head"] = np.asarray(target.embed[...]).T  # tied to the target's embedding
     host = {}
@@ -278,19 +298,21 @@ def export_head(head: DraftHead, directory: str, target_cfg: ModelConfig, extra_
     cfg = head.cfg
     os.makedirs(directory, exist_ok=True)
     names = EAGLE3_NAMES if cfg.kind == "eagle3" else EAGLE_NAMES
+    hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    mats = {ours: np.asarray(getattr(head, ours)[...], np.float32) for ours, _ in names.values() if hasattr(head, ours)}
+    mats.update(zip(FUSED["wqkv"], np.split(np.asarray(head.wqkv[...], np.float32), [hq, hq + hk], axis=1)))
+    mats.update(zip(FUSED["w_gate_up"], np.split(np.asarray(head.w_gate_up[...], np.float32), 2, axis=1)))
     out = {}
     for ck, (ours, transpose) in names.items():
-        if not hasattr(head, ours):
-            continue
-        a = np.asarray(getattr(head, ours)[...], np.float32)
-        out[ck] = np.ascontiguousarray(a.T if transpose else a)
+        if ours in mats:
+            out[ck] = np.ascontiguousarray(mats[ours].T if transpose else mats[ours])
     if cfg.kind == "eagle3":
         d2t = np.asarray(head.draft_to_target[...], np.int64)
         out["d2t"] = d2t - np.arange(cfg.draft_vocab_size)
         t2d = np.zeros(cfg.vocab_size, bool)
         t2d[d2t] = True
         out["t2d"] = t2d
-    dt = np.asarray(head.wq[...]).dtype
+    dt = np.asarray(head.wqkv[...]).dtype
     if dt != np.float32:  # keep the file as small as the weights are
         out = {k: (v.astype(dt) if v.dtype == np.float32 else v) for k, v in out.items()}
     save_file(out, os.path.join(directory, "model.safetensors"))

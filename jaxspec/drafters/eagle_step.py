@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxspec import attention, sampling
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
+from jaxspec.pallas.top_k import top_k_log_softmax
 from jaxspec.attention import NEG_INF
 from jaxspec.programs import steps_while_alive
 from jaxspec.verify import verify_and_accept
@@ -79,9 +80,10 @@ def catch_up(head, target, dcache: KVCache, feats, next_tokens, page_table, kv_l
     return head.finish(o, res), KVCache(kp, vp)
 
 
-def attend_prefix_and_tree(q, k_pre, v_pre, prefix_len, tree_k, tree_v, tree_mask):
-    """q [B, K, Hq, D] over a gathered prefix k_pre/v_pre [B, S, Hkv, D] (first prefix_len valid)
-    plus the tree nodes drafted so far tree_k/v [B, M, Hkv, D] where tree_mask [B, K, M].
+def attend_drafted(q, keys, values, visible):
+    """q [B, K, Hq, D] over keys/values [B, S, Hkv, D] where visible [B, K, S]: the gathered prefix
+    and, after it, the tree nodes drafted so far, one buffer (one score GEMM and one value GEMM a
+    round; the prefix and the tree apart took two of each and a concatenation).
 
     The prefix is gathered once a step, over the page table's whole width, and shared by every
     drafting round. A loop over only the pages in use needs a trip count computed on the device,
@@ -89,17 +91,11 @@ def attend_prefix_and_tree(q, k_pre, v_pre, prefix_len, tree_k, tree_v, tree_mas
     inside every round broke the chained steps (EAGLE-3 at batch 8: 0.94x plain, spec-NVIDIA-*.json
     at dff49ff, against 2.03x in spec-v20-eagle-b8)."""
     b, kq, hq, d = q.shape
-    hkv = k_pre.shape[2]
+    hkv = keys.shape[2]
     qg = q.reshape(b, kq, hkv, hq // hkv, d)
-    s_pre = jnp.einsum("bqhgd,bshd->bhgqs", qg, k_pre, preferred_element_type=jnp.float32)
-    s_tree = jnp.einsum("bqhgd,bmhd->bhgqm", qg, tree_k, preferred_element_type=jnp.float32)
-    pre_ok = jnp.arange(k_pre.shape[1])[None, :] < prefix_len[:, None]  # [B, S]
-    s_pre = jnp.where(pre_ok[:, None, None, None, :], s_pre, NEG_INF)
-    s_tree = jnp.where(tree_mask[:, None, None], s_tree, NEG_INF)
-    p = jax.nn.softmax(jnp.concatenate([s_pre, s_tree], axis=-1) * d ** -0.5, axis=-1)
-    s = k_pre.shape[1]
-    o = (jnp.einsum("bhgqs,bshd->bqhgd", p[..., :s].astype(v_pre.dtype), v_pre, preferred_element_type=jnp.float32)
-         + jnp.einsum("bhgqm,bmhd->bqhgd", p[..., s:].astype(tree_v.dtype), tree_v, preferred_element_type=jnp.float32))
+    scores = jnp.einsum("bqhgd,bshd->bhgqs", qg, keys, preferred_element_type=jnp.float32)
+    p = jax.nn.softmax(jnp.where(visible[:, None, None], scores, NEG_INF) * d ** -0.5, axis=-1)
+    o = jnp.einsum("bhgqs,bshd->bqhgd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
     return o.reshape(b, kq, hq, d).astype(q.dtype)
 
 
@@ -120,43 +116,45 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
     k, n = tree.topk, tree.num_draft_tokens
     draft_ids = None if head.borrows_target_head else head.to_target(jnp.arange(head.cfg.draft_vocab_size))
 
-    def draft_logprobs(out, depth):
+    def best_children(out, depth):
+        """The k best draft ids after each row of `out` and their log-probs; a sampled row's
+        coupled draw ranked first."""
         logits = head.logits(target, out)
-        lp = jax.nn.log_softmax(logits)
-        if coupling is None:
-            return lp
-        sb, first = coupling
-        coupled_logits = sampling.coupled_draft_logits(logits, sb, first + depth, target.cfg.vocab_size, draft_ids)
-        drawn = jnp.argmax(coupled_logits, -1)
-        sampled = (sb.temperature > 0).reshape((-1,) + (1,) * (lp.ndim - 1))
-        promote = (jnp.arange(lp.shape[-1]) == drawn[..., None]) & sampled
-        return jnp.where(promote, jnp.max(lp, axis=-1, keepdims=True) + 1e-3, lp)  # ranks first
+        promote = None
+        if coupling is not None:
+            sb, first = coupling
+            drawn = jnp.argmax(sampling.coupled_draft_logits(logits, sb, first + depth, target.cfg.vocab_size,
+                                                              draft_ids), -1)
+            promote = jnp.where((sb.temperature > 0).reshape((-1,) + (1,) * (drawn.ndim - 1)), drawn, -1)
+        return top_k_log_softmax(logits, k, promote)
 
-    score, tok = jax.lax.top_k(draft_logprobs(last_out, 0), k)  # [B, k]
+    score, tok = best_children(last_out, 0)  # [B, k]
     cands, frontier_id = first_round(score, tok)
     hidden = jnp.broadcast_to(last_out[:, None], (b, k, last_out.shape[-1]))
     if tree.steps > 1:
+        # keys and values: the prefix (the page table's whole width) then the drafted rows' slots
         hkv, d = dcache.k.shape[-2:]
-        k_pre = dcache.k[0][page_table].reshape(b, -1, hkv, d)
-        v_pre = dcache.v[0][page_table].reshape(b, -1, hkv, d)
-        m = (tree.steps - 1) * k
-        tree_k = jnp.zeros((b, m, hkv, d), dcache.k.dtype)
-        tree_v = jnp.zeros_like(tree_k)
-        anc = jnp.zeros((b, k, m), bool)  # each frontier node's ancestors among drafted rows
+        width = page_table.shape[1] * dcache.page_size
+        drafted = jnp.zeros((b, (tree.steps - 1) * k, hkv, d), dcache.k.dtype)
+        keys, values = (jnp.concatenate([c[0][page_table].reshape(b, width, hkv, d), drafted], axis=1)
+                        for c in (dcache.k, dcache.v))
+        # what each frontier node sees: the prefix in use and its ancestors among the drafted rows
+        at = jnp.arange(keys.shape[1])
+        visible = jnp.broadcast_to((at[None, :] < prefix_len[:, None])[:, None, :], (b, k, keys.shape[1]))
     for s in range(1, tree.steps):
-        slots = (s - 1) * k + jnp.arange(k)
+        slots = width + (s - 1) * k + jnp.arange(k)
         pos = jnp.broadcast_to((prefix_len + s - 1)[:, None], (b, k))
         q, kk, vv, res = head.qkv(target.embed_tokens(head.to_target(tok)), hidden, pos)
-        tree_k = tree_k.at[:, slots].set(kk.astype(tree_k.dtype))
-        tree_v = tree_v.at[:, slots].set(vv.astype(tree_v.dtype))
-        anc = anc | (jnp.arange(m)[None, None, :] == slots[None, :, None])
-        out = head.finish(attend_prefix_and_tree(q, k_pre, v_pre, prefix_len, tree_k, tree_v, anc), res)
-        child_lp, child_tok = jax.lax.top_k(draft_logprobs(out, s), k)  # [B, k, k]
+        keys = keys.at[:, slots].set(kk.astype(keys.dtype))
+        values = values.at[:, slots].set(vv.astype(values.dtype))
+        visible = visible | (at[None, None, :] == slots[None, :, None])
+        out = head.finish(attend_drafted(q, keys, values, visible), res)
+        child_lp, child_tok = best_children(out, s)  # [B, k, k]
         score, pick, frontier_id = next_round(cands, score, frontier_id, child_lp, child_tok)
         row = pick // k
         tok = jnp.take_along_axis(child_tok.reshape(b, k * k), pick, axis=1)
         hidden = jnp.take_along_axis(out, row[:, :, None], axis=1)
-        anc = jnp.take_along_axis(anc, row[:, :, None], axis=1)
+        visible = jnp.take_along_axis(visible, row[:, :, None], axis=1)
     tokens, parents = select_tree(cands, n)
     return with_root(root, head.to_target(tokens).astype(jnp.int32), parents)
 
