@@ -102,10 +102,9 @@ def test_a_second_start_reads_its_programs_back_from_the_store(tiny, tmp_path, w
         reads = [sum(p.store_reads for p in groups), sum(p.executable_reads for p in groups), compile_count() - c0]
         return gen, info["programs"], reads
 
-    traced, n, _ = engine(None)
-    first, n1, reads1 = engine(str(tmp_path))
+    first, n, reads1 = engine(str(tmp_path))  # an empty store: every program traced and compiled
     exported, compiled = sorted(tmp_path.glob("*.jaxexport")), sorted(tmp_path.glob("*.xlaexe"))
-    assert n1 == n and reads1 == [0, 0, n] and len(exported) == len(compiled) == n
+    assert reads1 == [0, 0, n] and len(exported) == len(compiled) == n
     again, _, reads = engine(str(tmp_path))
     assert reads == [n, n, 0], "a program was traced or compiled again"
     files = [(tmp_path / progs.entry(*spec), tmp_path / progs._executable_name(*spec))
@@ -116,7 +115,7 @@ def test_a_second_start_reads_its_programs_back_from_the_store(tiny, tmp_path, w
         f.write_bytes(b"damaged")
     second, n2, reads2 = engine(str(tmp_path))
     assert n2 == n and reads2 == [n - 1, n - 2, 2]
-    expect = [o.token_ids for o in traced.generate(prompts, params)]
+    expect = [o.token_ids for o in first.generate(prompts, params)]
     assert [o.token_ids for o in second.generate(prompts, params)] == expect
     assert second.scheduler.late_compiles == []
 
