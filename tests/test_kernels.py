@@ -184,3 +184,15 @@ def test_top_k_log_softmax_kernel_matches_reference(lead, vocab, k, dtype):
         np.testing.assert_allclose(np.asarray(vals), np.asarray(ref_vals), atol=2e-6)
     top = np.asarray(top_k_log_softmax(x, k, promote, interpret=jax.default_backend() != "gpu")[1])[..., 0]
     np.testing.assert_array_equal(top[np.asarray(promote) >= 0], np.asarray(promote)[np.asarray(promote) >= 0])
+
+
+def test_top_k_log_softmax_kernel_under_vmap():
+    """The rollout vmaps its step over groups: the kernel's batching rule adds a grid axis."""
+    from jaxspec.pallas.top_k import top_k_log_softmax, top_k_log_softmax_ref
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(0, 3, (3, 2, 4, 300)), jnp.float32)
+    promote = jnp.asarray(rng.integers(-1, 300, (3, 2, 4)), jnp.int32)
+    step = jax.jit(jax.vmap(lambda a, p: top_k_log_softmax(a, 4, p, interpret=jax.default_backend() != "gpu")))
+    (vals, ids), (ref_vals, ref_ids) = step(x, promote), top_k_log_softmax_ref(x, 4, promote)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(vals), np.asarray(ref_vals), atol=2e-6)
