@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import attention, sampling
+from jaxspec.attention import NEG_INF
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.pallas.top_k import top_k_log_softmax
-from jaxspec.attention import NEG_INF
 from jaxspec.programs import steps_while_alive
 from jaxspec.verify import verify_and_accept
 
