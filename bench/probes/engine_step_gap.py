@@ -1,0 +1,139 @@
+"""Where a batch-1 EAGLE-3 step's time goes in the Generator, against the same fused step in the
+rollout's device loop, with no host in the way.
+
+With the shipped head on MT-bench the Generator's EAGLE-3 6:4:24 ran ~1.9 ms a step at batch 1
+(spec-head6-: 1737 tok/s at 3.33 tokens a step) while the step_profile- probe timed the rollout's
+step at ~1.40 ms. Here a SmolLM2-shaped target and an EAGLE-3 head with random bf16 weights (the
+step's work does not depend on the values) run one prompt of `--context` tokens for
+`--max-tokens` new tokens, ignore_eos, four ways:
+
+- rollout: jit_rollout's loop, wall time over its steps;
+- program: the engine's own verify_steps (and decode) program timed back to back at its steps a
+  call, every row live (Scheduler._time_steps, the auto policy's cost table);
+- generator: Generator.generate, wall time over its verify steps, the launches' host time, the
+  scheduler's wait time, and how many calls chained;
+- generator, overlap off: each call read back before the next is launched.
+
+generator / program > 1 is host time the device waited for; program / rollout > 1 is work the
+engine's program does that the rollout's does not.
+
+    python bench/probes/engine_step_gap.py [--context 256] [--max-tokens 256] [--trees 6:4:24]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from common import SMOLLM2, print_table, random_model, write_results
+from jaxspec import Generator, SamplingParams
+from jaxspec import programs as programs_mod
+from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.models import ModelConfig
+from jaxspec.rollout import jit_rollout
+
+COLS = ["way", "algorithm", "steps", "ms_per_step", "calls", "chained", "launch_ms_per_call", "wait_ms_per_step"]
+
+
+def rollout_row(model, head, algo, prompt, max_tokens):
+    name, *tree = algo.split(":")
+    conf = dict(algorithm="none" if name == "plain" else name, max_new_tokens=max_tokens, max_verify_tokens=None)
+    if tree:
+        conf.update(zip(("num_steps", "topk", "num_draft_tokens"), map(int, tree)))
+    fn, params, dparams = jit_rollout(model, head if name == "eagle3" else None, **conf)
+    prompts, lengths = jnp.asarray(prompt)[None], jnp.asarray([len(prompt)], jnp.int32)
+    stop = jnp.full((1, 1), -1, jnp.int32)
+    call = lambda: jax.block_until_ready(fn(params, dparams, prompts, lengths, jnp.zeros(1, jnp.uint32), stop_ids=stop))
+    call()
+    secs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = call()
+        secs.append(time.perf_counter() - t0)
+    steps = int(np.asarray(out.steps).max())
+    return dict(way="rollout", algorithm=algo, steps=steps, ms_per_step=1e3 * float(np.median(secs)) / steps)
+
+
+def generator_rows(gen, algo, prompt, max_tokens, passes=3):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    gen.generate([prompt], params)
+    launches, run = [], programs_mod.Programs.run
+
+    def logged(self, name, flags, cache, a):
+        t0 = time.perf_counter()
+        out = run(self, name, flags, cache, a)
+        launches.append((name, time.perf_counter() - t0))
+        return out
+
+    rows = []
+    for overlap in (True, False):
+        gen.scheduler.overlap = overlap
+        per = []
+        for _ in range(passes):
+            launches.clear()
+            st0 = dict(gen.scheduler.stats)
+            programs_mod.Programs.run = logged
+            try:
+                t0 = time.perf_counter()
+                gen.generate([prompt], params)
+                wall = time.perf_counter() - t0
+            finally:
+                programs_mod.Programs.run = run
+            st = gen.scheduler.stats
+            d = {k: st[k] - st0[k] for k in st if isinstance(st[k], (int, float))}
+            steps = d["verified_rows"] if algo != "plain" else max_tokens
+            calls = [l for l in launches if l[0] != "extend"]
+            per.append(dict(way="generator" if overlap else "generator, overlap off", algorithm=algo, steps=steps,
+                            ms_per_step=1e3 * wall / steps, calls=len(calls), chained=d["chained_steps"],
+                            launch_ms_per_call=1e3 * sum(t for _, t in calls) / max(1, len(calls)),
+                            wait_ms_per_step=1e3 * d["wait_time"] / steps, wall_ms=1e3 * wall))
+        rows.append(sorted(per, key=lambda r: r["ms_per_step"])[len(per) // 2])
+    gen.scheduler.overlap = True
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--trees", default="6:4:24")
+    ap.add_argument("--verify-steps", type=int, default=None, help="the Generator's verify steps a call")
+    ap.add_argument("--layers", type=int, default=None, help="fewer target layers (a CPU smoke run)")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    cfg = ModelConfig(**{**SMOLLM2, **({"num_layers": args.layers} if args.layers else {})})
+    model = random_model(cfg, jnp.bfloat16)
+    head = DraftHead(HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=8192), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    prompt = list(map(int, np.random.default_rng(0).integers(100, cfg.vocab_size, args.context)))
+    kw = dict(max_batch=1, max_seq_len=1024, warmup=True)
+    if args.verify_steps:
+        kw["verify_steps"] = args.verify_steps
+    rows = [rollout_row(model, head, "plain", prompt, args.max_tokens)]
+    gen = Generator(model, None, **kw)
+    rows += generator_rows(gen, "plain", prompt, args.max_tokens)
+    print_table(rows, COLS)
+    for t in args.trees.split(","):
+        algo = f"eagle3:{t}"
+        rows.append(rollout_row(model, head, algo, prompt, args.max_tokens))
+        gen = Generator(model, None, drafter=EagleDrafter(head, TreeShape.parse(t)), **kw)
+        costs = gen.scheduler._time_steps(gen.scheduler.program_specs())
+        # (the decode program timed is the target's alone: the Generator's plain one)
+        rows += [dict(way="program", algorithm="plain" if k[0] == "decode" else algo, ms_per_step=v)
+                 for k, v in costs.ms.items()]
+        rows += generator_rows(gen, algo, prompt, args.max_tokens)
+        print_table(rows, COLS)
+    print(write_results("engine_step_gap" + args.tag, rows, {"context": args.context, "max_tokens": args.max_tokens}))
+
+
+if __name__ == "__main__":
+    main()
