@@ -102,6 +102,55 @@ def generator_rows(gen, algo, prompt, max_tokens, passes=3):
     return rows
 
 
+def pipelined_rows(gen, algo, calls=24):
+    """The engine's own program launched back to back as the scheduler chains it (each call's
+    carried outputs are the next one's inputs, one wait at the end), every row live: its device
+    time a step with no host work but the launches, and the launches' host time."""
+    sched = gen.scheduler
+    steps = sched.verify_steps if algo != "plain" else sched.decode_steps
+    pages = np.arange(1, sched.max_pages_per_seq + 1, dtype=np.int32)[None]
+    if algo == "plain":
+        progs = sched.plain_programs or sched.programs
+        args = list(sched._dummy_decode(1, steps, alive=True))
+        args[1], args[2] = pages, np.full(1, 256, np.int32)
+    else:
+        progs = sched.programs
+        spec = next(s for s in sched.program_specs() if s[1] == "verify_steps" and not s[2].sample
+                    and s[4][0].shape[0] == 1)
+        args_n = spec[4][0].shape[1]
+        args = list(sched._dummy_verify(1, args_n, steps, alive=True))
+        args[2], args[3] = pages, np.full(1, 256, np.int32)
+    flags = next(s[2] for s in sched.program_specs() if not s[2].sample)
+    args = jax.device_put(tuple(args))
+    cache = sched.cache
+
+    def launch(args):
+        nonlocal cache
+        if algo == "plain":
+            t = cache[0] if isinstance(cache, tuple) else cache
+            *out, t = progs.decode(t, *args, flags=flags)
+            cache = (t, cache[1]) if isinstance(cache, tuple) else t
+            tokens, kv, sb, budget = out[6]
+            return out, (tokens, args[1], kv, budget, args[4], args[5], sb)
+        *out, cache = progs.verify_steps(cache, *args, flags=flags)
+        tokens, parents, kv, sb, budget = out[6]
+        return out, (tokens, parents, args[2], kv, args[4], budget, args[6], args[7], args[8], sb)
+
+    for _ in range(3):
+        out, args = launch(args)
+    jax.block_until_ready(out)
+    host, t0 = 0.0, time.perf_counter()
+    for _ in range(calls):
+        h = time.perf_counter()
+        out, args = launch(args)
+        host += time.perf_counter() - h
+    jax.block_until_ready(out)
+    wall = time.perf_counter() - t0
+    sched.cache = cache
+    return dict(way="program, pipelined", algorithm=algo, steps=calls * steps, calls=calls,
+                ms_per_step=1e3 * wall / (calls * steps), launch_ms_per_call=1e3 * host / calls)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=256)
@@ -121,6 +170,7 @@ def main():
     rows = [rollout_row(model, head, "plain", prompt, args.max_tokens)]
     gen = Generator(model, None, **kw)
     rows += generator_rows(gen, "plain", prompt, args.max_tokens)
+    rows.append(pipelined_rows(gen, "plain"))
     print_table(rows, COLS)
     for t in args.trees.split(","):
         algo = f"eagle3:{t}"
@@ -131,6 +181,7 @@ def main():
         rows += [dict(way="program", algorithm="plain" if k[0] == "decode" else algo, ms_per_step=v)
                  for k, v in costs.ms.items()]
         rows += generator_rows(gen, algo, prompt, args.max_tokens)
+        rows.append(pipelined_rows(gen, algo))
         print_table(rows, COLS)
     print(write_results("engine_step_gap" + args.tag, rows, {"context": args.context, "max_tokens": args.max_tokens}))
 
