@@ -8,8 +8,8 @@ step's work does not depend on the values) run one prompt of `--context` tokens 
 `--max-tokens` new tokens, ignore_eos, four ways:
 
 - rollout: jit_rollout's loop, wall time over its steps;
-- program: the engine's own verify_steps (and decode) program timed back to back at its steps a
-  call, every row live (Scheduler._time_steps, the auto policy's cost table);
+- program, pipelined: the engine's own verify_steps (and decode) program launched back to back,
+  each call on the last one's carried outputs as the scheduler chains them, one wait at the end;
 - generator: Generator.generate, wall time over its verify steps, the launches' host time, the
   scheduler's wait time, and how many calls chained;
 - generator, overlap off: each call read back before the next is launched.
@@ -157,6 +157,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--trees", default="6:4:24")
     ap.add_argument("--verify-steps", type=int, default=None, help="the Generator's verify steps a call")
+    ap.add_argument("--max-seq-len", type=int, default=1024, help="the Generator's (its page table's width)")
+    ap.add_argument("--skip-plain", action="store_true")
     ap.add_argument("--layers", type=int, default=None, help="fewer target layers (a CPU smoke run)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -164,26 +166,25 @@ def main():
     model = random_model(cfg, jnp.bfloat16)
     head = DraftHead(HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=8192), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     prompt = list(map(int, np.random.default_rng(0).integers(100, cfg.vocab_size, args.context)))
-    kw = dict(max_batch=1, max_seq_len=1024, warmup=True)
+    kw = dict(max_batch=1, max_seq_len=args.max_seq_len, warmup=True)
     if args.verify_steps:
         kw["verify_steps"] = args.verify_steps
-    rows = [rollout_row(model, head, "plain", prompt, args.max_tokens)]
-    gen = Generator(model, None, **kw)
-    rows += generator_rows(gen, "plain", prompt, args.max_tokens)
-    rows.append(pipelined_rows(gen, "plain"))
-    print_table(rows, COLS)
+    rows = []
+    if not args.skip_plain:
+        rows.append(rollout_row(model, head, "plain", prompt, args.max_tokens))
+        gen = Generator(model, None, **kw)
+        rows += generator_rows(gen, "plain", prompt, args.max_tokens)
+        rows.append(pipelined_rows(gen, "plain"))
+        print_table(rows, COLS)
     for t in args.trees.split(","):
         algo = f"eagle3:{t}"
         rows.append(rollout_row(model, head, algo, prompt, args.max_tokens))
         gen = Generator(model, None, drafter=EagleDrafter(head, TreeShape.parse(t)), **kw)
-        costs = gen.scheduler._time_steps(gen.scheduler.program_specs())
-        # (the decode program timed is the target's alone: the Generator's plain one)
-        rows += [dict(way="program", algorithm="plain" if k[0] == "decode" else algo, ms_per_step=v)
-                 for k, v in costs.ms.items()]
         rows += generator_rows(gen, algo, prompt, args.max_tokens)
         rows.append(pipelined_rows(gen, algo))
         print_table(rows, COLS)
-    print(write_results("engine_step_gap" + args.tag, rows, {"context": args.context, "max_tokens": args.max_tokens}))
+    print(write_results("engine_step_gap" + args.tag, rows, {"context": args.context, "max_tokens": args.max_tokens,
+                                                              "max_seq_len": args.max_seq_len}))
 
 
 if __name__ == "__main__":
