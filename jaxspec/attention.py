@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.pallas.attention_ref import NEG_INF, visible_mask
+from jaxspec.pallas.attention_ref import NEG_INF, prefix_attention_ref, visible_mask
 from jaxspec.pallas.paged_attention import token_layout
 
 CHUNK_KEYS = 1024  # keys per chunk of the jnp path
@@ -79,6 +79,19 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
                                        interpret=not on_gpu, token_rows=token_rows)
     out = paged_attention_chunked(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask)
     return out if token_rows is None else token_layout(out, token_rows)
+
+
+def prefix_attention(q, k_pages, v_pages, layer, page_table, kv_lens, impl="auto"):
+    """q [B, T, Hq, D] over each request's first kv_lens cached keys of k_pages/v_pages [L, N, ps,
+    Hkv, D] at `layer` -> (out [B, T, Hq, D] float32, base-2 log-sum-exp [B, T, Hq]): the Triton
+    kernel's split-K partials where the kernels run (on one device: no mesh), which read only the
+    pages in use; else the reference, which gathers the table's whole width."""
+    on_gpu = jax.default_backend() == "gpu"
+    use = impl in ("pallas", "mosaic", "fused") or (impl == "auto" and on_gpu)
+    if use and kernel_supports(q, k_pages, None) and jax.sharding.get_abstract_mesh().size <= 1:
+        from jaxspec.pallas import paged_attention as triton
+        return triton.prefix_attention(q, k_pages, v_pages, layer, page_table, kv_lens, interpret=not on_gpu)
+    return prefix_attention_ref(q, k_pages[layer], v_pages[layer], page_table, kv_lens)
 
 
 def paged_attention_chunked(q, k_pages, v_pages, page_table, kv_lens, q_lens, tree_mask=None):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxspec.pallas.accept import accept_tree, accept_tree_ref
-from jaxspec.pallas.attention_ref import paged_attention_ref
-from jaxspec.pallas.paged_attention import paged_attention
+from jaxspec.pallas.attention_ref import NEG_INF, paged_attention_ref, prefix_attention_ref
+from jaxspec.pallas.paged_attention import paged_attention, prefix_attention
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
 
@@ -50,6 +50,33 @@ def test_paged_attention_split_k_and_page_blocks_match_reference(case, pages_per
 def test_paged_attention_softcap_matches_reference(case, splits):
     # scores scaled up (x4) so that the cap bends them: tanh near-linear would hide a wrong cap
     check_kernel(*CASES[case], softcap=5.0, q_gain=4.0, splits=splits)
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,d,dtype", [(4, 4, 9, 3, 64, jnp.float32), (2, 1, 8, 1, 128, jnp.bfloat16)])
+def test_prefix_attention_kernel_matches_reference(b, t, hq, hkv, d, dtype):
+    """The draft tree's prefix attention (eagle_step.attend_drafted merges it with the drafted rows):
+    output and base-2 log-sum-exp over each row's kv_len cached keys, none past it (a row with no
+    key: log-sum-exp NEG_INF); a table wider than the rows use."""
+    rng = np.random.default_rng(t)
+    ps, n_pages, width = 16, 40, 8
+    k = jnp.asarray(rng.standard_normal((2, n_pages, ps, hkv, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((2, n_pages, ps, hkv, d)), dtype)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
+    kv_lens = jnp.asarray([37, 0, 1, 5 * ps][:b], jnp.int32)
+    pt = jnp.asarray(rng.permutation(np.arange(1, n_pages))[:b * width].reshape(b, width), jnp.int32)
+    out, lse = prefix_attention(q, k, v, 1, pt, kv_lens, interpret=jax.default_backend() != "gpu")
+    with jax.default_matmul_precision("highest"):
+        ref, ref_lse = prefix_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32),
+                                            pt, kv_lens)
+    live = np.asarray(kv_lens) > 0
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    assert np.abs(np.asarray(out)[live] - np.asarray(ref)[live]).max() < tol
+    assert np.abs(np.asarray(lse)[live] - np.asarray(ref_lse)[live]).max() < tol * 10
+    assert (np.asarray(lse)[~live] == NEG_INF).all() and (np.asarray(ref_lse)[~live] == NEG_INF).all()
+    # only the first kv_len keys count: changing the pages past them changes nothing
+    k2 = k.at[1, pt[0, 3]].set(100.0)  # row 0's keys 48..63, past its 37
+    assert np.array_equal(np.asarray(prefix_attention(q, k2, v, 1, pt, kv_lens,
+                                                      interpret=jax.default_backend() != "gpu")[0]), np.asarray(out))
 
 
 def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, **blocking):

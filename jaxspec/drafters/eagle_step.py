@@ -26,6 +26,7 @@ from flax import nnx
 from jaxspec import attention, sampling
 from jaxspec.attention import NEG_INF
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
+from jaxspec.pallas.paged_attention import LOG2E
 from jaxspec.pallas.top_k import top_k_log_softmax
 from jaxspec.programs import steps_while_alive
 from jaxspec.verify import verify_and_accept
@@ -80,27 +81,35 @@ def catch_up(head, target, dcache: KVCache, feats, next_tokens, page_table, kv_l
     return head.finish(o, res), KVCache(kp, vp)
 
 
-def attend_drafted(q, keys, values, visible):
-    """q [B, K, Hq, D] over keys/values [B, S, Hkv, D] where visible [B, K, S]: the gathered prefix
-    and, after it, the tree nodes drafted so far, one buffer (one score GEMM and one value GEMM a
-    round; the prefix and the tree apart took two of each and a concatenation).
+def attend_drafted(q, keys, values, visible, prefix):
+    """q [B, K, Hq, D] over the cached prefix and the drafted rows keys/values [B, S, Hkv, D] where
+    visible [B, K, S]. prefix: the queries' attention over the prefix alone, (out [B, K, Hq, D],
+    base-2 log-sum-exp [B, K, Hq]) from attention.prefix_attention, merged here with the drafted
+    rows' scores as one softmax.
 
-    The prefix is gathered once a step, over the page table's whole width, and shared by every
-    drafting round. A loop over only the pages in use needs a trip count computed on the device,
-    and on the GPU XLA reads a while loop's condition back to the host each iteration: a host sync
-    inside every round broke the chained steps (EAGLE-3 at batch 8: 0.94x plain, spec-NVIDIA-*.json
-    at dff49ff, against 2.03x in spec-v20-eagle-b8)."""
+    The prefix is read by the paged kernel, which stops at each row's length: gathered over the
+    page table's whole width (the table is as wide as the longest sequence admitted) the prefix
+    cost a batch-1 EAGLE-3 step 0.2 ms more at 4096 tokens than at 512 on the H100
+    (engine_step_gap-len*-NVIDIA-H100-80GB-HBM3.json), and a server at SmolLM2's 8192 twice that."""
     b, kq, hq, d = q.shape
     hkv = keys.shape[2]
-    qg = q.reshape(b, kq, hkv, hq // hkv, d)
-    scores = jnp.einsum("bqhgd,bshd->bhgqs", qg, keys, preferred_element_type=jnp.float32)
-    p = jax.nn.softmax(jnp.where(visible[:, None, None], scores, NEG_INF) * d ** -0.5, axis=-1)
+    g = hq // hkv
+    scores = jnp.einsum("bqhgd,bshd->bhgqs", q.reshape(b, kq, hkv, g, d), keys,
+                        preferred_element_type=jnp.float32) * (d ** -0.5 * LOG2E)
+    ok = visible[:, None, None]
+    out_p, lse_p = prefix
+    lse_p = lse_p.reshape(b, kq, hkv, g).transpose(0, 2, 3, 1)  # [B, Hkv, G, K]
+    m = jnp.maximum(jnp.where(ok, scores, NEG_INF).max(-1), lse_p)
+    p = jnp.where(ok, jnp.exp2(scores - m[..., None]), 0.0)
+    w_p = jnp.exp2(lse_p - m)  # the prefix's share: its softmax mass against the row's max
     o = jnp.einsum("bhgqs,bshd->bqhgd", p.astype(values.dtype), values, preferred_element_type=jnp.float32)
-    return o.reshape(b, kq, hq, d).astype(q.dtype)
+    o = o + out_p.reshape(b, kq, hkv, g, d) * w_p.transpose(0, 3, 1, 2)[..., None]
+    denom = (p.sum(-1) + w_p).transpose(0, 3, 1, 2)[..., None]
+    return (o / jnp.maximum(denom, 1e-30)).reshape(b, kq, hq, d).astype(q.dtype)
 
 
 def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, root, tree: TreeShape,
-               coupling=None):
+               coupling=None, attn_impl="auto"):
     """Draft the next tree from the head's output at the last committed slot (prefix_len - 1).
 
     last_out [B, H]; root [B] the pending token. coupling: None (greedy), or (sampling batch,
@@ -132,23 +141,21 @@ def draft_tree(head, target, dcache: KVCache, page_table, prefix_len, last_out, 
     cands, frontier_id = first_round(score, tok)
     hidden = jnp.broadcast_to(last_out[:, None], (b, k, last_out.shape[-1]))
     if tree.steps > 1:
-        # keys and values: the prefix (the page table's whole width) then the drafted rows' slots
+        # the drafted rows' keys and values (the prefix stays in the pages), and which of them
+        # each frontier node sees: its ancestors
         hkv, d = dcache.k.shape[-2:]
-        width = page_table.shape[1] * dcache.page_size
-        drafted = jnp.zeros((b, (tree.steps - 1) * k, hkv, d), dcache.k.dtype)
-        keys, values = (jnp.concatenate([c[0][page_table].reshape(b, width, hkv, d), drafted], axis=1)
-                        for c in (dcache.k, dcache.v))
-        # what each frontier node sees: the prefix in use and its ancestors among the drafted rows
+        keys, values = (jnp.zeros((b, (tree.steps - 1) * k, hkv, d), dcache.k.dtype) for _ in range(2))
         at = jnp.arange(keys.shape[1])
-        visible = jnp.broadcast_to((at[None, :] < prefix_len[:, None])[:, None, :], (b, k, keys.shape[1]))
+        visible = jnp.zeros((b, k, keys.shape[1]), bool)
     for s in range(1, tree.steps):
-        slots = width + (s - 1) * k + jnp.arange(k)
+        slots = (s - 1) * k + jnp.arange(k)
         pos = jnp.broadcast_to((prefix_len + s - 1)[:, None], (b, k))
         q, kk, vv, res = head.qkv(target.embed_tokens(head.to_target(tok)), hidden, pos)
         keys = keys.at[:, slots].set(kk.astype(keys.dtype))
         values = values.at[:, slots].set(vv.astype(values.dtype))
         visible = visible | (at[None, None, :] == slots[None, :, None])
-        out = head.finish(attend_drafted(q, keys, values, visible), res)
+        prefix = attention.prefix_attention(q, dcache.k, dcache.v, 0, page_table, prefix_len, impl=attn_impl)
+        out = head.finish(attend_drafted(q, keys, values, visible, prefix), res)
         child_lp, child_tok = best_children(out, s)  # [B, k, k]
         score, pick, frontier_id = next_round(cands, score, frontier_id, child_lp, child_tok)
         row = pick // k
@@ -233,7 +240,7 @@ def extend(graphs, tree: TreeShape, attn_impl, state, cache, tokens, next_tokens
     out, dcache = catch_up(head, target, dcache, head.features(h, layers), pair_tokens, page_table, kv_lens, q_lens,
                            attn_impl)
     tree_out = draft_tree(head, target, dcache, page_table, kv_lens + q_lens, out[rows, last_i], follow, tree,
-                          coupled(sb, flags, sb.step + 1))
+                          coupled(sb, flags, sb.step + 1), attn_impl)
     squeeze = (lambda x: None if x is None else x[:, 0])
     return nxt, lp[:, 0], squeeze(top_v), squeeze(top_i), tree_out, nxt[:, None], (tcache, dcache)
 
@@ -257,7 +264,7 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
     rows = jnp.arange(tokens.shape[0])
     last = count - 1
     tree_out = draft_tree(head, target, dcache, page_table, kv_lens + count, d_out[rows, last], out[rows, last], tree,
-                          coupled(sb, flags, sb.step + count))
+                          coupled(sb, flags, sb.step + count), attn_impl)
     chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
     return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
 

@@ -7,6 +7,8 @@ the pages (written at slots kv_len .. kv_len + q_len - 1) when this runs.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -48,3 +50,23 @@ def paged_attention_ref(q, k_pages, v_pages, page_table, kv_lens, q_lens, tree_m
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def prefix_attention_ref(q, k_pages, v_pages, page_table, kv_lens):
+    """q [B, T, Hq, D] over each request's first kv_lens cached keys; k_pages/v_pages [N, ps, Hkv,
+    D] -> (out [B, T, Hq, D] float32, lse [B, T, Hq]: base-2 log-sum-exp of the scores scaled by
+    D ** -0.5, NEG_INF where a request has no key). Gathers the page table's whole width."""
+    b, t, hq, d = q.shape
+    _, ps, hkv, _ = k_pages.shape
+    g = hq // hkv
+    k = k_pages[page_table].reshape(b, -1, hkv, d)
+    v = v_pages[page_table].reshape(b, -1, hkv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, hkv, g, d), k,
+                   preferred_element_type=jnp.float32) * (d ** -0.5 * math.log2(math.e))
+    ok = (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, None, None, None]
+    m = jnp.where(ok, s, NEG_INF).max(-1)
+    p = jnp.where(ok, jnp.exp2(s - m[..., None]), 0.0)
+    l = p.sum(-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32)) / jnp.maximum(l, 1e-30).transpose(0, 3, 1, 2)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log2(jnp.maximum(l, 1e-30)), NEG_INF)
+    return out.reshape(b, t, hq, d), lse.transpose(0, 3, 1, 2).reshape(b, t, hq)

@@ -195,10 +195,11 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
                                              "pages_per_block", "splits", "grid_order", "token_rows",
-                                             "merge_in_kernel"))
+                                             "merge_in_kernel", "partials"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
-                    pages_per_block=None, splits=None, grid_order=None, token_rows=None, merge_in_kernel=None):
+                    pages_per_block=None, splits=None, grid_order=None, token_rows=None, merge_in_kernel=None,
+                    partials=False):
     """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D], or with
     token_rows, [token_rows, Hq * D] (row b * T + t: the fused layers' layout; rows past B * T
     unspecified).
@@ -220,8 +221,10 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     ppb = pages_per_block or auto_ppb
     splits = splits or auto_splits
     grid_order = grid_order or ("qhbs" if q_blocks > 1 else "bhqs")
+    if partials:  # the split-K partials themselves (acc, m, l), unmerged: see prefix_attention
+        splits = max(2, splits)
     # split-K partials merged by the kernel's last split (default: at batch 1, where it measured faster)
-    merge = splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
+    merge = not partials and splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
     # a split's last block may run up to a block past the request's pages: padding (page 0), masked
     page_table = jnp.pad(page_table, ((0, 0), (0, ppb)))
     qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
@@ -268,6 +271,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
     )(*args)
+    if partials:
+        return tuple(res)
     if splits > 1 and not merge:
         merged = combine_splits(*res)[:, :, :rows].astype(q.dtype)
         merged = merged.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
@@ -276,13 +281,35 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     return res[0].reshape(out_rows, hq * d) if token_rows else res[0].reshape(b, t, hq, d)
 
 
-def combine_splits(acc, m, l):
-    """acc [..., S, R, D], m / l [..., S, R] partials of S key ranges -> [..., R, D] softmax output."""
+def combine_splits(acc, m, l, with_lse=False):
+    """acc [..., S, R, D], m / l [..., S, R] partials of S key ranges -> [..., R, D] softmax output
+    (with_lse: and [..., R] the base-2 log-sum-exp of the rows' scores, NEG_INF where no key)."""
     m_all = m.max(axis=-2, keepdims=True)
     # the kernel's maxima are in base 2; an empty split has m = NEG_INF, l = 0: weight 0 unless all are empty
     w = jnp.exp2(m - m_all)
     l_all = (l * w).sum(axis=-2)
-    return (acc * w[..., None]).sum(axis=-3) / jnp.maximum(l_all, 1e-30)[..., None]
+    out = (acc * w[..., None]).sum(axis=-3) / jnp.maximum(l_all, 1e-30)[..., None]
+    if not with_lse:
+        return out
+    return out, jnp.where(l_all > 0, m_all[..., 0, :] + jnp.log2(jnp.maximum(l_all, 1e-30)), NEG_INF)
+
+
+def prefix_attention(q, k_pages, v_pages, layer, page_table, kv_lens, *, interpret=False):
+    """q [B, T, Hq, D] over each request's first kv_lens cached keys, nothing else -> (out [B, T,
+    Hq, D] float32, lse [B, T, Hq]: the base-2 log-sum-exp of the scores scaled by D ** -0.5,
+    NEG_INF where a request has no key). The kernel's split-K partials merged here rather than in
+    it, so that the caller can merge keys of its own: eagle_step.draft_tree's drafted rows, which
+    are in no page. Reads only the pages in use, whatever the table's width.
+    `prefix_attention_ref` in attention_ref.py is the reference."""
+    b, t, hq, d = q.shape
+    hkv = k_pages.shape[3]
+    g = hq // hkv
+    acc, m, l = paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, jnp.zeros_like(kv_lens),
+                                interpret=interpret, partials=True)
+    out, lse = combine_splits(acc, m, l, with_lse=True)  # [B, Hkv, rows (padded), D], [B, Hkv, rows]
+    rows = t * g  # row r of a head's block: token r // g, group member r % g
+    out = out[:, :, :rows].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    return out, lse[:, :, :rows].reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
 
 
 def token_layout(out, token_rows):
