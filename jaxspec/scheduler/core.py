@@ -166,7 +166,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                 specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
                 for tree, nodes in self._verify_shapes(rows):
                     specs.append((self.tree_programs.get(tree, self.programs), self._verify_name, flags, self.cache,
-                                  self._dummy_verify(rows, self._verify_width(nodes))))
+                                  self._dummy_verify(rows, bucket(nodes, TREE_BUCKETS))))
         return specs
 
     def _dummy_inputs(self, rows, t, tree=False):

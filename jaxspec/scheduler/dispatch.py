@@ -8,7 +8,7 @@ import time
 import jax
 import numpy as np
 
-from jaxspec.programs import BATCH_BUCKETS, STOP_ID_SLOTS, bucket
+from jaxspec.programs import BATCH_BUCKETS, STOP_ID_SLOTS, TREE_BUCKETS, bucket
 from jaxspec.sampling import SamplerFlags
 from jaxspec.scheduler.request import InFlight
 from jaxspec.scheduler.trees import PLAIN
@@ -133,7 +133,7 @@ class Dispatch:
     def _run_verify(self, reqs, tree, nodes, rows, steps=1, overlap=True):
         """A verify call of `nodes`-node trees over reqs (a device drafter's programs draft `tree`)."""
         t0 = time.perf_counter()
-        n = self._verify_width(nodes)
+        n = bucket(nodes, TREE_BUCKETS)
         tokens = np.zeros((rows, n), np.int32)
         parents = np.full((rows, n), -1, np.int32)
         num_nodes = np.ones(rows, np.int32)

@@ -63,16 +63,8 @@ class TreeSizing:
         n = self.tree_size(rows)
         if self.auto:
             return [(t, t.num_draft_tokens) for t in self.tree_programs
-                    if n > 1 and rows * self._verify_width(t.num_draft_tokens) <= self.spec_max_verify_tokens]
+                    if n > 1 and rows * bucket(t.num_draft_tokens, TREE_BUCKETS) <= self.spec_max_verify_tokens]
         return [(self.drafter.tree if self.device_drafter else None, n)] if n > 1 else []
-
-    def _verify_width(self, nodes: int) -> int:
-        """Token columns of a verify call of `nodes`-node trees: a device drafter's tree exactly
-        (each (bucket, tree) has its own program anyway; its 24-node tree padded to 32 columns ran
-        a batch-1 step in 1.62 ms against 1.42 unpadded, and a 32-node tree in 1.46,
-        engine_step_gap-len512-NVIDIA-H100-80GB-HBM3.json), a host drafter's its bucket: its trees'
-        sizes vary from call to call."""
-        return nodes if self.device_drafter else bucket(nodes, TREE_BUCKETS)
 
     def _no_tree_at(self, batch: int) -> bool:
         """Whether a device drafter's batch of this size never verifies (its bucket has no verify
