@@ -87,10 +87,12 @@ def attend_drafted(q, keys, values, visible, prefix):
     base-2 log-sum-exp [B, K, Hq]) from attention.prefix_attention, merged here with the drafted
     rows' scores as one softmax.
 
-    The prefix is read by the paged kernel, which stops at each row's length: gathered over the
-    page table's whole width (the table is as wide as the longest sequence admitted) the prefix
-    cost a batch-1 EAGLE-3 step 0.2 ms more at 4096 tokens than at 512 on the H100
-    (engine_step_gap-len*-NVIDIA-H100-80GB-HBM3.json), and a server at SmolLM2's 8192 twice that."""
+    The prefix is read by the paged kernel, which stops at each row's length, where it was gathered
+    over the page table's whole width (as wide as the longest sequence admitted: 8192 tokens for a
+    server at SmolLM2's context) and shared by the rounds. At batch 1 on the H100 a 6:8:48 tree
+    then ran at 2.07x / 2.06x plain on MT-bench / HumanEval (spec-b1-wide-), against 1.77x / 1.76x
+    with the gather (spec-head6-, an earlier run); 6:4:24's step moved less than its spread between
+    runs (engine_step_gap-*)."""
     b, kq, hq, d = q.shape
     hkv = keys.shape[2]
     g = hq // hkv
