@@ -10,6 +10,7 @@ from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.program_store import compile_count
+from jaxspec.sampling import SamplerFlags
 
 
 def test_program_set_is_small_and_listed(tiny):
@@ -54,8 +55,9 @@ def test_eagle_engine_compiles_nothing_after_warmup_with_mixed_groups(tiny):
     requests (bucket 32: 4-node trees), of which the 13 speculative ones are a group of their own,
     launched in the whole batch's bucket, for which the start-up set holds that tree size."""
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    # greedy requests only: the greedy half of the start-up set (the sampled half adds compiles, not cases)
     gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=64, max_seq_len=160,
-                    prefill_chunk=64, warmup=True, spec_min_nodes=4)
+                    prefill_chunk=64, warmup=True, spec_min_nodes=4, warmup_flags=(SamplerFlags(),))
     before = compile_count()
     sched = gen.scheduler
     reqs = [sched.add([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=6 if i % 4 else 30, ignore_eos=True))
