@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import SMOLLM2, print_table, random_model, write_results
+from common import SMOLLM2, device_kernels, print_table, random_model, write_results
 from jaxspec import Generator, SamplingParams
 from jaxspec import programs as programs_mod
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
@@ -42,10 +43,11 @@ from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models import ModelConfig
 from jaxspec.rollout import jit_rollout
 
-COLS = ["way", "algorithm", "steps", "ms_per_step", "calls", "chained", "launch_ms_per_call", "wait_ms_per_step"]
+COLS = ["way", "algorithm", "steps", "ms_per_step", "calls", "chained", "launch_ms_per_call", "wait_ms_per_step",
+        "kernel_ms", "span_ms", "kernels"]
 
 
-def rollout_row(model, head, algo, prompt, max_tokens):
+def rollout_row(model, head, algo, prompt, max_tokens, profile=False):
     name, *tree = algo.split(":")
     conf = dict(algorithm="none" if name == "plain" else name, max_new_tokens=max_tokens, max_verify_tokens=None)
     if tree:
@@ -61,7 +63,11 @@ def rollout_row(model, head, algo, prompt, max_tokens):
         out = call()
         secs.append(time.perf_counter() - t0)
     steps = int(np.asarray(out.steps).max())
-    return dict(way="rollout", algorithm=algo, steps=steps, ms_per_step=1e3 * float(np.median(secs)) / steps)
+    row = dict(way="rollout", algorithm=algo, steps=steps, ms_per_step=1e3 * float(np.median(secs)) / steps)
+    prof = device_kernels(call, steps, tempfile.mkdtemp(), top=24) if profile else None
+    if prof:
+        row.update(kernel_ms=prof["kernel_ms"], span_ms=prof["span_ms"], kernels=prof["kernels"], top=prof["top"])
+    return row
 
 
 def generator_rows(gen, algo, prompt, max_tokens, passes=3):
@@ -102,7 +108,7 @@ def generator_rows(gen, algo, prompt, max_tokens, passes=3):
     return rows
 
 
-def pipelined_rows(gen, algo, calls=24):
+def pipelined_rows(gen, algo, calls=24, profile=False):
     """The engine's own program launched back to back as the scheduler chains it (each call's
     carried outputs are the next one's inputs, one wait at the end), every row live: its device
     time a step with no host work but the launches, and the launches' host time."""
@@ -146,9 +152,20 @@ def pipelined_rows(gen, algo, calls=24):
         host += time.perf_counter() - h
     jax.block_until_ready(out)
     wall = time.perf_counter() - t0
+    row = dict(way="program, pipelined", algorithm=algo, steps=calls * steps, calls=calls,
+               ms_per_step=1e3 * wall / (calls * steps), launch_ms_per_call=1e3 * host / calls)
+    if profile:  # the same calls' kernels: a slow instance against a fast one, kernel by kernel
+        def run():
+            nonlocal args
+            for _ in range(8):
+                res, args = launch(args)
+            jax.block_until_ready(res)
+        prof = device_kernels(run, 8 * steps, tempfile.mkdtemp(), top=24)
+        if prof:
+            row.update(kernel_ms=prof["kernel_ms"], span_ms=prof["span_ms"], kernels=prof["kernels"],
+                       top=prof["top"])
     sched.cache = cache
-    return dict(way="program, pipelined", algorithm=algo, steps=calls * steps, calls=calls,
-                ms_per_step=1e3 * wall / (calls * steps), launch_ms_per_call=1e3 * host / calls)
+    return row
 
 
 def main():
@@ -159,6 +176,10 @@ def main():
     ap.add_argument("--verify-steps", type=int, default=None, help="the Generator's verify steps a call")
     ap.add_argument("--max-seq-len", type=int, default=1024, help="the Generator's (its page table's width)")
     ap.add_argument("--skip-plain", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 8 pipelined calls of each instance (kernel ms, span and kernels a step, the "
+                         "busiest kernels); with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true the "
+                         "command buffers stay on under the profiler")
     ap.add_argument("--layers", type=int, default=None, help="fewer target layers (a CPU smoke run)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -178,10 +199,10 @@ def main():
         print_table(rows, COLS)
     for t in args.trees.split(","):
         algo = f"eagle3:{t}"
-        rows.append(rollout_row(model, head, algo, prompt, args.max_tokens))
+        rows.append(rollout_row(model, head, algo, prompt, args.max_tokens, args.profile))
         gen = Generator(model, None, drafter=EagleDrafter(head, TreeShape.parse(t)), **kw)
         rows += generator_rows(gen, algo, prompt, args.max_tokens)
-        rows.append(pipelined_rows(gen, algo))
+        rows.append(pipelined_rows(gen, algo, profile=args.profile))
         print_table(rows, COLS)
     print(write_results("engine_step_gap" + args.tag, rows, {"context": args.context, "max_tokens": args.max_tokens,
                                                               "max_seq_len": args.max_seq_len}))
