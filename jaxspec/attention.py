@@ -33,6 +33,11 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
+def _kernels_for(impl) -> bool:
+    """Whether `impl` runs the Pallas kernels (interpreted off the GPU) where their shapes allow."""
+    return impl in ("pallas", "mosaic", "fused") or (impl == "auto" and jax.default_backend() == "gpu")
+
+
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
                     token_rows=None):
     """Under a tensor-parallel mesh (sharding.py) with heads that divide over it, each shard attends
@@ -72,8 +77,7 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
             out = verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
                                                    tree_mask, persistent=n_sm, interpret=not on_gpu)
             return out if token_rows is None else token_layout(out, token_rows)
-    use = impl in ("pallas", "mosaic", "fused") or (impl == "auto" and on_gpu)
-    if use and kernel_supports(q, k_pages, tree_mask):  # it writes the token layout itself
+    if _kernels_for(impl) and kernel_supports(q, k_pages, tree_mask):  # it writes the token layout itself
         from jaxspec.pallas import paged_attention as triton  # looked up per call: tests swap it
         return triton.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
                                        interpret=not on_gpu, token_rows=token_rows)
@@ -86,11 +90,10 @@ def prefix_attention(q, k_pages, v_pages, layer, page_table, kv_lens, impl="auto
     Hkv, D] at `layer` -> (out [B, T, Hq, D] float32, base-2 log-sum-exp [B, T, Hq]): the Triton
     kernel's split-K partials where the kernels run (on one device: no mesh), which read only the
     pages in use; else the reference, which gathers the table's whole width."""
-    on_gpu = jax.default_backend() == "gpu"
-    use = impl in ("pallas", "mosaic", "fused") or (impl == "auto" and on_gpu)
-    if use and kernel_supports(q, k_pages, None) and jax.sharding.get_abstract_mesh().size <= 1:
+    if _kernels_for(impl) and kernel_supports(q, k_pages, None) and jax.sharding.get_abstract_mesh().size <= 1:
         from jaxspec.pallas import paged_attention as triton
-        return triton.prefix_attention(q, k_pages, v_pages, layer, page_table, kv_lens, interpret=not on_gpu)
+        return triton.prefix_attention(q, k_pages, v_pages, layer, page_table, kv_lens,
+                                       interpret=jax.default_backend() != "gpu")
     return prefix_attention_ref(q, k_pages[layer], v_pages[layer], page_table, kv_lens)
 
 

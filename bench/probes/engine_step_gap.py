@@ -42,6 +42,7 @@ from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models import ModelConfig
 from jaxspec.rollout import jit_rollout
+from jaxspec.sampling import SamplerFlags
 
 COLS = ["way", "algorithm", "steps", "ms_per_step", "calls", "chained", "launch_ms_per_call", "wait_ms_per_step",
         "kernel_ms", "span_ms", "kernels"]
@@ -64,7 +65,12 @@ def rollout_row(model, head, algo, prompt, max_tokens, profile=False):
         secs.append(time.perf_counter() - t0)
     steps = int(np.asarray(out.steps).max())
     row = dict(way="rollout", algorithm=algo, steps=steps, ms_per_step=1e3 * float(np.median(secs)) / steps)
-    prof = device_kernels(call, steps, tempfile.mkdtemp(), top=24) if profile else None
+    return with_profile(row, call, steps) if profile else row
+
+
+def with_profile(row, run, steps):
+    """row with run()'s kernels a step (kernel ms, span, count, the busiest) where a GPU trace has them."""
+    prof = device_kernels(run, steps, tempfile.mkdtemp(), top=24)
     if prof:
         row.update(kernel_ms=prof["kernel_ms"], span_ms=prof["span_ms"], kernels=prof["kernels"], top=prof["top"])
     return row
@@ -112,7 +118,7 @@ def pipelined_rows(gen, algo, calls=24, profile=False):
     """The engine's own program launched back to back as the scheduler chains it (each call's
     carried outputs are the next one's inputs, one wait at the end), every row live: its device
     time a step with no host work but the launches, and the launches' host time."""
-    sched = gen.scheduler
+    sched, flags = gen.scheduler, SamplerFlags()  # greedy
     steps = sched.verify_steps if algo != "plain" else sched.decode_steps
     pages = np.arange(1, sched.max_pages_per_seq + 1, dtype=np.int32)[None]
     if algo == "plain":
@@ -121,12 +127,10 @@ def pipelined_rows(gen, algo, calls=24, profile=False):
         args[1], args[2] = pages, np.full(1, 256, np.int32)
     else:
         progs = sched.programs
-        spec = next(s for s in sched.program_specs() if s[1] == "verify_steps" and not s[2].sample
-                    and s[4][0].shape[0] == 1)
-        args_n = spec[4][0].shape[1]
-        args = list(sched._dummy_verify(1, args_n, steps, alive=True))
+        width = next(a[0].shape[1] for _, name, _, _, a in sched.program_specs((flags,))
+                     if name == "verify_steps" and a[0].shape[0] == 1)  # the batch-1 program's tree columns
+        args = list(sched._dummy_verify(1, width, steps, alive=True))
         args[2], args[3] = pages, np.full(1, 256, np.int32)
-    flags = next(s[2] for s in sched.program_specs() if not s[2].sample)
     args = jax.device_put(tuple(args))
     cache = sched.cache
 
@@ -160,10 +164,7 @@ def pipelined_rows(gen, algo, calls=24, profile=False):
             for _ in range(8):
                 res, args = launch(args)
             jax.block_until_ready(res)
-        prof = device_kernels(run, 8 * steps, tempfile.mkdtemp(), top=24)
-        if prof:
-            row.update(kernel_ms=prof["kernel_ms"], span_ms=prof["span_ms"], kernels=prof["kernels"],
-                       top=prof["top"])
+        with_profile(row, run, 8 * steps)
     sched.cache = cache
     return row
 

@@ -158,8 +158,7 @@ class DraftHead(nnx.Module):
                                  rms_norm(residual, self.hidden_norm[...], cfg.rms_norm_eps)], axis=-1)
         b, t = emb.shape[:2]
         inv = rope_frequencies(cfg)
-        hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = jnp.split(a @ self.wqkv[...], [hq, hq + hk], axis=-1)
+        q, k, v = jnp.split(a @ self.wqkv[...], qkv_splits(cfg), axis=-1)
         q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
         k, v = (x.reshape(b, t, cfg.num_kv_heads, cfg.head_dim) for x in (k, v))
         return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v, residual
@@ -195,6 +194,12 @@ EAGLE_NAMES = {
 }
 # our fused matrix -> the checkpoint's parts, concatenated along the output axis in this order
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def qkv_splits(cfg: HeadConfig) -> list:
+    """Where wqkv's columns (and its products') split into q, k and v."""
+    hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [hq, hq + hk]
 IGNORED = ("embed_tokens.weight", "t2d", "layers.0.input_layernorm.weight")
 
 
@@ -298,9 +303,8 @@ def export_head(head: DraftHead, directory: str, target_cfg: ModelConfig, extra_
     cfg = head.cfg
     os.makedirs(directory, exist_ok=True)
     names = EAGLE3_NAMES if cfg.kind == "eagle3" else EAGLE_NAMES
-    hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     mats = {ours: np.asarray(getattr(head, ours)[...], np.float32) for ours, _ in names.values() if hasattr(head, ours)}
-    mats.update(zip(FUSED["wqkv"], np.split(np.asarray(head.wqkv[...], np.float32), [hq, hq + hk], axis=1)))
+    mats.update(zip(FUSED["wqkv"], np.split(np.asarray(head.wqkv[...], np.float32), qkv_splits(cfg), axis=1)))
     mats.update(zip(FUSED["w_gate_up"], np.split(np.asarray(head.w_gate_up[...], np.float32), 2, axis=1)))
     out = {}
     for ck, (ours, transpose) in names.items():

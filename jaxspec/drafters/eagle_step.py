@@ -26,7 +26,7 @@ from flax import nnx
 from jaxspec import attention, sampling
 from jaxspec.attention import NEG_INF
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
-from jaxspec.pallas.paged_attention import LOG2E
+from jaxspec.pallas.attention_ref import LOG2E
 from jaxspec.pallas.top_k import top_k_log_softmax
 from jaxspec.programs import steps_while_alive
 from jaxspec.verify import verify_and_accept

@@ -7,12 +7,11 @@ the pages (written at slots kv_len .. kv_len + q_len - 1) when this runs.
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
+LOG2E = 1.4426950408889634  # scores in base 2: the kernels' exponential is exp2
 
 
 def visible_mask(kv_lens, q_lens, num_queries, num_keys, tree_mask=None, first_key=0):
@@ -62,7 +61,7 @@ def prefix_attention_ref(q, k_pages, v_pages, page_table, kv_lens):
     k = k_pages[page_table].reshape(b, -1, hkv, d)
     v = v_pages[page_table].reshape(b, -1, hkv, d)
     s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, hkv, g, d), k,
-                   preferred_element_type=jnp.float32) * (d ** -0.5 * math.log2(math.e))
+                   preferred_element_type=jnp.float32) * (d ** -0.5 * LOG2E)
     ok = (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, None, None, None]
     m = jnp.where(ok, s, NEG_INF).max(-1)
     p = jnp.where(ok, jnp.exp2(s - m[..., None]), 0.0)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxspec.pallas.attention_ref import NEG_INF
+from jaxspec.pallas.attention_ref import LOG2E, NEG_INF
 from jaxspec.pallas.rows import full, triton_params
 
 SMS = 132  # H100 SXM multiprocessors: split-K aims to give each of them work
@@ -38,8 +38,6 @@ def pack_tree_mask(tree_mask):
     words = (m << jnp.arange(32, dtype=jnp.uint32)).sum(-1, dtype=jnp.uint32)
     return jax.lax.bitcast_convert_type(words, jnp.int32)
 
-
-LOG2E = 1.4426950408889634
 
 
 def _exp2(x, approx):
