@@ -3,8 +3,9 @@
     python server.py --model smollm2-135m --speculative-algorithm NGRAM --port 8000
 
 The routes and streaming are here; the request bodies and response pieces are
-jaxspec/openai_api.py, and the thread that owns the scheduler jaxspec/engine_thread.py (handlers
-reach it through a command queue and hear of new tokens through a Mailbox into the event loop). A
+jaxspec/openai_api.py. The scheduler runs in a process of its own (jaxspec/engine_process.py: the
+event loop then has this process's GIL to itself); tests serve from an engine thread in-process
+(jaxspec/engine_thread.py). Handlers hear of new tokens through a Mailbox into the event loop. A
 client that disconnects aborts its requests; a bad request gets a 4xx with a message.
 """
 from __future__ import annotations
@@ -24,8 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from jaxspec.detokenize import IncrementalText
+from jaxspec.engine_process import EngineProcess
 from jaxspec.engine_thread import Engine
-from jaxspec.generator import Generator, streamable_text, text_of
+from jaxspec.generator import Generator, encode_prompt, streamable_text, text_of
 from jaxspec.openai_api import (APIError, ChatBody, CompletionBody, SamplingFields, StreamOptions, choice,
                                 logprob_items, sampling_params)
 from jaxspec.sampling import SamplingParams
@@ -61,9 +63,10 @@ def _error(status, message, kind="invalid_request_error"):
                         headers=headers)
 
 
-def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
+def create_app(engine: Generator | Engine | EngineProcess, model_name: str, max_queued_requests: int = 1024,
                request_timeout: float | None = None, stream_interval: int = 1) -> FastAPI:
-    """max_queued_requests: requests waiting for a batch slot beyond which new ones get a 503 with
+    """engine: an EngineProcess, or a Generator (served from an engine thread in this process).
+    max_queued_requests: requests waiting for a batch slot beyond which new ones get a 503 with
     Retry-After (app.state.max_queued_requests; a burst cannot grow the queue without bound).
     request_timeout: seconds a request may take, queued and running, before it is aborted and its
     pages freed (a 504, or a streamed error event); None: no limit. stream_interval: a stream's
@@ -71,7 +74,8 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
     --stream-interval: fewer chunks, less of the event loop's time a token under load."""
     if stream_interval < 1:
         raise ValueError(f"stream_interval={stream_interval} must be at least 1")
-    engine = Engine(gen)
+    engine = Engine(engine) if isinstance(engine, Generator) else engine
+    tok = engine.tokenizer
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -100,6 +104,8 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
 
     @app.get("/health")
     def health():
+        if not engine.alive:
+            return _error(503, "the engine has stopped", "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -108,22 +114,22 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
 
     @app.get("/metrics")
     def metrics():
-        s, m, pool = engine.sched.stats, engine.metrics, engine.sched.pool
+        m = engine.snapshot()
         lines = [
             ("jaxspec_requests_total", m["requests"]), ("jaxspec_requests_rejected_total", m["requests_failed"]),
             ("jaxspec_prompt_tokens_total", m["prompt_tokens"]), ("jaxspec_generation_tokens_total", m["generation_tokens"]),
-            ("jaxspec_queue_depth", len(engine.sched.waiting)), ("jaxspec_running_requests", len(engine.sched.running)),
-            ("jaxspec_kv_pages_in_use", pool.in_use), ("jaxspec_kv_pages_total", pool.num_pages - 1),
-            ("jaxspec_verify_steps_total", s["verify_steps"]),
-            ("jaxspec_preemptions_total", s["preemptions"]),
-            ("jaxspec_late_compiles_total", len(engine.sched.late_compiles)),  # a request waited for a compile
+            ("jaxspec_queue_depth", m["queue_depth"]), ("jaxspec_running_requests", m["running_requests"]),
+            ("jaxspec_kv_pages_in_use", m["kv_pages_in_use"]), ("jaxspec_kv_pages_total", m["kv_pages_total"]),
+            ("jaxspec_verify_steps_total", m["verify_steps"]),
+            ("jaxspec_preemptions_total", m["preemptions"]),
+            ("jaxspec_late_compiles_total", m["late_compiles"]),  # a request waited for a compile
+            ("jaxspec_accept_length", m["accept_length"]),
         ]
         text = "".join(f"# TYPE {k} {'counter' if k.endswith('_total') else 'gauge'}\n{k} {v}\n" for k, v in lines)
-        return PlainTextResponse(text + "# TYPE jaxspec_accept_length gauge\n"
-                                 f"jaxspec_accept_length {engine.sched.mean_accept_length()}\n")
+        return PlainTextResponse(text)
 
     def params_of(body: SamplingFields, logprobs: int | None) -> SamplingParams:
-        return sampling_params(body, logprobs, model_name, gen.model.cfg.vocab_size)
+        return sampling_params(body, logprobs, model_name, engine.vocab_size)
 
     async def run(request: Request, prompt_ids, params: SamplingParams, n: int, chat: bool, stream: bool,
                   options: StreamOptions | None = None):
@@ -135,10 +141,10 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
         updates: asyncio.Queue = asyncio.Queue()  # (choice index, finished) as the engine emits
         mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
         try:  # a bad request hears what is wrong with it even while the queue is full
-            engine.sched.check(prompt_ids, params)
+            engine.check(prompt_ids, params)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        waiting = len(engine.sched.waiting)
+        waiting = engine.queue_depth()
         if waiting + n > app.state.max_queued_requests:
             raise APIError(503, f"server busy: {waiting} requests waiting (--max-queued-requests "
                                 f"{app.state.max_queued_requests}); retry later", "server_busy")
@@ -153,6 +159,8 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
                     h = await asyncio.to_thread(engine.submit, prompt_ids, p, make_cb(i))
                 except ValueError as e:
                     raise APIError(400, str(e)) from None
+                except RuntimeError as e:  # the engine stopped or does not answer: nothing of this request runs
+                    raise APIError(503, str(e), "server_error") from None
                 handles.append(h)
         except APIError:
             for h in handles:
@@ -161,7 +169,6 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        tok = gen.tokenizer
 
         want_lp = params.logprobs is not None
 
@@ -232,6 +239,9 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
                             if options and options.continuous_usage_stats:
                                 chunk["usage"] = usage()
                             yield f"data: {json.dumps(chunk)}\n\n"
+                            if req.finished and req.error:  # the engine failed it: say why
+                                err = {"error": {"message": req.error, "type": "server_error", "code": 500}}
+                                yield f"data: {json.dumps(err)}\n\n"
                     done = sum(closed)
                 if options and options.include_usage:  # a last chunk with no choices, the counts
                     last = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
@@ -251,7 +261,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
             raise APIError(400, f"logprobs must be in [0, {SamplingParams.MAX_TOP_LOGPROBS}]")
         params = params_of(body, body.logprobs)
         try:
-            ids = gen.encode(body.prompt)
+            ids = encode_prompt(tok, body.prompt)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return await run(request, ids, params, body.n, False, body.stream, body.stream_options)
@@ -265,7 +275,7 @@ def create_app(gen: Generator, model_name: str, max_queued_requests: int = 1024,
         if not body.messages:
             raise APIError(400, "messages must not be empty")
         try:
-            ids = gen.encode([m.model_dump() for m in body.messages])
+            ids = encode_prompt(tok, [m.model_dump() for m in body.messages])
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return await run(request, ids, params, body.n, True, body.stream, body.stream_options)
@@ -323,23 +333,25 @@ def build_app(argv=None):
     ap.add_argument("--skip-warmup", action="store_true",
                     help="serve at once and compile each program when a request first needs it")
     args = ap.parse_args(argv)
-    spec = config_from_flags(args)
-    import jax.numpy as jnp
-    gen = Generator.from_pretrained(args.model, speculative=spec, max_batch=args.max_running_requests,
-                                    dtype=getattr(jnp, args.dtype) if args.dtype else None,
-                                    max_seq_len=args.max_seq_len, page_size=args.page_size, num_pages=args.num_pages,
-                                    mem_fraction=args.mem_fraction_static, spec_policy=args.speculative_policy,
-                                    tp_size=args.tp_size,
-                                    warmup=False if args.skip_warmup else "progress")  # before the port opens
-    return create_app(gen, args.served_model_name or args.model, args.max_queued_requests,
+    spec = config_from_flags(args)  # bad flags fail here, before the engine process starts
+    kw = dict(speculative=spec, max_batch=args.max_running_requests, dtype=args.dtype, max_seq_len=args.max_seq_len,
+              page_size=args.page_size, num_pages=args.num_pages, mem_fraction=args.mem_fraction_static,
+              spec_policy=args.speculative_policy, tp_size=args.tp_size,
+              warmup=False if args.skip_warmup else "progress")  # before the port opens
+    engine = EngineProcess(_generator, args.model, kw)
+    return create_app(engine, args.served_model_name or args.model, args.max_queued_requests,
                       args.request_timeout or None, args.stream_interval), args
+
+
+def _generator(model: str, kw: dict) -> Generator:
+    """The engine process's Generator (server.py's flags as from_pretrained's arguments)."""
+    import jax.numpy as jnp
+    return Generator.from_pretrained(model, **{**kw, "dtype": getattr(jnp, kw["dtype"]) if kw["dtype"] else None})
 
 
 def main(argv=None):
     app, args = build_app(argv)
-    # the model, tokenizer and drafter live as long as the server: the collector's full passes
-    # need not walk them (each pass pauses every request's stream)
-    gc.collect()
+    gc.collect()  # (as the engine process does: see engine_process._child)
     gc.freeze()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
 

@@ -57,6 +57,23 @@ def streamable_text(tokenizer, req: Request, reader: IncrementalText | None = No
     return text[:max(end, 0)]
 
 
+def encode_prompt(tokenizer, prompt: str | list[int] | list[dict]) -> list[int]:
+    """Token ids of a string, a list of token ids, or chat messages [{'role', 'content'}, ...]."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        for m in prompt:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"chat message must have string 'role' and 'content', got {m!r}")
+        if tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template; pass plain text")
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise ValueError(f"prompt must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}")
+
+
 def _completion(tokenizer, req: Request) -> Completion:
     return Completion(
         text=text_of(tokenizer, req), token_ids=list(req.output_ids), prompt_token_ids=list(req.prompt_ids),
@@ -103,19 +120,7 @@ class Generator:
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """A string, a list of token ids, or chat messages [{'role', 'content'}, ...]."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError(f"chat message must have string 'role' and 'content', got {m!r}")
-            if self.tokenizer.chat_template is None:
-                raise ValueError("this model's tokenizer has no chat template; pass plain text")
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}")
+        return encode_prompt(self.tokenizer, prompt)
 
     # -- generation ------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, on_update=None) -> Request:

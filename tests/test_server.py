@@ -11,18 +11,29 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 
-@pytest.fixture(scope="module")
-def server(smollm):
-    import server as srv
+def smol_generator():
+    """The engine process's Generator (plain decoding: speculation under batching is tested in
+    test_spec.py and test_eagle.py)."""
+    import jax.numpy as jnp
+
     from jaxspec.generator import Generator
-    model, tok = smollm
-    # plain decoding: speculation under batching is tested in test_spec.py and test_eagle.py
-    gen = Generator(model, tok, **SMOL_KW)
-    app = srv.create_app(gen, "smollm2-135m")
+    return Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, **SMOL_KW)
+
+
+def serve(engine):
+    import server as srv
+    app = srv.create_app(engine, "smollm2-135m")
     url, server, th = srv.start_in_thread(app)
+    return url, app, lambda: (setattr(server, "should_exit", True), th.join(timeout=30))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """server.py's set-up: the scheduler in an engine process of its own."""
+    from jaxspec.engine_process import EngineProcess
+    url, app, stop = serve(EngineProcess(smol_generator))
     yield url, app
-    server.should_exit = True
-    th.join(timeout=30)
+    stop()
 
 
 def client(url):
@@ -271,3 +282,42 @@ def test_the_fault_run_loses_nothing(server):
     assert row["completed"] > 20 and row["outputs_differed"] == 0
     assert row["rejected"].get("queue_full", 0) > 0 and row["rejected"].get("malformed_json", 0) > 0
     assert row["pages_leaked"] == 0 and row["stuck"] == 0 and row["restarts"] == 0
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_health(smollm):
+    """A killed engine: the streams in flight end (an error, not a hang), /health and new
+    requests answer 503; and while it lived it gave what the engine thread in this process gives."""
+    import json
+    import threading
+
+    from jaxspec.engine_process import EngineProcess
+    from jaxspec.generator import Generator
+    body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    url, app, stop = serve(Generator(*smollm, **SMOL_KW))  # the engine thread, in this process
+    try:
+        local = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    finally:
+        stop()
+    engine = EngineProcess(smol_generator)
+    url, app, stop = serve(engine)
+    try:
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == local
+        result = {}
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                              json={**body, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                result["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        th = threading.Thread(target=stream)
+        th.start()
+        time.sleep(1.0)
+        engine.proc.kill()
+        th.join(timeout=60)
+        assert not th.is_alive() and result["lines"][-1] == "data: [DONE]"
+        assert "engine process exited" in json.loads(result["lines"][-2][6:])["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
+    finally:
+        stop()

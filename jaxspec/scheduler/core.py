@@ -220,17 +220,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
 
     def check(self, prompt_ids, params: SamplingParams) -> list:
         """The prompt as a list of ints, or a ValueError naming what the request gets wrong."""
-        params.validate(self.cfg.vocab_size)
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"maximum sequence length {self.max_seq_len}")
-        return prompt_ids
+        return check_request(prompt_ids, params, self.cfg.vocab_size, self.max_seq_len)
 
     def add(self, prompt_ids, params: SamplingParams, on_update=None) -> Request:
         prompt_ids = self.check(prompt_ids, params)
@@ -322,3 +312,18 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         if self.policy is not None:  # only a host drafter's policy reads the step times
             self.policy.timed(kind, batch, now, prefill)
 
+
+def check_request(prompt_ids, params: SamplingParams, vocab_size: int, max_seq_len: int) -> list:
+    """The prompt as a list of ints, or a ValueError naming what the request gets wrong (a server
+    checks before it queues; the scheduler again when it adds)."""
+    params.validate(vocab_size)
+    prompt_ids = [int(t) for t in prompt_ids]
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) + params.max_tokens > max_seq_len:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                         f"maximum sequence length {max_seq_len}")
+    return prompt_ids
