@@ -183,9 +183,12 @@ def _child(conn, factory, args):
             n = len(req.output_ids), len(req.logprobs), len(req.top_logprobs)
             outbox.append((hid, req.output_ids[sent[0]:n[0]], req.logprobs[sent[1]:n[1]],
                            req.top_logprobs[sent[2]:n[2]], req.finish_reason, req.stop_text_len, req.error))
+            first = sent[0] == 0 and n[0] > 0
             sent[:] = n
             if req.finished:
                 handles.pop(hid, None)
+            if first:  # now, not after the rest of the step: that launches a call and may wait for it
+                flush()
         return on_update
 
     sent_depth = [0]
