@@ -166,8 +166,9 @@ class EngineProcess:
 def _child(conn, factory, args):
     try:
         gen = factory(*args)
-    except BaseException:  # the server says why and exits
-        conn.send(("failed", traceback.format_exc()))
+    except BaseException as e:  # the server says why (the traceback on this process's stderr) and exits
+        traceback.print_exc()
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     # the model, tokenizer and drafter live as long as the engine: the collector's full passes
     # need not walk them (each pass pauses every request's stream)

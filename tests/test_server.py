@@ -321,3 +321,14 @@ def test_an_engine_process_that_dies_fails_its_requests_and_health(smollm):
         assert r.status_code == 503 and "engine process exited" in r.json()["error"]["message"]
     finally:
         stop()
+
+
+def no_such_model():
+    from jaxspec.generator import Generator
+    return Generator.from_pretrained("/no/such/model.gguf")
+
+
+def test_an_engine_process_that_cannot_start_says_why():
+    from jaxspec.engine_process import EngineProcess
+    with pytest.raises(RuntimeError, match="failed to start: CheckpointError: model .*no/such/model.gguf.: no such file"):
+        EngineProcess(no_such_model, start_timeout=120)
