@@ -18,7 +18,7 @@ demo: install
 
 # --dist loadfile: a test file's engines share programs, so one worker compiles them once
 test: install-dev
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 tests
 
 lint: $(BIN)/python
 	$(BIN)/pip install -q ruff && $(BIN)/ruff check jaxspec server.py bench tests
