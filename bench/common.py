@@ -162,6 +162,18 @@ def random_model(cfg, dtype, seed=0, mesh=None):
     return model
 
 
+def smollm2_and_head(layers: int | None = None):
+    """A SmolLM2-shaped target (`layers` of them: fewer for a CPU smoke run) and an EAGLE-3 head
+    with an 8k draft vocabulary, random bf16 weights: the probes' step shapes, which do not depend
+    on the values. Returns (cfg, model, head)."""
+    from flax import nnx
+    from jaxspec.drafters.eagle import DraftHead, HeadConfig
+    from jaxspec.models import ModelConfig
+    cfg = ModelConfig(**{**SMOLLM2, **({"num_layers": layers} if layers else {})})
+    head = DraftHead(HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=8192), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    return cfg, random_model(cfg, jnp.bfloat16), head
+
+
 def param_bytes(model) -> int:
     from flax import nnx
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

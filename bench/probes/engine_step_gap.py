@@ -33,14 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from common import SMOLLM2, device_kernels, print_table, random_model, write_results
+from common import device_kernels, print_table, smollm2_and_head, write_results
 from jaxspec import Generator, SamplingParams
 from jaxspec import programs as programs_mod
-from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+from jaxspec.drafters.eagle import EagleDrafter
 from jaxspec.drafters.eagle_step import TreeShape
-from jaxspec.models import ModelConfig
 from jaxspec.rollout import jit_rollout
 from jaxspec.sampling import SamplerFlags
 
@@ -184,9 +182,7 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="fewer target layers (a CPU smoke run)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    cfg = ModelConfig(**{**SMOLLM2, **({"num_layers": args.layers} if args.layers else {})})
-    model = random_model(cfg, jnp.bfloat16)
-    head = DraftHead(HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=8192), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    cfg, model, head = smollm2_and_head(args.layers)
     prompt = list(map(int, np.random.default_rng(0).integers(100, cfg.vocab_size, args.context)))
     kw = dict(max_batch=1, max_seq_len=args.max_seq_len, warmup=True)
     if args.verify_steps:

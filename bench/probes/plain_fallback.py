@@ -20,15 +20,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from common import SMOLLM2, print_table, random_model, write_results
+from common import print_table, smollm2_and_head, write_results
 from jaxspec import Generator, SamplingParams
-from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+from jaxspec.drafters.eagle import EagleDrafter
 from jaxspec.drafters.eagle_step import TreeShape
-from jaxspec.models import ModelConfig
 
 COLS = ["engine", "round", "batch", "tokens", "wall_s", "tokens_per_s", "steps", "chained_steps", "calls",
         "preemptions", "prefill_s", "decode_s", "wait_s", "num_pages"]
@@ -57,9 +54,7 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="fewer target layers (a CPU smoke run)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    cfg = ModelConfig(**{**SMOLLM2, **({"num_layers": args.layers} if args.layers else {})})
-    model = random_model(cfg, jnp.bfloat16)
-    head = DraftHead(HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=8192), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    cfg, model, head = smollm2_and_head(args.layers)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(100, cfg.vocab_size, int(n)))) for n in rng.integers(64, 448, args.batch)]
     params = [SamplingParams(max_tokens=int(m), ignore_eos=True) for m in rng.integers(32, 160, args.batch)]

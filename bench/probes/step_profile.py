@@ -89,16 +89,11 @@ def child(args):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
-    from common import SMOLLM2, gpu_kernels, random_model, trace_events
-    from jaxspec.drafters.eagle import DraftHead, HeadConfig
-    from jaxspec.models import ModelConfig
+    from common import gpu_kernels, smollm2_and_head, trace_events
     from jaxspec.rollout import jit_rollout
 
-    cfg = ModelConfig(**SMOLLM2)
-    model = random_model(cfg, jnp.bfloat16)
-    head = DraftHead(HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=8192), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    cfg, model, head = smollm2_and_head()
     rows = []
     for b in map(int, args.batches.split(",")):
         rng = np.random.default_rng(b)
