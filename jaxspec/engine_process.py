@@ -3,8 +3,8 @@
 In one process the engine's thread and uvicorn's event loop share the GIL: at concurrency 32 on
 the H100 the event loop held it 67% of the time (server_gil-NVIDIA-H100-80GB-HBM3.json), and the
 server streamed ~11.5k tok/s (serve-variants-) where the Generator ran the same batch size at
-19.5k (spec-b8-). Here a child process builds the Generator (a picklable factory), runs the
-threaded Engine (engine_thread.py), and talks to the server over one pipe. The server sends add /
+19.5k (spec-b8-). Here a child process builds the Generator (a picklable factory), turns
+engine_thread.Engine's loop itself, and talks to the server over one pipe. The server sends add /
 abort / stats; the child answers each add once the scheduler has it, and after each scheduler step
 sends every request's new tokens in one message. The server keeps a RequestView per request: the
 fields its responses read.
@@ -26,8 +26,8 @@ EXITED = "the engine process exited"
 class RequestView:
     """What the server reads of a request, mirrored from the engine process's Request."""
 
-    def __init__(self, prompt_ids, params):
-        self.prompt_ids, self.params = prompt_ids, params
+    def __init__(self, params):
+        self.params = params
         self.output_ids, self.logprobs, self.top_logprobs = [], [], []
         self.finish_reason = self.stop_text_len = self.error = None
 
@@ -48,9 +48,7 @@ class EngineProcess:
         self.proc.start()
         child_conn.close()
         try:
-            if not self.conn.poll(start_timeout):
-                raise RuntimeError(f"the engine process did not start in {start_timeout} s")
-            kind, info = self.conn.recv()
+            kind, info = self.conn.recv() if self.conn.poll(start_timeout) else ("failed", f"no answer in {start_timeout} s")
         except EOFError:
             self.proc.join(5)
             kind, info = "failed", f"it exited with code {self.proc.exitcode}"
@@ -79,10 +77,11 @@ class EngineProcess:
         if not self.alive:
             raise RuntimeError(EXITED)
         h = Handle()
-        h.hid, h.req = next(self.ids), RequestView(list(prompt_ids), params)
+        h.hid, h.req = next(self.ids), RequestView(params)
         self.handles[h.hid] = (h, on_update)
-        self._send(("add", h.hid, h.req.prompt_ids, params))
+        self._send(("add", h.hid, list(prompt_ids), params))
         if not h.ready.wait(timeout=60):
+            self.handles.pop(h.hid, None)
             raise RuntimeError("engine did not answer")
         if h.error:
             raise ValueError(h.error)

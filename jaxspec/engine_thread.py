@@ -1,10 +1,10 @@
 """The scheduler in its own thread: one thread owns the scheduler (it is not thread-safe) and
 steps it while there is work; other threads submit and abort through a command queue and get
-tokens back through the callbacks they pass. server.py runs it inside the engine's own process
-(engine_process.py); tests serve from it in-process.
+tokens back through the callbacks they pass. server.py's engine process (engine_process.py)
+turns the same loop from its one thread (start=False); tests serve from the thread in-process.
 
-What a server asks of an engine (this one and EngineProcess alike): submit / submit_nowait /
-abort / check / queue_depth / snapshot / shutdown, tokenizer, vocab_size, alive."""
+What a server asks of an engine (this one and EngineProcess alike): submit / abort / check /
+queue_depth / snapshot / shutdown, tokenizer, vocab_size, alive."""
 from __future__ import annotations
 
 import queue

@@ -194,13 +194,13 @@ EAGLE_NAMES = {
 }
 # our fused matrix -> the checkpoint's parts, concatenated along the output axis in this order
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+IGNORED = ("embed_tokens.weight", "t2d", "layers.0.input_layernorm.weight")
 
 
 def qkv_splits(cfg: HeadConfig) -> list:
     """Where wqkv's columns (and its products') split into q, k and v."""
     hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return [hq, hq + hk]
-IGNORED = ("embed_tokens.weight", "t2d", "layers.0.input_layernorm.weight")
 
 
 def _read_tensors(directory: str) -> dict:
