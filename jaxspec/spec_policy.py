@@ -1,37 +1,51 @@
-"""Speculation sized by measured costs: the draft tree a device drafter's batch verifies, chosen
-every call among the shapes whose programs were built at start-up.
+"""Speculation sized by measured costs, for every drafter family: the draft tree a decode batch
+verifies, or plain decoding, chosen every call among the shapes whose programs were built at
+start-up, as the one that emits the most tokens per ms of a step.
 
-At warm-up the engine times every decode and verify program of its set (StepCosts: ms a step by
-kind, batch bucket and tree) and keeps the table beside its programs in the program store: a later
-start of the same engine on the same device reads it back rather than timing again. While serving,
-TreeChoice keeps for each tree shape the tokens rows emitted over the row-steps they took (sums
-halved past KEPT_ROW_STEPS, so that they follow the requests), pooled over batch sizes (what a
-tree accepts depends on the drafter and the text, not on the batch), and a histogram of them. A
-tree that contains another's shape (as deep, as wide, as many nodes) is expected to accept at
-least what that one did: on few calls, an unlucky first average would keep a good shape from
-being chosen again. A call at bucket `rows` verifies the shape with the most
-tokens per ms,
-
-    expected(tree) / cost(rows, tree),
-
-where a cost is the wall time a step of that shape was seen to take at that bucket (the intervals
-between the outputs of calls and of the calls chained on them, summed over their steps: the
+Costs. At warm-up the engine times every decode and verify program of its set (StepCosts: ms a
+step by kind, batch bucket and tree) and keeps the table beside its programs in the program store:
+a later start of the same engine on the same device reads it back rather than timing again. While
+serving, the policy adds the wall time steps were seen to take (`arrived`: the interval between the
+outputs of two calls of the same shape and bucket, where the later one measured a step: a device
+drafter's call chained on the last, any call of a host drafter, whose calls cannot chain; the
 host's share counts, and a call read late lengthens its interval by what it shortens the next
-one's), weighed against PRIOR_STEPS steps of the warm-up table's cost, itself scaled by how all
-the costs seen compare with the table's (the table runs steady calls with nothing else to do).
-Averages of single intervals varied by 5x on the H100 (spec-auto-*.json at 9a8f8c4, git
-history). Every shape a bucket has runs EXPLORE_CALLS calls before any is preferred (at 9ecd17e,
-after one each, HumanEval's 3:1:4 was held at an accept length of 1.25), and every probe_every
-calls another runs PROBE_CALLS calls (the contenders in turn) so that the averages follow the
-requests and the costs. A bucket keeps its shape unless another looks SWITCH_GAIN faster: at
-batch 1 the leading shapes were within 10% of each other, about the estimates' noise, and calls
-that moved between them ran at 0.88x the best fixed tree (spec-auto-*.json at 1853a27).
+one's), weighed against PRIOR_STEPS steps of the table's cost, itself scaled by how all the costs
+seen compare with the table's (the table runs steady calls with nothing else to do). Averages of
+single intervals varied by 5x on the H100 (spec-auto-*.json at 9a8f8c4, git history).
 
-Plain decoding is not among the choices: the target alone leaves an EAGLE head's cache behind, so
-a request decoded plainly once decodes plainly to its end, and a policy that chose plain decoding
-from a few noisy calls never saw the trees again (on the H100 such a policy held HumanEval at
-batch 1 at 0.99x plain, and mixed calls of behind and current heads ran MT-bench at batch 64 at
-0.40x: spec-auto-*.json at 931c778, git history). Which buckets verify at all is the fixed rule's
+Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took
+(sums halved past `kept` row-steps, so that they follow the requests), pooled over batch sizes
+(what a tree accepts depends on the drafter and the text, not on the batch), and a histogram. A
+device drafter has one key; a host drafter (NGRAM) keys each request by how many of its latest
+tokens matched (1, 2-3, 4-7, 8 or more; 0, no match, drafts nothing and expects 1): a request
+continuing a long stretch seen before (a repeated line of code) accepts several tokens, one whose
+last token alone matches rarely more than the bonus token, and code alternates the two (HumanEval
+batch 1: 1.54x with one average over recent steps, 1.85x drafting every step). A tree that
+contains another's shape (as deep, as wide, as many nodes) is expected to accept at least what that
+one did: on few calls, an unlucky first average would keep a good shape from being chosen again.
+A host drafter's expectation is optimistic by one standard error while its samples are few (a
+match length judged on a handful of probes stayed shut where drafting every time paid).
+
+The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
+
+    mean over its requests of expected(tree, key) / cost(rows, tree),
+
+where plain decoding emits one token per plain step. Every shape a bucket has runs `explore` calls
+(4 for a device drafter: after one each, HumanEval's 3:1:4 was held at an accept length of 1.25,
+9ecd17e; a host drafter tries each match key once) before any is preferred; a bucket keeps its
+shape unless another looks SWITCH_GAIN faster (at batch 1 the leading shapes were within 10% of
+each other, about the estimates' noise, and calls that moved between them ran at 0.88x the best
+fixed tree: spec-auto-*.json at 1853a27); every probe_every calls another runs PROBE_CALLS calls
+(the contenders in turn) so that the averages follow the requests and the costs.
+
+Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
+(above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
+not pay is probed again after probe_every plain steps, the interval doubling after each probe that
+does not pay (up to 8x). A device drafter's head is left behind by the target alone, so a request
+decoded plainly once decodes plainly to its end, and a policy that chose plain decoding from a few
+noisy calls never saw the trees again (on the H100 such a policy held HumanEval at batch 1 at 0.99x
+plain, and mixed calls of behind and current heads ran MT-bench at batch 64 at 0.40x:
+spec-auto-*.json at 931c778, git history). Which of its buckets verify at all is the fixed rule's
 (scheduler/trees.py).
 """
 from __future__ import annotations
@@ -41,6 +55,7 @@ import dataclasses
 import json
 import os
 import time
+from typing import Hashable
 
 import jax
 
@@ -50,6 +65,8 @@ PRIOR_STEPS = 16  # steps of the table's (scaled) cost a shape's seen cost is we
 KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are halved (the costs move)
 KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
 SWITCH_GAIN = 1.05  # how much faster another shape must look for a bucket to move to it
+MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
+PLAIN = "plain"  # the label plain decoding's costs are kept under
 
 
 @dataclasses.dataclass
@@ -94,99 +111,209 @@ def time_call(call, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-class TreeChoice:
-    def __init__(self, costs: StepCosts, trees_at: dict, probe_every: int = 32):
-        """trees_at: batch bucket -> the tree shapes built for it (TreeShape, with .label)."""
-        self.costs, self.trees_at = costs, trees_at
-        self.probe_every = probe_every
-        self.emitted: dict = {}  # tree -> average tokens a live row emits per verify step
-        self.totals: dict = {}  # tree -> [tokens, row-steps] the average is of
+@dataclasses.dataclass(frozen=True)
+class HostTree:
+    """A host drafter's draft of up to `num_draft_tokens` nodes: its shape is the match's."""
+    num_draft_tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_draft_tokens} nodes"
+
+
+def match_key(match_len: int) -> int:
+    """A host drafter's match length as a key: 0 (none), 1, 2 (2-3), 4 (4-7) or 8 (8 and more):
+    coarse, so that each mean gathers samples fast."""
+    return min(MAX_MATCH_KEY, 1 << (match_len.bit_length() - 1)) if match_len > 0 else 0
+
+
+def _contains(tree, other) -> bool:
+    """Whether `tree` drafts everything `other` does (as deep, as wide, as many nodes)."""
+    if tree == other:
+        return True
+    shape = ("steps", "topk", "num_draft_tokens")
+    return all(hasattr(x, a) for x in (tree, other) for a in shape) and all(
+        getattr(other, a) <= getattr(tree, a) for a in shape)
+
+
+class SpecPolicy:
+    def __init__(self, costs: StepCosts, trees_at: dict, plain: bool = False, min_gain: float = 1.0,
+                 probe_every: int = 32, explore: int | None = None, kept: int = KEPT_ROW_STEPS,
+                 min_accept: float = 2.0):
+        """trees_at: batch bucket -> the tree shapes built for it (each with a .label). plain:
+        plain decoding is a choice (a host drafter); min_gain: how much faster than plain decoding
+        a tree must look; probe_every: calls between probes of rival shapes, or plain steps before
+        a match key that does not pay is probed; explore: calls each shape (a host drafter: each
+        key) runs before any is preferred (default EXPLORE_CALLS); kept: row-steps past which acceptance sums are halved;
+        min_accept: plain step / verify step assumed until a host drafter's verify step is timed."""
+        self.costs, self.trees_at, self.plain = costs, trees_at, plain
+        self.min_gain, self.probe_every, self.kept = min_gain, probe_every, kept
+        self.explore = EXPLORE_CALLS if explore is None else explore
+        self.min_accept = min_accept
+        self.emitted: dict = {}  # (tree, key) -> average tokens a live row emits per verify step
+        self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
-        self.chosen: collections.Counter = collections.Counter()  # (bucket, tree label) -> decisions
-        self.observed: dict = {}  # (bucket, tree label) -> [ms, steps] seen on chained calls
+        self.chosen: collections.Counter = collections.Counter()  # (bucket, label) -> decisions
+        self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
         self.held: dict = {}  # bucket -> the tree its calls verify between probes
+        self.backoff: dict = {}  # key -> probe interval multiplier (plain decoding a choice)
+        self.last_verified: dict = {}  # key -> plain steps when it last verified
+        self.plain_steps = 0  # plain steps read back so far
+        self._last = None  # (bucket, label, time) of the last outputs that arrived
+        self.run = (None, 0)  # (label, how many in a row) of the latest calls' outputs
 
-    def expected(self, tree) -> float | None:
-        """Tokens a row is expected to emit per verify step of `tree`: the most that it or any shape
-        it contains averaged, or None before it was seen."""
-        if tree not in self.emitted:
-            return None
-        return max(e for t, e in self.emitted.items() if t.steps <= tree.steps and t.topk <= tree.topk
-                   and t.num_draft_tokens <= tree.num_draft_tokens)
-
-    def rate(self, rows: int, tree) -> float | None:
-        """Tokens a row emits per ms of a verify step of `tree` at this bucket (per verify step where
-        no cost is known), or None before the shape was seen."""
-        e = self.expected(tree)
-        if e is None:
-            return None
-        ms = self.cost(rows, tree.label)
-        return e / ms if ms else e
-
-    def cost(self, rows: int, label: str) -> float | None:
-        """ms a step of a tree at this bucket: what was seen, weighed against PRIOR_STEPS steps of
-        the table's cost scaled by seen over table time of every shape seen; None where neither."""
-        seen = self.observed.get((rows, label))
-        table = self.costs.ms.get(("verify", rows, label))
-        if table is None:
-            return seen[0] / seen[1] if seen else None
-        pairs = [(ms, steps * t) for (r, k), (ms, steps) in self.observed.items()
-                 if (t := self.costs.ms.get(("verify", r, k)))]
-        prior = table * (sum(ms for ms, _ in pairs) / sum(t for _, t in pairs) if pairs else 1.0)
-        ms, steps = seen or (0.0, 0)
-        return (ms + PRIOR_STEPS * prior) / (steps + PRIOR_STEPS)
+    # -- what was seen ---------------------------------------------------------------------------------
+    def arrived(self, rows: int, label: str | None, now: float, steps: int = 1, measured: bool = True) -> None:
+        """A call's outputs arrived at `now`: `steps` steps of `label` (a tree's or PLAIN; None: a
+        prefill) at this bucket. measured: the interval since the last outputs of the same label
+        and bucket is this call's steps' wall time (the device was busy from one to the next)."""
+        last, self._last = self._last, None if label is None else (rows, label, now)
+        if label is None:
+            self.run = (None, 0)
+            return
+        self.run = (label, self.run[1] + 1 if self.run[0] == label else 1)
+        if label == PLAIN:
+            self.plain_steps += steps
+            measured = measured and self.plain  # costs are kept for what can be chosen
+        if measured and last is not None and last[:2] == (rows, label) and steps >= 1:
+            self.timed(rows, label, 1e3 * (now - last[2]), steps)
 
     def timed(self, rows: int, label: str, ms: float, steps: int) -> None:
-        """Calls of a tree at this bucket took `ms` over `steps` steps."""
+        """Calls of a tree (or PLAIN) at this bucket took `ms` over `steps` steps."""
         seen = self.observed.setdefault((rows, label), [0.0, 0])
         seen[0] += ms
         seen[1] += steps
         if seen[1] > KEPT_STEPS:
             seen[0], seen[1] = seen[0] / 2, seen[1] / 2
 
-    def choose(self, rows: int):
-        """The tree a call at this bucket verifies (None where the bucket has none)."""
+    def verified(self, tree, emitted: list[int], keys: list | None = None, rows: int | None = None) -> None:
+        """A verify call of `tree` at bucket `rows`: the tokens each live row emitted at each of its
+        steps, drafted at keys[i] (a host drafter's match keys; None: a device drafter's one key)."""
+        if not emitted:
+            return
+        keys = keys or [None] * len(emitted)
+        self.accepts[tree].update(emitted)
+        self.seen[tree] += 1
+        for k, c in zip(keys, emitted):
+            if k == 0:
+                continue  # no match: nothing was drafted
+            total = self.totals.setdefault((tree, k), [0, 0])
+            total[0] += c
+            total[1] += 1
+            if total[1] > self.kept:
+                total[0], total[1] = total[0] / 2, total[1] / 2
+            self.emitted[(tree, k)] = total[0] / total[1]
+            self.last_verified[k] = self.plain_steps
+        if self.plain:  # a key whose verify did not pay is probed less often, one that did as before
+            ratio = self._cost_ratio(rows, tree) if rows is not None else 1.0 / self.min_accept
+            for k in set(keys) - {0}:
+                pays = self.expected(tree, k) * ratio >= self.min_gain
+                self.backoff[k] = 1 if pays else min(8, 2 * self.backoff.get(k, 1))
+
+    # -- what to expect --------------------------------------------------------------------------------
+    def expected(self, tree, key: Hashable = None) -> float | None:
+        """Tokens a row drafting at `key` is expected to emit per verify step of `tree`: the most
+        that it or any shape it contains averaged (a host drafter's optimistic by one standard
+        error while its samples are few), 1 for a request with no match, None before it was seen."""
+        if key == 0:
+            return 1.0
+        if (tree, key) not in self.emitted:
+            return None
+        e = max(e for (t, k), e in self.emitted.items() if k == key and _contains(tree, t))
+        return e + (min(self.totals[(tree, key)][1], 16) ** -0.5 if self.plain else 0.0)
+
+    def cost(self, rows: int, label: str) -> float | None:
+        """ms a step of a tree (or PLAIN) at this bucket: what was seen, weighed against
+        PRIOR_STEPS steps of the table's cost scaled by seen over table time of every shape seen;
+        None where neither."""
+        table = self._table(rows, label)
+        seen = self.observed.get((rows, label))
+        if table is None:
+            return seen[0] / seen[1] if seen else None
+        pairs = [(ms, steps * t) for (r, k), (ms, steps) in self.observed.items() if (t := self._table(r, k))]
+        prior = table * (sum(ms for ms, _ in pairs) / sum(t for _, t in pairs) if pairs else 1.0)
+        ms, steps = seen or (0.0, 0)
+        return (ms + PRIOR_STEPS * prior) / (steps + PRIOR_STEPS)
+
+    def _table(self, rows, label):
+        return self.costs.ms.get(("decode", rows, None) if label == PLAIN else ("verify", rows, label))
+
+    def rate(self, rows: int, tree, keys=(None,)) -> float | None:
+        """Tokens a row emits per ms of a verify step of `tree` at this bucket, averaged over the
+        rows' keys (per verify step where no cost is known), or None before the shape was seen."""
+        exp = [self.expected(tree, k) for k in keys]
+        if any(e is None for e in exp):
+            return None
+        ms = self.cost(rows, tree.label)
+        return sum(exp) / len(exp) / ms if ms else sum(exp) / len(exp)
+
+    def _cost_ratio(self, rows, tree) -> float:
+        """A plain step's cost over a verify step's at this bucket (1 / min_accept before both are known)."""
+        tp, tv = self.cost(rows, PLAIN), self.cost(rows, tree.label)
+        return tp / tv if tp and tv else 1.0 / self.min_accept
+
+    # -- the choice ------------------------------------------------------------------------------------
+    def choose(self, rows: int, keys: list | None = None):
+        """The tree a call at this bucket verifies, or None: plain decoding (where the bucket has no
+        tree; with a host drafter, where no tree pays). keys: a host drafter's requests' match keys."""
         trees = self.trees_at.get(rows, ())
         if not trees:
             return None
-        pick = next((t for t in trees if self.seen[t] < EXPLORE_CALLS), None)  # learn what each accepts
-        if pick is None:
-            n = self.calls[rows] = self.calls[rows] + 1
-            ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
-            pick = ranked[0]
-            held = self.held.get(rows)
-            if held in trees and self.rate(rows, pick) < SWITCH_GAIN * self.rate(rows, held):
-                pick = held  # within the estimates' noise: a change of shape costs an unchained call
-            self.held[rows] = pick
-            if n % self.probe_every < PROBE_CALLS and n >= self.probe_every and len(ranked) > 1:
-                # the shapes within 25% of the best in turn (at least the runner-up): they could
-                # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
-                rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, pick)] or ranked[1:2]
-                pick = rivals[(n // self.probe_every) % len(rivals)]
-        self.chosen[(rows, pick.label)] += 1
+        pick = self._gate(rows, trees, keys) if self.plain else self._rank(rows, trees)
+        self.chosen[(rows, PLAIN if pick is None else pick.label)] += 1
         return pick
 
-    def verified(self, tree, emitted: list[int]) -> None:
-        """A verify call of `tree`: the tokens each live row emitted at each of its steps."""
-        if not emitted:
-            return
-        self.accepts[tree].update(emitted)
-        self.seen[tree] += 1
-        total = self.totals.setdefault(tree, [0, 0])  # tokens, row-steps: halved past KEPT_ROW_STEPS
-        total[0] += sum(emitted)
-        total[1] += len(emitted)
-        if total[1] > KEPT_ROW_STEPS:
-            total[0], total[1] = total[0] / 2, total[1] / 2
-        self.emitted[tree] = total[0] / total[1]
+    def _rank(self, rows, trees):
+        """Among the trees alone (a device drafter): explore, then the fastest, held within
+        SWITCH_GAIN, and rivals probed every probe_every calls."""
+        pick = next((t for t in trees if self.seen[t] < self.explore), None)  # learn what each accepts
+        if pick is not None:
+            return pick
+        n = self.calls[rows] = self.calls[rows] + 1
+        ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
+        pick = ranked[0]
+        held = self.held.get(rows)
+        if held in trees and self.rate(rows, pick) < SWITCH_GAIN * self.rate(rows, held):
+            pick = held  # within the estimates' noise: a change of shape costs an unchained call
+        self.held[rows] = pick
+        if n % self.probe_every < PROBE_CALLS and n >= self.probe_every and len(ranked) > 1:
+            # the shapes within 25% of the best in turn (at least the runner-up): they could
+            # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
+            rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, pick)] or ranked[1:2]
+            pick = rivals[(n // self.probe_every) % len(rivals)]
+        return pick
+
+    def _gate(self, rows, trees, keys):
+        """A tree, or plain decoding where none looks min_gain faster (a host drafter)."""
+        keys = list(keys or [None])
+        if not any(keys):
+            return None  # nothing to draft from
+        label, n = self.run
+        if n == 1 and label is not None and self.observed.get((rows, label)) is None:
+            return trees[0] if label != PLAIN else None  # a lone call of an untimed kind: one more, so that it is timed
+        if self.cost(rows, PLAIN) is None:
+            return None  # time plain steps first: every gain is relative to them
+        tree = max(trees, key=lambda t: self.rate(rows, t, keys) or float("inf"))
+        exp = [self.expected(tree, k) for k in keys]
+        if any(e is None for e in exp):
+            return tree  # a match key never verified yet is tried
+        if sum(exp) / len(exp) * self._cost_ratio(rows, tree) >= self.min_gain:
+            return tree
+        due = any(k and self.plain_steps - self.last_verified.get(k, 0) >= self.probe_every * self.backoff.get(k, 1)
+                  for k in keys)
+        return tree if due else None
 
     def summary(self) -> dict:
         """What the policy learned and did: per tree its accept length and the histogram of tokens
         a row-step emitted, per bucket the costs seen and how many calls took each tree."""
         by_bucket = lambda d: {str(r): {k: v for (r2, k), v in sorted(d.items()) if r2 == r}
                                for r in sorted({r for r, _ in d})}
-        return dict(accept_length={t.label: round(e, 3) for t, e in self.emitted.items()},
+        accept = {}
+        for (t, k), e in self.emitted.items():
+            accept[t.label if k is None else f"{t.label} @{k}"] = round(e, 3)
+        return dict(accept_length=accept,
                     accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
                     observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in self.observed.items()}),
                     chosen=by_bucket(self.chosen))

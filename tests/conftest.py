@@ -65,7 +65,7 @@ def run_mixed_requests_with_aborts(gen, rng, n=1000):
 
 @pytest.fixture(autouse=True)
 def step_clock_ticks(monkeypatch):
-    """Whether a host drafter drafts depends on timed steps (DraftPolicy); wall time
+    """Whether a host drafter drafts depends on timed steps (spec_policy.SpecPolicy); wall time
     would make that, and every accept-length assertion, depend on the test machine. Here every
     read-back is one tick and any gain will do, so drafting always pays; tests of the policy
     drive the clock and set spec_min_gain."""

@@ -20,7 +20,7 @@ ALGORITHMS = ("plain", "EAGLE3", "NGRAM")
 MAX_TOKENS = 24
 
 
-def generate(algo: str) -> list:
+def generate(algo: str, prompts: list = PROMPTS) -> list:
     import jax.numpy as jnp
 
     from jaxspec import Generator, SamplingParams, SpecConfig
@@ -30,7 +30,7 @@ def generate(algo: str) -> list:
     # the test suite's SmolLM2 engine shape (conftest.SMOL_KW); greedy outputs do not depend on the batch
     gen = Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, speculative=spec, max_seq_len=256, max_batch=4,
                                     num_pages=80)
-    done = gen.generate([[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=MAX_TOKENS))
+    done = gen.generate([[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=MAX_TOKENS))
     return [c.token_ids for c in done]
 
 

@@ -30,10 +30,19 @@ def run_contiguous(model, ids):
 
 @pytest.fixture(scope="module")
 def hf_smollm():
+    """transformers' own reading of the GGUF. It parses the file anew for the config, the tokenizer
+    and the weights (7-8 s each on the CI's CPU) and rebuilds gguf's tensor-name map for every
+    tensor (10 s): both are memoized here, which changes nothing they return."""
+    import functools
+
+    import gguf
     path = resolve("smollm2-135m")
     d, f = os.path.dirname(path), os.path.basename(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
     return model, tok
 
 

@@ -253,50 +253,52 @@ def test_host_drafter_drafts_only_while_it_pays(tiny):
         verify_steps[verify_cost] = sched.stats["verify_steps"]
         assert sched.pool.in_use == 0
         if verify_cost == 50.0:
-            assert max(sched.policy.backoff.values()) > 1  # failed probes space the next ones out
+            assert max(sched.spec_policy.backoff.values()) > 1  # failed probes space the next ones out
     # verify steps cost half a plain one: drafting always pays (plain steps only to time them);
     # verify steps cost 50 plain ones: each match length tried once (8 of them), then sparse probes
     assert verify_steps[0.5] >= 20
     assert 2 <= verify_steps[50.0] <= 14
 
 
-def test_draft_policy_learns_accept_by_match_length():
-    """DraftPolicy verifies where the accept length learned at a match length pays for a verify
-    step (1.5 plain steps here), optimistic while its samples are few; decodes plainly where it
-    does not pay; probes such a match length after probe_every x backoff plain steps; and reopens
-    it once probes pay."""
-    from jaxspec.draft_policy import DraftPolicy
-    pol = DraftPolicy(min_gain=1.1, probe_every=4)
+def test_host_policy_learns_accept_by_match_length():
+    """A host drafter's SpecPolicy verifies where the accept length learned at a match length pays
+    for a verify step (1.5 plain steps here), optimistic while its samples are few; decodes
+    plainly where it does not pay; probes such a match length after probe_every x backoff plain
+    steps; and reopens it once probes pay."""
+    from jaxspec.spec_policy import PLAIN, HostTree, SpecPolicy, StepCosts, match_key
+    tree = HostTree(8)
+    pol = SpecPolicy(StepCosts(), {1: [tree]}, plain=True, min_gain=1.1, probe_every=4, explore=1, kept=16)
     clock = iter(range(0, 10_000, 1))
 
-    def read_back(kind, n=1):
+    def read_back(label, n=1):
         for _ in range(n):
-            pol.timed(kind, 1, next(clock) * (1.5 if kind == "verify" else 1.0))
+            pol.arrived(1, label, next(clock) * (1.5 if label != PLAIN else 1.0))
 
-    assert not pol.should_verify([8], 1)  # plain steps are timed first
-    read_back("decode", 2)
-    assert pol.should_verify([8], 1)  # never verified at 8: tried
-    assert not pol.should_verify([0], 1)  # no match, nothing to draft
-    pol.verified([8], [5], 1)
-    pol.step_time = {("decode", 1): 1.0, ("verify", 1): 1.5}
-    pol.verified([2], [1], 1)
-    assert pol.should_verify([2], 1)  # one sample of 1 token: 1 + 1 expected, 2 x 1 / 1.5 >= 1.1
+    assert pol.choose(1, [8]) is None  # plain steps are timed first
+    read_back(PLAIN, 2)
+    assert pol.choose(1, [8]) == tree  # never verified at 8: tried
+    assert pol.choose(1, [0]) is None  # no match, nothing to draft
+    pol.verified(tree, [5], [8], 1)
+    pol.observed = {(1, PLAIN): [1e3, 1], (1, tree.label): [1.5e3, 1]}  # ms: the clock reads seconds
+    pol.verified(tree, [1], [2], 1)
+    assert pol.choose(1, [2]) == tree  # one sample of 1 token: 1 + 1 expected, 2 x 1 / 1.5 >= 1.1
     for _ in range(15):
-        pol.verified([2], [1], 1)
-    assert pol.should_verify([8], 1) and not pol.should_verify([2], 1)  # 16 samples: 1.25 expected
-    assert pol.should_verify([2, 8], 1)  # mean expected accept (1.25 + 6) / 2 x 1 / 1.5 >= 1.1
-    assert not pol.should_verify([2, 0, 0], 1)
+        pol.verified(tree, [1], [2], 1)
+    assert pol.choose(1, [8]) == tree and pol.choose(1, [2]) is None  # 16 samples: 1.25 expected
+    assert pol.choose(1, [2, 8]) == tree  # mean expected accept (1.25 + 6) / 2 x 1 / 1.5 >= 1.1
+    assert pol.choose(1, [2, 0, 0]) is None
     assert pol.backoff[2] == 8  # each verify at 2 that did not pay doubled it (up to 8)
-    read_back("decode", 31)
-    assert not pol.should_verify([2], 1)
-    read_back("decode", 1)  # 32 = probe_every x backoff plain steps since 2 last verified
-    assert pol.should_verify([2], 1)
-    pol.verified([2], [1], 1)  # the probe did not pay: the next waits as long again
-    assert not pol.should_verify([2], 1)
+    read_back(PLAIN, 31)
+    assert pol.choose(1, [2]) is None
+    read_back(PLAIN, 1)  # 32 = probe_every x backoff plain steps since 2 last verified
+    assert pol.choose(1, [2]) == tree
+    pol.verified(tree, [1], [2], 1)  # the probe did not pay: the next waits as long again
+    assert pol.choose(1, [2]) is None
     for _ in range(8):  # the text turned repetitive: probes pay, 2 verifies again
-        pol.verified([2], [4], 1)
-    assert pol.backoff[2] == 1 and pol.should_verify([2], 1)
-    assert [DraftPolicy.key(m) for m in (0, 1, 2, 3, 4, 7, 8, 30)] == [0, 1, 2, 2, 4, 4, 8, 8]
+        pol.verified(tree, [4], [2], 1)
+    assert pol.backoff[2] == 1 and pol.choose(1, [2]) == tree
+    assert pol.summary()["chosen"]["1"] == {PLAIN: 6, tree.label: 6}  # every decision counted
+    assert [match_key(m) for m in (0, 1, 2, 3, 4, 7, 8, 30)] == [0, 1, 2, 2, 4, 4, 8, 8]
 
 
 def test_host_drafter_policy_reads_match_lengths(tiny):
@@ -304,21 +306,23 @@ def test_host_drafter_policy_reads_match_lengths(tiny):
     high at long matches and low at none-to-short ones, a request repeating a stretch seen before
     verifies a tree, a fresh one decodes plainly, and one repeating request in the batch lifts it."""
     from jaxspec.scheduler import Scheduler
+    from jaxspec.spec_policy import PLAIN, HostTree
     sched = Scheduler(tiny, None, drafter=SpecConfig(num_draft_tokens=8).build(tiny), max_batch=8, max_seq_len=128,
                       num_pages=300, spec_min_gain=1.1, spec_probe_every=1000)
     params = SamplingParams(max_tokens=4)
     fresh = sched.add(list(range(1, 25)) + [3], params)  # its last token was seen once before
     repeated = sched.add([5, 9, 14, 2, 33, 7, 21, 40] * 3, params)  # its last 8+ tokens occurred before
-    assert sched._match_keys([fresh, repeated], 8) == [0, 0]  # nothing folded in yet
+    assert sched._match_keys([fresh, repeated]) == [0, 0]  # nothing folded in yet
     for _ in range(4):  # each call folds at least 16 tokens in
         sched.drafter.prepare([fresh, repeated])
-    assert sched._match_keys([fresh, repeated], 8) == [(8, 1), (8, 8)]  # the kept matches were renewed
-    assert sched._match_keys([fresh, repeated], 4) == [(4, 1), (4, 8)]  # trees of another size learn apart
-    pol = sched.policy
-    pol.step_time = {("verify", 1): 1.5, ("decode", 1): 1.0, ("verify", 2): 1.5, ("decode", 2): 1.0}
-    pol.accept = {(8, 1): (1.1, 20), (8, 8): (6.0, 20)}  # expected: 1.35 and 6.25 tokens
+    assert sched._match_keys([fresh, repeated]) == [1, 8]  # the kept matches were renewed
+    pol, tree = sched.spec_policy, HostTree(8)
+    assert pol.trees_at[1] == pol.trees_at[2] == [tree] and pol.trees_at[4] == [HostTree(4)]  # learn apart
+    pol.observed = {(rows, label): [ms, 1] for rows in (1, 2) for label, ms in ((PLAIN, 1.0), (tree.label, 1.5))}
+    pol.emitted = {(tree, 1): 1.1, (tree, 8): 6.0}  # over 20 verify steps each: expected 1.35 and 6.25 tokens
+    pol.totals = {(tree, 1): [22.0, 20], (tree, 8): [120.0, 20]}
     assert sched._choice_for([fresh]) == (None, 1)
     assert sched._choice_for([repeated]) == (None, sched.tree_size(1)) == (None, 8)
     assert sched._choice_for([fresh, repeated]) == (None, 8)  # mean expected accept 3.8 x 1 / 1.5
-    pol.accept[(8, 8)] = (1.2, 20)
+    pol.emitted[(tree, 8)] = 1.2
     assert sched._choice_for([repeated]) == (None, 1)

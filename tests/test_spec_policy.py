@@ -10,7 +10,7 @@ from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.scheduler.request import Request
 from jaxspec import spec_policy
-from jaxspec.spec_policy import StepCosts, TreeChoice
+from jaxspec.spec_policy import StepCosts, SpecPolicy
 
 from conftest import TINY
 
@@ -18,7 +18,7 @@ SMALL, BIG = TreeShape(1, 1, 2), TreeShape(3, 2, 6)
 
 
 def test_each_shape_runs_a_few_calls_before_any_is_preferred():
-    policy = TreeChoice(StepCosts(), {1: [SMALL, BIG]})
+    policy = SpecPolicy(StepCosts(), {1: [SMALL, BIG]})
     picks = []
     for _ in range(2 * spec_policy.EXPLORE_CALLS):
         picks.append(policy.choose(1))
@@ -30,7 +30,7 @@ def test_the_choice_follows_tokens_per_millisecond(monkeypatch):
     monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
     costs = StepCosts({("decode", 1, None): 1.0, ("verify", 1, "1:1:2"): 1.2, ("verify", 1, "3:2:6"): 1.5,
                        ("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0})
-    policy = TreeChoice(costs, {1: [SMALL, BIG], 8: [SMALL, BIG], 16: []}, probe_every=8)
+    policy = SpecPolicy(costs, {1: [SMALL, BIG], 8: [SMALL, BIG], 16: []}, probe_every=8)
     assert policy.choose(1) == SMALL  # nothing seen: each shape once, to learn what it accepts
     policy.verified(SMALL, [2, 1, 2, 2])
     assert policy.choose(8) == BIG  # the estimates are pooled over buckets: SMALL is known
@@ -53,7 +53,7 @@ def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
     monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
     costs = StepCosts({("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0,
                        ("decode", 1, None): 1.0, ("verify", 1, "3:2:6"): 1.5})
-    policy = TreeChoice(costs, {8: [SMALL, BIG]})
+    policy = SpecPolicy(costs, {8: [SMALL, BIG]})
     assert policy.cost(8, "1:1:2") == 1.3 and policy.cost(8, "3:2:6") == 3.0
     policy.verified(SMALL, [2])
     policy.verified(BIG, [4])
@@ -72,7 +72,7 @@ def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
 
 
 def test_a_tree_is_expected_to_accept_what_a_shape_it_contains_did():
-    policy = TreeChoice(StepCosts(), {1: [SMALL, BIG]})
+    policy = SpecPolicy(StepCosts(), {1: [SMALL, BIG]})
     policy.verified(SMALL, [3, 3])
     policy.verified(BIG, [1, 2])  # one unlucky call
     assert policy.expected(BIG) == 3.0 and policy.expected(SMALL) == 3.0

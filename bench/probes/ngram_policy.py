@@ -9,7 +9,7 @@ Defaults: bench/results/spec-v15-humaneval-b1-gain0-* (plain 448 tok/s: 2.23 ms 
 drafting every step, 827 tok/s at 2.79 tokens a step: 3.37 ms a verify step). The modeled
 speedup is plain's modeled time over the policy's; outputs are checked against plain decoding.
 Policies: `always` (spec_min_gain 0: verify wherever a request has a match), `default` (the
-scheduler's defaults, DraftPolicy), and variants given as
+scheduler's defaults, spec_policy.SpecPolicy), and variants given as
 --policies name=key:value,... over Scheduler keyword arguments.
 """
 from __future__ import annotations
@@ -34,19 +34,19 @@ def modeled_run(gen, prompts, max_tokens, cost):
     sched = gen.scheduler
     clock = [0.0]
     steps = {"decode": 0, "verify": 0, "prefill": 0}
-    original = Scheduler._time_step
+    original = Scheduler._arrived
 
-    def time_step(self, kind, batch, now, prefill=False):
-        k = "prefill" if prefill else kind
+    def arrived(self, f, now, n=1, prefill=False):
+        k = "prefill" if prefill else f.kind
         steps[k] += 1
         clock[0] += cost[k]
-        return original(self, kind, batch, clock[0], prefill)
+        return original(self, f, clock[0], n, prefill)
 
-    sched._time_step = time_step.__get__(sched)
+    sched._arrived = arrived.__get__(sched)
     try:
         outs = [gen.generate([p], SamplingParams(max_tokens=max_tokens))[0] for p in prompts]
     finally:
-        del sched._time_step
+        del sched._arrived
     return outs, clock[0], steps["decode"], steps["verify"]
 
 

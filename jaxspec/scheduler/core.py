@@ -22,7 +22,6 @@ import time
 
 import numpy as np
 
-from jaxspec.draft_policy import DraftPolicy
 from jaxspec.kv_cache import KVCache
 from jaxspec import program_workers
 from jaxspec.paging import PagePool, pages_that_fit
@@ -113,20 +112,19 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.spec_max_verify_tokens, self.spec_min_nodes = spec_max_verify_tokens, spec_min_nodes
         # A host drafter's steps cannot chain (it drafts from the tokens just emitted), so their host time adds to the
         # device's: one costs about 1.5 plain steps on the H100 at batch 1, and more at larger batch, where NGRAM lost
-        # while EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*; 0.78x under DraftPolicy, spec-v17-b8). Its
+        # while EAGLE won (MT-bench batch 8: 0.82x vs 1.75x, spec-v13-*; 0.78x under the gate below, spec-v17-b8). Its
         # trees get a smaller budget, none from batch 8 by default, and a verify step must pay for itself:
-        # DraftPolicy (draft_policy.py) verifies while the accept length expected at the requests' match lengths
+        # the policy (spec_policy.py) verifies while the accept length expected at the requests' match lengths
         # x plain step / verify step >= spec_min_gain (above 1: the estimate is noisy, and every switch costs an
         # unchained step), and probes the match lengths that do not pay every spec_probe_every plain steps.
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
-        min_gain = DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain
-        self.policy = (DraftPolicy(min_gain, spec_min_accept, spec_probe_every)
-                       if drafter is not None and not self.device_drafter else None)
+        host_policy = dict(min_gain=DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain,
+                           min_accept=spec_min_accept, probe_every=spec_probe_every)
         self.overlap = overlap
         if not 1 <= verify_steps <= MAX_VERIFY_STEPS:
             raise ValueError(f"verify_steps={verify_steps} must be in [1, {MAX_VERIFY_STEPS}]")
         self.verify_steps = verify_steps
-        self._setup_trees(model, drafter, spec_policy, auto_trees, programs_kw)
+        self._setup_trees(model, drafter, spec_policy, auto_trees, programs_kw, host_policy)
         # Plain decoding runs up to decode_steps steps a call while the batch is steady (see
         # _decode_steps_now); 1 launches a call a step.
         if not 1 <= decode_steps <= MAX_DECODE_STEPS:
@@ -210,7 +208,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         for progs in groups:
             progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
         if self.auto and groups[0].jit:
-            self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table TreeChoice reads
+            self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table the auto policy reads
         return dict(programs=sum(len(p.table) for p in groups), seconds=time.perf_counter() - t0)
 
     @property
@@ -307,10 +305,6 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         if not self.device_drafter or self.decode_steps == 1:
             return 1
         return min(self.verify_steps, self._decode_steps_now(reqs))
-
-    def _time_step(self, kind, batch, now, prefill=False):
-        if self.policy is not None:  # only a host drafter's policy reads the step times
-            self.policy.timed(kind, batch, now, prefill)
 
 
 def check_request(prompt_ids, params: SamplingParams, vocab_size: int, max_seq_len: int) -> list:

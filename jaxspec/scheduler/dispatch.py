@@ -151,8 +151,8 @@ class Dispatch:
         budget, stop_ids = self._budgets_and_stops(reqs, rows)
         f = self._launch_verify(reqs, tree, nodes, flags, tokens, parents, kv_lens, num_nodes,
                                 self._sampling(reqs, rows, flags), budget=budget, stop_ids=stop_ids, steps=steps)
-        if self.policy is not None:
-            f.match_keys = self._match_keys(reqs, nodes)
+        if not self.device_drafter and self.spec_policy is not None:
+            f.match_keys = self._match_keys(reqs)
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):

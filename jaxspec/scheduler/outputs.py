@@ -34,8 +34,7 @@ class Outputs:
                 r.kv_len += c
                 self._emit(r, toks[i, :c].tolist(), None if lp is None else lp[i, :c].tolist(),
                            None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
-            self._time_step("decode", len(f.reqs), arrived)
-            self._timed_call(f, 0, 0, arrived)  # (only verify calls are timed)
+            self._arrived(f, arrived, int(count.max(initial=0)))
             self.stats["decode_time"] += f.host_s + time.perf_counter() - t0
             return
         if f.kind == "extend":
@@ -48,23 +47,19 @@ class Outputs:
                     r.draft = None if shared is None else DraftRow(shared, i)
                     self._emit(r, [int(nxt[i])], None if lp is None else [float(lp[i])],
                                None if top_i is None else [(top_v[i], top_i[i])])
-            self._time_step("decode", len(f.reqs), arrived, prefill=True)
-            self._timed_call(f, 0, 0, arrived)
+            self._arrived(f, arrived, prefill=True)
             self.stats["prefill_time"] += f.host_s + time.perf_counter() - t0
             return
         toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
                                                         *f.outputs[3:5]))
-        if self.policy is not None:
-            live = [i for i, r in enumerate(f.reqs) if not r.finished]
-            self.policy.verified([f.match_keys[i] for i in live], [int(count[i]) for i in live], len(f.reqs))
-        self._time_step("verify", len(f.reqs), arrived)
         if toks.ndim == 2:  # verify_tree: one step; as verify_steps' [B, steps, N]
             toks, count = toks[:, None], count[:, None]
             lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
         if self.spec_policy is not None:
-            self.spec_policy.verified(f.tree, [int(c) for i, r in enumerate(f.reqs) if not r.finished
-                                               for c in count[i] if c])
-            self._timed_call(f, count.shape[0], int((count > 0).sum(axis=1).max(initial=0)), arrived)
+            live = [(i, c) for i, r in enumerate(f.reqs) if not r.finished for c in count[i] if c]
+            keys = None if f.match_keys is None else [f.match_keys[i] for i, _ in live]
+            self.spec_policy.verified(self._policy_tree(f), [int(c) for _, c in live], keys, count.shape[0])
+            self._arrived(f, arrived, int((count > 0).sum(axis=1).max(initial=0)))
         for i, r in enumerate(f.reqs):
             if shared is not None and not r.finished:
                 r.draft = DraftRow(shared, i)

@@ -69,7 +69,7 @@ class InFlight:
     steps: int = 1  # steps in the call
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
-    match_keys: list | None = None  # a host drafter's: DraftPolicy keys its requests drafted at
+    match_keys: list | None = None  # a host drafter's: the match keys (spec_policy.match_key) its requests drafted at
 
 
 class DraftsOnDevice:

@@ -1,14 +1,14 @@
 """What a decode batch verifies each call: a draft tree's shape and node count, or plain decoding.
 
 spec_policy 'fixed': the drafter's one tree, cut by batch bucket to fit spec_max_verify_tokens
-(below spec_min_nodes the batch decodes plainly); a host drafter (NGRAM) verifies while its
-DraftPolicy says the trees pay. 'auto' (device drafters): every bucket where the fixed rule
-verifies has one verify program per shape of the drafter's auto_trees() that fits
+(below spec_min_nodes the batch decodes plainly). 'auto' (device drafters): every bucket where the
+fixed rule verifies has one verify program per shape of the drafter's auto_trees() that fits
 spec_max_verify_tokens over the bucket's rows (as the fixed rule's cut: at batch 8 on the H100 a
 32-node tree cost 20% more a step than a 16-node one for 9% more tokens, spec-auto-*.json at
-9ecd17e), and spec_policy.TreeChoice picks among them every call from the costs
-seen (and timed at warm-up) and the accept lengths seen. A choice is (tree, nodes); plain
-decoding is (None, 1).
+9ecd17e). spec_policy.SpecPolicy picks among them every call from the costs seen (and timed at
+warm-up) and the accept lengths seen; for a host drafter (NGRAM), whose buckets have one tree size
+each, it picks between that tree and plain decoding from the same costs and the accept lengths
+seen at the requests' match lengths. A choice is (tree, nodes); plain decoding is (None, 1).
 A mixin of Scheduler (core.py), which owns the state these methods read."""
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import jax
 import numpy as np
 
 from jaxspec import program_store
-from jaxspec.draft_policy import DraftPolicy
 from jaxspec.drafters.eagle_step import nodes_that_fit
 from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket
-from jaxspec.spec_policy import StepCosts, TreeChoice, time_call
+from jaxspec.spec_policy import PLAIN as PLAIN_LABEL
+from jaxspec.spec_policy import HostTree, SpecPolicy, StepCosts, match_key, time_call
 
 PLAIN = (None, 1)
 TIMING_CONTEXT = 256  # tokens of context each row attends to while the step costs are timed
@@ -29,20 +29,28 @@ SPIN_CALLS = 50
 
 
 class TreeSizing:
-    def _setup_trees(self, model, drafter, spec_policy, auto_trees, programs_kw):
+    def _setup_trees(self, model, drafter, spec_policy, auto_trees, programs_kw, host_policy):
         """The trees this engine verifies and a Programs for each (the drafter's own tree's is
-        self.programs, which also runs its prefill chunks). auto_trees: 'auto''s shapes, or None."""
+        self.programs, which also runs its prefill chunks), and the policy choosing among them.
+        auto_trees: 'auto''s shapes, or None; host_policy: a host drafter's SpecPolicy options."""
         if spec_policy not in ("fixed", "auto"):
             raise ValueError(f"spec_policy must be 'fixed' or 'auto', got {spec_policy!r}")
-        self.auto = bool(auto_trees)  # a host drafter keeps its DraftPolicy
+        self.auto = bool(auto_trees)  # a host drafter has one tree size a bucket: its policy gates it
         self._decided = None  # (bucket, choice) the last call's chain check took
-        self._last_read = None  # when the last decode or verify call's outputs arrived
         trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
         self.tree_programs = {t: self.programs if t == drafter.tree else
                               Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in trees}
         self.spec_costs = StepCosts()  # timed by warmup()
-        self.spec_policy = (TreeChoice(self.spec_costs, {rows: [t for t, _ in self._verify_shapes(rows)]
-                                                         for rows in BATCH_BUCKETS}) if self.auto else None)
+        self.spec_policy = None
+        if self.auto:
+            self.spec_policy = SpecPolicy(self.spec_costs, {rows: [t for t, _ in self._verify_shapes(rows)]
+                                                            for rows in BATCH_BUCKETS})
+        elif drafter is not None and not self.device_drafter:
+            # each match key tried once; its mean over about its last 16 verify steps (code alternates
+            # fresh text and repeats: a long memory missed the repeats that followed fresh text)
+            self.spec_policy = SpecPolicy(self.spec_costs, {rows: [HostTree(n) for _, n in self._verify_shapes(rows)]
+                                                            for rows in BATCH_BUCKETS},
+                                          plain=True, explore=1, kept=16, **host_policy)
 
     @property
     def program_groups(self) -> list:
@@ -80,13 +88,12 @@ class TreeSizing:
         shapes = self._verify_shapes(rows)
         if not shapes or self._no_tree_at(len(self.running)):
             return PLAIN  # (the batch fills to a bucket without trees: its early decoders would verify in vain)
-        if self.auto:
-            tree = self.spec_policy.choose(rows)
-            return PLAIN if tree is None else (tree, tree.num_draft_tokens)
-        tree, nodes = shapes[0]
-        if self.policy is not None and not self.policy.should_verify(self._match_keys(reqs, nodes), len(reqs)):
+        if self.spec_policy is None:
+            return shapes[0]
+        tree = self.spec_policy.choose(rows) if self.device_drafter else self.spec_policy.choose(rows, self._match_keys(reqs))
+        if tree is None:
             return PLAIN
-        return tree, nodes
+        return (tree if self.device_drafter else None), tree.num_draft_tokens
 
     def _span(self, tree, nodes, steps) -> int:
         """Cache slots past a request's kv length that a call of `steps` verify steps may write:
@@ -94,26 +101,28 @@ class TreeSizing:
         depth = nodes if tree is None else tree.steps
         return (steps - 1) * min(nodes, depth + 1) + nodes + self.draft_slots
 
-    def _timed_call(self, f, rows: int, steps: int, now: float) -> None:
-        """The auto policy's observed step costs: a verify call chained on a call of the same tree
-        and bucket (the device busy from one to the next) had its outputs arrive at `now`, `steps`
-        steps after the last call's: wall time over steps. A call after a change of shape also
-        paid the host's launch: counting it would price every shape but the incumbent above it."""
+    def _policy_tree(self, f):
+        """The shape the policy knows a verify call by (a host drafter's: its tree size, whose
+        accept lengths are kept apart: 8-node trees at batch 1 overstate 4-node trees' at batch 8)."""
+        return f.tree if self.device_drafter else HostTree(f.nodes)
+
+    def _arrived(self, f, now: float, steps: int = 1, prefill: bool = False) -> None:
+        """Tell the policy that a call's outputs (`steps` steps) arrived at `now`: its step costs.
+        A device drafter's call measures its steps where it was chained on the last call (the
+        device busy from one to the next): a call after a change of shape also paid the host's
+        launch, and counting it would price every shape but the incumbent above it. A host
+        drafter's calls never chain: the host's share is part of every step's cost."""
         if self.spec_policy is None:
             return
-        key = (f.kind, rows, f.tree)
-        last, self._last_read = self._last_read, (key, now)
-        if f.kind != "verify" or not f.chained or last is None or last[0] != key or steps < 1:
-            return
-        self.spec_policy.timed(rows, f.tree.label, 1e3 * (now - last[1]), steps)
+        rows = f.outputs[0].shape[0]  # the program's bucket
+        label = None if prefill else PLAIN_LABEL if f.kind == "decode" else self._policy_tree(f).label
+        self.spec_policy.arrived(rows, label, now, steps, f.chained or not self.device_drafter)
 
-    def _match_keys(self, reqs, nodes) -> list:
-        """Each request's DraftPolicy key: (tree size, bucket of how many of its latest tokens the
-        host drafter matched), or 0 where it matched none. The tree size is part of the key because
-        the accept length learned with 8-node trees at batch 1 overstates 4-node trees' at batch 8."""
+    def _match_keys(self, reqs) -> list:
+        """Each request's match key (spec_policy.match_key of how many of its latest tokens the
+        host drafter matched; 0 where none)."""
         match_length = getattr(self.drafter, "match_length", None)
-        keys = [DraftPolicy.key(match_length(r)) if match_length else 1 for r in reqs]
-        return [(nodes, k) if k else 0 for k in keys]
+        return [match_key(match_length(r)) if match_length else 1 for r in reqs]
 
     # -- the cost table ----------------------------------------------------------------------------------
     def _step_costs(self, specs) -> StepCosts:
