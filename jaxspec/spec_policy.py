@@ -237,6 +237,10 @@ class SpecPolicy:
         ms, steps = seen or (0.0, 0)
         return (ms + PRIOR_STEPS * prior) / (steps + PRIOR_STEPS)
 
+    def knows_plain(self, rows: int) -> bool:
+        """Whether a plain step's cost at this bucket is known (seen, or in the table)."""
+        return (rows, PLAIN) in self.observed or self._table(rows, PLAIN) is not None
+
     def _table(self, rows, label):
         return self.costs.ms.get(("decode", rows, None) if label == PLAIN else ("verify", rows, label))
 

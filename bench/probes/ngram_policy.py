@@ -38,8 +38,8 @@ def modeled_run(gen, prompts, max_tokens, cost):
 
     def arrived(self, f, now, n=1, prefill=False):
         k = "prefill" if prefill else f.kind
-        steps[k] += 1
-        clock[0] += cost[k]
+        steps[k] += 1 if prefill else n
+        clock[0] += cost[k] * (1 if prefill else n)  # a plain call runs several steps
         return original(self, f, clock[0], n, prefill)
 
     sched._arrived = arrived.__get__(sched)
