@@ -40,12 +40,13 @@ fixed tree: spec-auto-*.json at 1853a27); every probe_every calls another runs P
 
 Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
 (above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
-not pay is probed again after probe_every plain steps, the interval doubling after each probe that
-does not pay (up to 8x). A device drafter's head is left behind by the target alone, so a request
-decoded plainly once decodes plainly to its end, and a policy that chose plain decoding from a few
-noisy calls never saw the trees again (on the H100 such a policy held HumanEval at batch 1 at 0.99x
-plain, and mixed calls of behind and current heads ran MT-bench at batch 64 at 0.40x:
-spec-auto-*.json at 931c778, git history). Which of its buckets verify at all is the fixed rule's
+not pay is probed again after probe_every verify steps' worth of plain steps (at least
+probe_every), the interval doubling after each probe that does not pay (up to 8x). A device
+drafter's head is left behind by the target alone, so a request decoded plainly once decodes
+plainly to its end, and a policy that chose plain decoding from a few noisy calls never saw the
+trees again (on the H100 such a policy held HumanEval at batch 1 at 0.99x plain, and mixed calls
+of behind and current heads ran MT-bench at batch 64 at 0.40x: spec-auto-*.json at 931c778, git
+history). Which of its buckets verify at all is the fixed rule's
 (scheduler/trees.py).
 """
 from __future__ import annotations
@@ -303,10 +304,14 @@ class SpecPolicy:
         exp = [self.expected(tree, k) for k in keys]
         if any(e is None for e in exp):
             return tree  # a match key never verified yet is tried
-        if sum(exp) / len(exp) * self._cost_ratio(rows, tree) >= self.min_gain:
+        ratio = self._cost_ratio(rows, tree)
+        if sum(exp) / len(exp) * ratio >= self.min_gain:
             return tree
-        due = any(k and self.plain_steps - self.last_verified.get(k, 0) >= self.probe_every * self.backoff.get(k, 1)
-                  for k in keys)
+        # probes spaced by time, not steps: a probe costs a verify step, 1 / ratio plain ones (NGRAM's
+        # cost 7-8 on the H100, where probes every 8-64 plain steps ran it at 0.84x plain:
+        # spec-ngram-new- at f131960)
+        wait = self.probe_every * max(1.0, 1.0 / ratio)
+        due = any(k and self.plain_steps - self.last_verified.get(k, 0) >= wait * self.backoff.get(k, 1) for k in keys)
         return tree if due else None
 
     def summary(self) -> dict:

@@ -265,7 +265,7 @@ def test_host_policy_learns_accept_by_match_length():
     """A host drafter's SpecPolicy verifies where the accept length learned at a match length pays
     for a verify step (1.5 plain steps here), optimistic while its samples are few; decodes
     plainly where it does not pay; probes such a match length after probe_every x backoff plain
-    steps; and reopens it once probes pay."""
+    steps x the verify step's cost in plain steps; and reopens it once probes pay."""
     from jaxspec.spec_policy import PLAIN, HostTree, SpecPolicy, StepCosts, match_key
     tree = HostTree(8)
     pol = SpecPolicy(StepCosts(), {1: [tree]}, plain=True, min_gain=1.1, probe_every=4, explore=1, kept=16)
@@ -289,9 +289,9 @@ def test_host_policy_learns_accept_by_match_length():
     assert pol.choose(1, [2, 8]) == tree  # mean expected accept (1.25 + 6) / 2 x 1 / 1.5 >= 1.1
     assert pol.choose(1, [2, 0, 0]) is None
     assert pol.backoff[2] == 8  # each verify at 2 that did not pay doubled it (up to 8)
-    read_back(PLAIN, 31)
+    read_back(PLAIN, 47)
     assert pol.choose(1, [2]) is None
-    read_back(PLAIN, 1)  # 32 = probe_every x backoff plain steps since 2 last verified
+    read_back(PLAIN, 1)  # 48 = probe_every x backoff x a verify step's 1.5 plain ones since 2 last verified
     assert pol.choose(1, [2]) == tree
     pol.verified(tree, [1], [2], 1)  # the probe did not pay: the next waits as long again
     assert pol.choose(1, [2]) is None
