@@ -145,8 +145,9 @@ class SpecPolicy:
         plain decoding is a choice (a host drafter); min_gain: how much faster than plain decoding
         a tree must look; probe_every: calls between probes of rival shapes, or plain steps before
         a match key that does not pay is probed; explore: calls each shape (a host drafter: each
-        key) runs before any is preferred (default EXPLORE_CALLS); kept: row-steps past which acceptance sums are halved;
-        min_accept: plain step / verify step assumed until a host drafter's verify step is timed."""
+        key) runs before any is preferred (default EXPLORE_CALLS); kept: row-steps past which
+        acceptance sums are halved; min_accept: plain step / verify step assumed until a host
+        drafter's verify step is timed."""
         self.costs, self.trees_at, self.plain = costs, trees_at, plain
         self.min_gain, self.probe_every, self.kept = min_gain, probe_every, kept
         self.explore = EXPLORE_CALLS if explore is None else explore
