@@ -102,7 +102,7 @@ def _plain_and_auto(tiny, seed, n, max_tokens, max_batch, temperature=0.0):
     prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(n)]
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
               for i in range(n)]
-    kw = dict(max_batch=max_batch, max_seq_len=128, num_pages=200)
+    kw = dict(max_batch=max_batch, max_seq_len=128, num_pages=300)  # the pages of test_eagle.py's KW: shared programs
     plain = [c.token_ids for c in Generator(tiny, None, **kw).generate(prompts, params)]
     gen = Generator(tiny, None, drafter=EagleDrafter(head, BIG), spec_policy="auto", spec_trees=(SMALL, BIG),
                     warmup=True, **kw)
