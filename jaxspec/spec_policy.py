@@ -195,22 +195,27 @@ class SpecPolicy:
         steps, drafted at keys[i] (a host drafter's match keys; None: a device drafter's one key)."""
         if not emitted:
             return
-        keys = keys or [None] * len(emitted)
         self.accepts[tree].update(emitted)
         self.seen[tree] += 1
-        for k, c in zip(keys, emitted):
-            if k == 0:
-                continue  # no match: nothing was drafted
+        if keys is None:  # one key: the call's sums at once (a device drafter's hundreds of row-steps)
+            calls = {None: (sum(emitted), len(emitted))}
+        else:
+            calls = {}
+            for k, c in zip(keys, emitted):
+                if k != 0:  # no match: nothing was drafted
+                    t, n = calls.get(k, (0, 0))
+                    calls[k] = (t + c, n + 1)
+        for k, (t, n) in calls.items():
             total = self.totals.setdefault((tree, k), [0, 0])
-            total[0] += c
-            total[1] += 1
+            total[0] += t
+            total[1] += n
             if total[1] > self.kept:
                 total[0], total[1] = total[0] / 2, total[1] / 2
             self.emitted[(tree, k)] = total[0] / total[1]
             self.last_verified[k] = self.plain_steps
         if self.plain:  # a key whose verify did not pay is probed less often, one that did as before
             ratio = self._cost_ratio(rows, tree) if rows is not None else 1.0 / self.min_accept
-            for k in set(keys) - {0}:
+            for k in calls:
                 pays = self.expected(tree, k) * ratio >= self.min_gain
                 self.backoff[k] = 1 if pays else min(8, 2 * self.backoff.get(k, 1))
 

@@ -161,7 +161,7 @@ def test_auto_shapes_share_the_block_and_keep_outputs_plain(tiny, tiny_dflash):
         gen = Generator(tiny, None, drafter=DFlashDrafter(head, chain(4)), spec_policy="auto", spec_trees=trees, **KW)
         assert gen.scheduler.draft_slots == 4
         turns = iter([trees[1], trees[2], trees[2], trees[0], trees[1]] * 100)
-        gen.scheduler.spec_policy.choose = lambda rows: next(turns)
+        gen.scheduler.spec_policy.choose = lambda rows, keys=None: next(turns)
         assert [c.token_ids for c in gen.generate(prompts, params)] == [c.token_ids for c in plain]
         assert len(gen.scheduler.spec_policy.accepts) == 3 and gen.scheduler.pool.in_use == 0
 

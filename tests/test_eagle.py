@@ -144,7 +144,7 @@ def test_shapes_switched_between_calls_keep_outputs_plain(tiny, tiny_eagle3, tem
     trees = (TreeShape(1, 1, 2), TreeShape(4, 1, 5), TreeShape(2, 4, 8))
     gen = eagle_generator(tiny, head, trees[1], max_batch=4, spec_policy="auto", spec_trees=trees)
     turns = iter([trees[1], trees[1], trees[2], trees[0], trees[1], trees[2], trees[2]] * 100)
-    gen.scheduler.spec_policy.choose = lambda rows: next(turns)
+    gen.scheduler.spec_policy.choose = lambda rows, keys=None: next(turns)
     spec = gen.generate(prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     accepted = {t.label: max(c) for t, c in gen.scheduler.spec_policy.accepts.items()}

@@ -120,7 +120,7 @@ def test_outputs_are_plain_decodings_whichever_shape_each_call_takes(tiny, tempe
                                         (("decode", None), ("verify", "1:1:2"), ("verify", "3:2:6"))}
     assert all(ms > 0 for ms in sched.spec_costs.ms.values())
     turns = iter([SMALL, BIG, BIG, SMALL, SMALL, None] * 100)
-    sched.spec_policy.choose = lambda rows: next(turns)
+    sched.spec_policy.choose = lambda rows, keys=None: next(turns)
     out = gen.generate(prompts, params)
     assert [c.token_ids for c in out] == plain
     assert sched.stats["verify_steps"] > 0 and sched.stats["decode_time"] > 0
@@ -151,7 +151,7 @@ def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny):
     prompts, params, plain, gen = _plain_and_auto(tiny, 1, 4, 24, 4)
     sched = gen.scheduler
     choose = sched.spec_policy.choose
-    sched.spec_policy.choose = lambda rows: None  # decode plainly (as a bucket without trees does)
+    sched.spec_policy.choose = lambda rows, keys=None: None  # decode plainly (as a bucket without trees does)
     old = [sched.add(p, pa) for p, pa in zip(prompts[:3], params)]
     for _ in range(20):
         if all(r.head_len is not None for r in old):

@@ -90,7 +90,7 @@ class TreeSizing:
             return PLAIN  # (the batch fills to a bucket without trees: its early decoders would verify in vain)
         if self.spec_policy is None:
             return shapes[0]
-        tree = self.spec_policy.choose(rows) if self.device_drafter else self.spec_policy.choose(rows, self._match_keys(reqs))
+        tree = self.spec_policy.choose(rows, None if self.device_drafter else self._match_keys(reqs))
         if tree is None:
             return PLAIN
         return (tree if self.device_drafter else None), tree.num_draft_tokens
