@@ -268,6 +268,7 @@ def main():
                             row.update(auto_accept_length=summary["accept_length"],
                                        auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
                                        auto_observed_ms=summary["observed_ms"],
+                                       auto_recent_ms=summary["recent_ms"],  # median, p90, max of the last calls
                                        step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
                                                                                               key=str)])
                         if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host

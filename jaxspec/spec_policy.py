@@ -59,6 +59,7 @@ import time
 from typing import Hashable
 
 import jax
+import numpy as np
 
 EXPLORE_CALLS = 4  # calls each shape runs before any is preferred (one call's accept length is noise)
 PROBE_CALLS = 3  # calls a probe of another shape runs
@@ -159,6 +160,7 @@ class SpecPolicy:
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
         self.chosen: collections.Counter = collections.Counter()  # (bucket, label) -> decisions
         self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
+        self.recent: dict = {}  # (bucket, label) -> the last calls' ms a step (the summary's spread)
         self.held: dict = {}  # bucket -> the tree its calls verify between probes
         self.backoff: dict = {}  # key -> probe interval multiplier (plain decoding a choice)
         self.last_verified: dict = {}  # key -> plain steps when it last verified
@@ -184,6 +186,7 @@ class SpecPolicy:
 
     def timed(self, rows: int, label: str, ms: float, steps: int) -> None:
         """Calls of a tree (or PLAIN) at this bucket took `ms` over `steps` steps."""
+        self.recent.setdefault((rows, label), collections.deque(maxlen=64)).append(ms / steps)
         seen = self.observed.setdefault((rows, label), [0.0, 0])
         seen[0] += ms
         seen[1] += steps
@@ -331,4 +334,6 @@ class SpecPolicy:
         return dict(accept_length=accept,
                     accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
                     observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in self.observed.items()}),
+                    recent_ms=by_bucket({k: [round(float(q), 3) for q in np.percentile(v, (50, 90, 100))]
+                                         for k, v in self.recent.items()}),
                     chosen=by_bucket(self.chosen))

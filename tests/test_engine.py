@@ -1,6 +1,7 @@
 """Paged cache, scheduler, sampling and the Generator on CPU."""
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -349,3 +350,16 @@ def test_a_call_ends_when_no_row_is_left():
         return jax.jit(lambda n, stop_at: steps_while_alive(n, body, (jnp.int32(0), jnp.ones(3, bool)),
                                                             lambda c: c[1]))(n, stop_at)[0]
     assert int(run(8, 3)) == 3 and int(run(8, 100)) == 8 and int(run(2, 1)) == 1 and int(run(0, 5)) == 0
+
+
+def test_host_inputs_reach_the_device_unchanged_in_one_copy():
+    from jaxspec.sampling import SamplingBatch
+    from jaxspec.scheduler.dispatch import _to_device
+    sb = SamplingBatch.build([SamplingParams(temperature=0.7, top_p=0.9, seed=4000000000)], [4000000000], [5], pad_to=2)
+    on_device = jnp.arange(3.0)
+    tree = (np.arange(6, dtype=np.int32).reshape(2, 3), on_device, np.int32(7), sb)
+    out = _to_device(tree)
+    assert out[1] is on_device  # a device array passes as it is
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
+        assert isinstance(b, jax.Array) and b.dtype == np.asarray(a).dtype and b.shape == np.shape(a)
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
