@@ -162,6 +162,7 @@ def main():
             label += "#2"  # the same algorithm again: a control for the noise between rounds
         a, _, head_dir = a.partition("=")  # "eagle3:6:4:24=runs/x/head": that head, not --draft-model
         a, _, vsteps = a.partition("+v")  # "eagle3:6:4:24+v8": 8 verify steps a call (Scheduler verify_steps)
+        a, _, probe = a.partition("/probe")  # "ngram:8/probe32": a host drafter's spec_probe_every
         a, auto = (a[:-len("/auto")], True) if a.endswith("/auto") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
@@ -191,6 +192,8 @@ def main():
             kw["spec_policy"] = "auto"
         if vsteps:
             kw["verify_steps"] = int(vsteps)
+        if probe:
+            kw["spec_probe_every"] = int(probe)
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, num_pages=args.num_pages or 1 + args.max_batch * (1024 + 128) // 16,
                                         warmup=not args.lazy, **kw)

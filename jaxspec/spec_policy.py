@@ -65,6 +65,7 @@ EXPLORE_CALLS = 4  # calls each shape runs before any is preferred (one call's a
 PROBE_CALLS = 3  # calls a probe of another shape runs
 PRIOR_STEPS = 16  # steps of the table's (scaled) cost a shape's seen cost is weighed against
 KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are halved (the costs move)
+HOST_KEPT_STEPS = 64  # a host drafter's: its verify calls are rare, each one step
 KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
 SWITCH_GAIN = 1.05  # how much faster another shape must look for a bucket to move to it
 MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
@@ -181,7 +182,13 @@ class SpecPolicy:
         if label == PLAIN:
             self.plain_steps += steps
             measured = measured and self.plain  # costs are kept for what can be chosen
-        if measured and last is not None and last[:2] == (rows, label) and steps >= 1:
+        # A host drafter's calls are launched after the last outputs arrived (its verify calls never
+        # chain, and a plain call chains only on plain ones), so every call is timed from them: kept
+        # to calls after one of the same kind, its lone probes left its verify cost at what it was
+        # first seen (13-19 ms under bench/spec.py's two engines warming up side by side, against
+        # 4.7 alone: spec-ngram-new- at a859b2d, ngram_step-real-always-), and it decoded plainly.
+        same_kind = last is not None and (last[1] == label or self.plain)
+        if measured and same_kind and last[0] == rows and steps >= 1:
             self.timed(rows, label, 1e3 * (now - last[2]), steps)
 
     def timed(self, rows: int, label: str, ms: float, steps: int) -> None:
@@ -190,7 +197,7 @@ class SpecPolicy:
         seen = self.observed.setdefault((rows, label), [0.0, 0])
         seen[0] += ms
         seen[1] += steps
-        if seen[1] > KEPT_STEPS:
+        if seen[1] > (HOST_KEPT_STEPS if self.plain else KEPT_STEPS):
             seen[0], seen[1] = seen[0] / 2, seen[1] / 2
 
     def verified(self, tree, emitted: list[int], keys: list | None = None, rows: int | None = None) -> None:

@@ -201,6 +201,42 @@ def test_step_costs_time_calls_whose_rows_run_every_step(tiny, monkeypatch):
     assert all(c.shape[1] == MAX_VERIFY_STEPS and (c[:, :sched.verify_steps] >= 1).all() for c in verify_counts)
 
 
+def test_a_host_drafters_costs_are_timed_at_warmup_with_every_row_verifying(tiny, monkeypatch):
+    """NGRAM's policy gets a cost table too (plain decode and verify_tree per bucket), timed on
+    calls whose rows all verify a full tree: without it the policy priced verify calls from the
+    first few it saw, slow ones, and decoded plainly nearly always."""
+    import jaxspec.scheduler.trees as trees
+    from jaxspec import SpecConfig
+    gen = Generator(tiny, None, drafter=SpecConfig("NGRAM", num_draft_tokens=4).build(tiny), max_batch=2,
+                    max_seq_len=256)
+    sched, seen = gen.scheduler, []
+    monkeypatch.setattr(trees, "time_call", lambda call, reps=3: seen.append(np.asarray(call()[1])) or 1.0)
+    costs = sched._time_steps(sched.program_specs())
+    assert set(costs.ms) == {(kind, rows, tree) for rows in (1, 2) for kind, tree in
+                             (("decode", None), ("verify", "4 nodes"))}
+    assert len(seen) == 4 and all((c >= 1).all() for c in seen)  # every row emitted: none idle
+
+
+def test_a_host_drafters_lone_verify_calls_are_timed_and_old_costs_fade():
+    """A host drafter's verify call follows the last outputs' arrival (it never chains), so a lone
+    probe between plain calls is timed; a device drafter's call after another shape is not (it
+    also paid a launch the chained calls hide)."""
+    from jaxspec.spec_policy import PLAIN, HostTree
+    host = SpecPolicy(StepCosts(), {1: [HostTree(8)]}, plain=True)
+    device = SpecPolicy(StepCosts(), {1: [SMALL]})
+    for pol, label in ((host, "8 nodes"), (device, SMALL.label)):
+        pol.arrived(1, PLAIN, 0.0, 8)
+        pol.arrived(1, PLAIN, 0.008, 8)
+        pol.arrived(1, label, 0.027, 1)  # slow at first (19 ms) ...
+    assert host.cost(1, "8 nodes") == pytest.approx(19.0) and device.cost(1, SMALL.label) is None
+    t = 0.027
+    for _ in range(200):  # ... then 4 ms probes among plain calls: the first cost fades
+        host.arrived(1, PLAIN, t := t + 0.008, 8)
+        host.arrived(1, "8 nodes", t := t + 0.004, 1)
+    assert host.cost(1, "8 nodes") == pytest.approx(4.0, rel=0.005)  # 4.07 with the device drafters' memory
+    assert host.cost(1, PLAIN) == pytest.approx(1.0)
+
+
 def test_a_tree_flag_auto_asks_for_the_auto_policy():
     import argparse
 

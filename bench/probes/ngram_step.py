@@ -45,6 +45,7 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="fewer target layers (a CPU smoke run)")
     ap.add_argument("--real", type=int, default=0, metavar="N",
                     help="SmolLM2's real weights, the first N MT-bench questions one at a time, the default policy")
+    ap.add_argument("--verify-always", action="store_true", help="with --real: NGRAM verifies every call")
     ap.add_argument("--host-profile", action="store_true", help="also a cProfile of a run: the host's top functions")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -56,7 +57,7 @@ def main():
         model, tok = load("smollm2-135m")
         prompts = mt_bench_token_ids(tok, args.real)
         params = SamplingParams(max_tokens=args.tokens)
-        gate = {}
+        gate = dict(spec_min_gain=0.0) if args.verify_always else {}
     else:
         cfg, model, _ = smollm2_and_head(args.layers)
         rng = np.random.default_rng(0)

@@ -183,7 +183,11 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         """alive: every row verifies n nodes a step, budget to spare (a call leaves its loop once no
         row is alive: idle rows timed a launch). Else zeros."""
         args, full = self._dummy_inputs(rows, n, tree=True), lambda v: np.full(rows, v * alive, np.int32)
-        return args if not self.device_drafter else args[:4] + (
+        if not self.device_drafter:  # verify_tree's: alive, a tree of n nodes, each drafted below the root
+            parents = np.zeros((rows, n), np.int32)
+            parents[:, 0] = -1
+            return args if not alive else (args[0], parents, *args[2:4], full(n), args[5])
+        return args[:4] + (
             full(n), full(1 << 20), np.full((rows, STOP_ID_SLOTS), -1, np.int32), np.int32(num_steps),
             np.int32(n if alive else 1)) + args[5:]
 
@@ -207,8 +211,8 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                 program_workers.build(groups, list(missing.values()), workers)
         for progs in groups:
             progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
-        if self.auto and groups[0].jit:
-            self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table the auto policy reads
+        if self.spec_policy is not None and groups[0].jit:
+            self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table the policy reads
         return dict(programs=sum(len(p.table) for p in groups), seconds=time.perf_counter() - t0)
 
     @property

@@ -147,17 +147,21 @@ class TreeSizing:
         over a context of TIMING_CONTEXT tokens (the programs' work does not depend on the values),
         timed at the most steps a call runs and divided: a steady batch runs that many, and one
         step a call also timed the call's launch and read-back (which made verifying look cheap
-        against decoding at batch 32: spec-policy-NVIDIA-H200.json, 0091df7)."""
+        against decoding at batch 32: spec-policy-NVIDIA-H200.json, 0091df7). A host drafter's
+        verify_tree runs one step a call. Timing it also runs it before any request does: NGRAM's
+        policy, which knew only the verify calls it saw, priced them from its first few, run
+        during the benchmark's warm-up pass at 13-17 ms against ~4 later (spec-ngram-new- and
+        ngram_step-real- at a859b2d), and then decoded plainly nearly always."""
         costs, reps = StepCosts(), 3
         # pages no request holds (at a warm-up: any), else no context
         context = min(TIMING_CONTEXT, self.max_seq_len // 2) if not (self.running or self.pool.cached) else 0
         pages = min(-(-(context + 2 * self._span(None, 64, self.verify_steps)) // self.page_size), self.pool.num_pages - 1,
                     self.max_pages_per_seq) if context else 0
         for progs, name, flags, cache, args in specs:
-            if flags.sample or name not in ("decode", "verify_steps"):
+            if flags.sample or name not in ("decode", "verify_steps", "verify_tree"):
                 continue
             rows, n = args[0].shape
-            steps = MAX_DECODE_STEPS if name == "decode" else self.verify_steps
+            steps = {"decode": MAX_DECODE_STEPS, "verify_steps": self.verify_steps}.get(name, 1)
             args = list(self._dummy_decode(rows, steps, alive=True) if name == "decode"
                         else self._dummy_verify(rows, n, steps, alive=True))
             at = 1 if name == "decode" else 2  # the page table, then the kv lengths
@@ -167,9 +171,13 @@ class TreeSizing:
             args = tuple(args)
 
             def call(progs=progs, name=name, flags=flags):
-                if name == "decode":
+                if name == "decode" and self.device_drafter:
                     *out, tcache = progs.decode(self.cache[0], *inputs.pop(), flags=flags)
                     self.cache = (tcache, self.cache[1])
+                elif name == "decode":
+                    *out, self.cache = progs.decode(self.cache, *inputs.pop(), flags=flags)
+                elif name == "verify_tree":
+                    *out, self.cache = progs.verify_tree(self.cache, *inputs.pop(), flags=flags)
                 else:
                     *out, self.cache = progs.verify_steps(self.cache, *inputs.pop(), flags=flags)
                 return out
@@ -179,7 +187,8 @@ class TreeSizing:
             inputs = [jax.device_put(args) for _ in range(reps + 1 + spin)]
             for _ in range(spin):
                 jax.block_until_ready(call())
-            key = ("decode", rows, None) if name == "decode" else ("verify", rows, progs.tree.label)
+            key = (("decode", rows, None) if name == "decode" else ("verify", rows, progs.tree.label)
+                   if self.device_drafter else ("verify", rows, HostTree(self.tree_size(rows)).label))
             costs.ms[key] = time_call(call, reps=reps) / steps
         return costs
 
