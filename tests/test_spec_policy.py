@@ -237,6 +237,17 @@ def test_a_host_drafters_lone_verify_calls_are_timed_and_old_costs_fade():
     assert host.cost(1, PLAIN) == pytest.approx(1.0)
 
 
+def test_forgotten_costs_fall_back_to_the_table():
+    from jaxspec.spec_policy import PLAIN, HostTree
+    pol = SpecPolicy(StepCosts({("decode", 1, None): 1.0, ("verify", 1, "8 nodes"): 3.0}), {1: [HostTree(8)]}, plain=True)
+    for t in range(10):  # seen under a load that is gone: 30 ms a verify step
+        pol.arrived(1, PLAIN, 0.04 * t, 8)
+        pol.arrived(1, "8 nodes", 0.04 * t + 0.03, 1)
+    assert pol.cost(1, "8 nodes") > 20
+    pol.forget_costs()
+    assert pol.cost(1, "8 nodes") == 3.0 and pol.cost(1, PLAIN) == 1.0
+
+
 def test_a_tree_flag_auto_asks_for_the_auto_policy():
     import argparse
 
