@@ -193,9 +193,10 @@ class SpecPolicy:
 
     def forget_costs(self) -> None:
         """Drop the step costs seen (the warm-up table stays): they were taken under a load that
-        is gone, such as other engines sharing the host (at 8f16ebb three engines warming up side
-        by side left NGRAM's verify step at 17-153 ms against ~4.7 alone, and lone probes did not
-        bring it back within a benchmark: spec-ngram-probe-, ngram_step-real-always-)."""
+        is gone, such as other engines sharing the host (bench/spec.py's engines warming up side by
+        side saw NGRAM's verify step take 19-21 ms at batch 1, against ~4.7 alone, and its lone
+        probes did not bring the cost back within the timed rounds: spec-ngram-new- at 8f16ebb,
+        ngram_step-real-always-)."""
         self.observed.clear()
         self.recent.clear()
         self._last = None

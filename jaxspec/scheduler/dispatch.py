@@ -17,13 +17,15 @@ from jaxspec.scheduler.trees import PLAIN
 
 
 class Dispatch:
-    def _host_work_while_device_runs(self, waits_for: InFlight):
-        """Dispatch is asynchronous: until the outputs the host waits for next are ready, it is free."""
+    def _host_work_while_device_runs(self, waits_for: InFlight, chained_next: bool = False):
+        """Dispatch is asynchronous: until the outputs the host waits for next are ready, it is free.
+        chained_next: the call just launched is the one the next call chains on, which the host
+        must launch before this one ends, or the device idles: only the least work is done here."""
         prepare = getattr(self.drafter, "prepare", None)
         # at a batch that decodes plainly no draft is needed: a host drafter's backlog (NGRAM's
         # trie insertion) waits until trees come back, instead of taxing every plain step
         if prepare is not None and self.tree_size(len(self.running)) > 1:
-            prepare(self.running, busy=lambda: not waits_for.outputs[0].is_ready())
+            prepare(self.running, busy=None if chained_next else lambda: not waits_for.outputs[0].is_ready())
 
     def _budgets_and_stops(self, reqs, rows):
         """What a multi-step call checks on the device: each row's tokens left before max_tokens
@@ -72,7 +74,7 @@ class Dispatch:
         f = InFlight("decode", reqs, outputs, dict(pt=args[1], stop_ids=args[4], num_steps=args[5],
                                                    pages=[len(r.pages) for r in reqs]),
                      flags, steps=steps, plain=self.device_drafter, host_s=time.perf_counter() - t0)
-        self._host_work_while_device_runs(f)
+        self._host_work_while_device_runs(f, chained_next=overlap and self._may_overlap(f))
         if overlap and self._may_overlap(f):
             self.inflight = f  # read back in the next step, after the call that follows it is launched
         else:
