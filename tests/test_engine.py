@@ -363,3 +363,5 @@ def test_host_inputs_reach_the_device_unchanged_in_one_copy():
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
         assert isinstance(b, jax.Array) and b.dtype == np.asarray(a).dtype and b.shape == np.shape(a)
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    with pytest.raises(TypeError, match="4-byte"):
+        _to_device((np.zeros(2, np.int64),))

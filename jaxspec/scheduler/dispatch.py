@@ -260,6 +260,8 @@ def _to_device(tree):
     host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray | np.generic)]
     if host:
         arrays = [np.asarray(leaves[i]) for i in host]
+        if any(a.dtype.itemsize != 4 for a in arrays):
+            raise TypeError(f"host inputs must be 4-byte types, got {sorted({a.dtype.name for a in arrays})}")
         layout = tuple((a.shape, a.dtype.str) for a in arrays)
         packed = np.concatenate([a.reshape(-1).view(np.int32) for a in arrays])
         for i, x in zip(host, _unpack(packed, layout)):
