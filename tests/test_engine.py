@@ -352,7 +352,7 @@ def test_a_call_ends_when_no_row_is_left():
     assert int(run(8, 3)) == 3 and int(run(8, 100)) == 8 and int(run(2, 1)) == 1 and int(run(0, 5)) == 0
 
 
-def test_host_inputs_reach_the_device_unchanged_in_one_copy():
+def test_host_inputs_reach_the_device_unchanged():
     from jaxspec.sampling import SamplingBatch
     from jaxspec.scheduler.dispatch import _to_device
     sb = SamplingBatch.build([SamplingParams(temperature=0.7, top_p=0.9, seed=4000000000)], [4000000000], [5], pad_to=2)
@@ -363,5 +363,21 @@ def test_host_inputs_reach_the_device_unchanged_in_one_copy():
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(out)):
         assert isinstance(b, jax.Array) and b.dtype == np.asarray(a).dtype and b.shape == np.shape(a)
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
-    with pytest.raises(TypeError, match="4-byte"):
-        _to_device((np.zeros(2, np.int64),))
+
+
+def test_sampling_parameters_are_sent_once_per_batch_and_the_step_every_call(tiny):
+    from jaxspec.sampling import SamplerFlags, SamplingBatch
+    sched = Scheduler(tiny, None, max_batch=4, max_seq_len=256)
+    reqs = [sched.add([1, 2, 3], SamplingParams(temperature=0.5 + i, top_k=3, seed=i)) for i in range(3)]
+    flags = SamplerFlags.of([r.params for r in reqs])
+    first = sched._sampling(reqs, 4, flags, reuse=True)
+    reqs[1].output_ids += [5, 6]
+    second = sched._sampling(reqs, 4, flags, reuse=True)
+    want = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+                               pad_to=4)
+    for field in dataclasses.fields(SamplingBatch):
+        got = getattr(second, field.name)
+        np.testing.assert_array_equal(np.asarray(got), getattr(want, field.name), err_msg=field.name)
+        if field.name != "step":  # reused from the device, not sent again
+            assert got is getattr(first, field.name)
+    assert sched._sampling(reqs[:2], 4, flags, reuse=True).temperature is not first.temperature  # another batch

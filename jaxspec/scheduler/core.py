@@ -134,6 +134,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
             raise ValueError(f"decode_steps={decode_steps} must be in [1, {MAX_DECODE_STEPS}]")
         self.decode_steps = decode_steps
         self.inflight: InFlight | None = None
+        self._sampling_sent: dict = {}  # (rows, request ids) -> their sampling parameters on the device
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()

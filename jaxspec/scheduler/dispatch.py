@@ -3,9 +3,7 @@ from the last one's device outputs before the host reads them.
 A mixin of Scheduler (core.py), which owns the state these methods read."""
 from __future__ import annotations
 
-import math
 import time
-from functools import partial
 
 import jax
 import numpy as np
@@ -115,7 +113,7 @@ class Dispatch:
                 next_tokens[i] = r.token_slice(r.kv_len + n, r.kv_len + n + 1)[0]
         flags = SamplerFlags.of([r.params for r in reqs])
         pt = self._page_table(reqs, rows)
-        sb = self._sampling(reqs, rows, flags)
+        sb = self._sampling(reqs, rows, flags, reuse=True)  # (extend donates only the cache)
         args = _to_device((tokens, next_tokens, pt, kv_lens, q_lens, sb))  # one transfer
         plain = self._prefills_plainly(reqs)
         if plain:
@@ -153,8 +151,9 @@ class Dispatch:
         self.stats["draft_time"] += time.perf_counter() - t0
         flags = SamplerFlags.of([r.params for r in reqs])
         budget, stop_ids = self._budgets_and_stops(reqs, rows)
-        f = self._launch_verify(reqs, tree, nodes, flags, tokens, parents, kv_lens, num_nodes,
-                                self._sampling(reqs, rows, flags), budget=budget, stop_ids=stop_ids, steps=steps)
+        sb = self._sampling(reqs, rows, flags, reuse=not self.device_drafter)  # verify_tree donates only the cache
+        f = self._launch_verify(reqs, tree, nodes, flags, tokens, parents, kv_lens, num_nodes, sb,
+                                budget=budget, stop_ids=stop_ids, steps=steps)
         if not self.device_drafter and self.spec_policy is not None:
             f.match_keys = self._match_keys(reqs)
         self._host_work_while_device_runs(f)
@@ -251,29 +250,10 @@ class Dispatch:
 
 
 def _to_device(tree):
-    """A tree's numpy leaves on the device in one host-to-device copy: packed into one int32
-    buffer here and split on the device. Each copy cost the host about 0.1 ms on the H100 whether
-    jax.device_put or a jitted call made it, 1.4-2.4 ms of an NGRAM verify call's 5 for its 16
-    arrays (ngram_step-*.json). Device arrays (a chained step's inputs are mostly the last step's
-    outputs) pass as they are. Every leaf is a 4-byte type (int32, uint32, float32)."""
+    """jax.device_put of a tree's numpy leaves in one call; device arrays (a chained step's inputs
+    are mostly the last step's outputs) pass as they are."""
     leaves, treedef = jax.tree.flatten(tree)
     host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray | np.generic)]
-    if host:
-        arrays = [np.asarray(leaves[i]) for i in host]
-        if any(a.dtype.itemsize != 4 for a in arrays):
-            raise TypeError(f"host inputs must be 4-byte types, got {sorted({a.dtype.name for a in arrays})}")
-        layout = tuple((a.shape, a.dtype.str) for a in arrays)
-        packed = np.concatenate([a.reshape(-1).view(np.int32) for a in arrays])
-        for i, x in zip(host, _unpack(packed, layout)):
-            leaves[i] = x
+    for i, x in zip(host, jax.device_put([leaves[i] for i in host])):
+        leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
-
-
-@partial(jax.jit, static_argnums=1)
-def _unpack(packed, layout):
-    out, at = [], 0
-    for shape, dtype in layout:
-        n = math.prod(shape)
-        out.append(jax.lax.bitcast_convert_type(packed[at:at + n], np.dtype(dtype)).reshape(shape))
-        at += n
-    return out
