@@ -151,7 +151,8 @@ class TreeSizing:
         verify_tree runs one step a call. Timing it also runs it before any request does: NGRAM's
         policy, which knew only the verify calls it saw, priced them from its first few, run
         during the benchmark's warm-up pass at 13-17 ms against ~4 later (spec-ngram-new- and
-        ngram_step-real- at a859b2d), and then decoded plainly nearly always."""
+        ngram_step-real- at a859b2d), and then decoded plainly nearly always. Buckets that never
+        verify are not timed (no choice is made there)."""
         costs, reps = StepCosts(), 3
         # pages no request holds (at a warm-up: any), else no context
         context = min(TIMING_CONTEXT, self.max_seq_len // 2) if not (self.running or self.pool.cached) else 0
@@ -160,6 +161,8 @@ class TreeSizing:
         for progs, name, flags, cache, args in specs:
             if flags.sample or name not in ("decode", "verify_steps", "verify_tree"):
                 continue
+            if name == "decode" and not self._verify_shapes(args[0].shape[0]):
+                continue  # a bucket without trees decodes plainly: no choice reads its cost
             rows, n = args[0].shape
             steps = {"decode": MAX_DECODE_STEPS, "verify_steps": self.verify_steps}.get(name, 1)
             args = list(self._dummy_decode(rows, steps, alive=True) if name == "decode"
@@ -183,7 +186,7 @@ class TreeSizing:
                 return out
             # the programs donate some inputs: a copy a call. The first program runs SPIN_CALLS more
             # first, so that no program is timed on a GPU idle since its compiles
-            spin = 0 if costs.ms else SPIN_CALLS
+            spin = 0 if costs.ms or jax.default_backend() == "cpu" else SPIN_CALLS  # (a GPU's clocks)
             inputs = [jax.device_put(args) for _ in range(reps + 1 + spin)]
             for _ in range(spin):
                 jax.block_until_ready(call())
