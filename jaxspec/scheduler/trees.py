@@ -148,10 +148,10 @@ class TreeSizing:
         timed at the most steps a call runs and divided: a steady batch runs that many, and one
         step a call also timed the call's launch and read-back (which made verifying look cheap
         against decoding at batch 32: spec-policy-NVIDIA-H200.json, 0091df7). A host drafter's
-        verify_tree runs one step a call. Timing it also runs it before any request does: NGRAM's
-        policy, which knew only the verify calls it saw, priced them from its first few, run
-        during the benchmark's warm-up pass at 13-17 ms against ~4 later (spec-ngram-new- and
-        ngram_step-real- at a859b2d), and then decoded plainly nearly always. Buckets that never
+        verify_tree runs one step a call: without this table NGRAM's policy knew only the verify
+        calls it saw, priced them from its first few, taken while bench/spec.py's engines warmed up
+        side by side (13-21 ms at batch 1, against 4.7 alone: spec-ngram-new- at a859b2d and
+        8f16ebb, ngram_step-real-always-), and decoded plainly nearly always. Buckets that never
         verify are not timed (no choice is made there)."""
         costs, reps = StepCosts(), 3
         # pages no request holds (at a warm-up: any), else no context
