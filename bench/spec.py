@@ -219,9 +219,8 @@ def main():
                 list(pool.map(warm, gens.values()))
             if threads > 1:  # step costs seen beside other engines are not this engine's (a server runs one)
                 for gen in gens.values():
-                    forget = getattr(gen.scheduler.spec_policy, "forget_costs", None)
-                    if forget is not None:
-                        forget()
+                    if gen.scheduler.spec_policy is not None:
+                        gen.scheduler.spec_policy.forget_costs()
             # what exists now lives to the end (models, compiled programs): the collector's full
             # passes need not walk it (a pause of its own inside a timed pass is noise)
             gc.collect()
@@ -277,7 +276,7 @@ def main():
                             row.update(auto_accept_length=summary["accept_length"],
                                        auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
                                        auto_observed_ms=summary["observed_ms"],
-                                       auto_recent_ms=summary.get("recent_ms"),  # median, p90, max of the last calls
+                                       auto_recent_ms=summary["recent_ms"],  # median, p90, max of the last calls
                                        step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
                                                                                               key=str)])
                         if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host

@@ -185,8 +185,8 @@ class SpecPolicy:
         # A host drafter's calls are launched after the last outputs arrived (its verify calls never
         # chain, and a plain call chains only on plain ones), so every call is timed from them: kept
         # to calls after one of the same kind, its lone probes left its verify cost at what it was
-        # first seen (13-19 ms under bench/spec.py's two engines warming up side by side, against
-        # 4.7 alone: spec-ngram-new- at a859b2d, ngram_step-real-always-), and it decoded plainly.
+        # first seen (13-21 ms under bench/spec.py's engines warming up side by side, against 4.7
+        # alone: spec-ngram-new- at a859b2d and 8f16ebb, ngram_step-real-always-), and it decoded plainly.
         same_kind = last is not None and (last[1] == label or self.plain)
         if measured and same_kind and last[0] == rows and steps >= 1:
             self.timed(rows, label, 1e3 * (now - last[2]), steps)

@@ -10,6 +10,7 @@ time, kernel count and busiest kernels per call; --host-profile adds cProfile's 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import tempfile
@@ -92,7 +93,7 @@ def main():
             if k0 == k1 and k1 != "prefill":
                 gaps.setdefault(k1, []).append(1e3 * (t_1 - t_0) / max(s1, 1))
         calls = sum(1 for k, _, _ in arrivals if k != "prefill")
-        kinds = {k: sum(1 for a in arrivals if a[0] == k) for k in {a[0] for a in arrivals}}
+        kinds = dict(collections.Counter(k for k, _, _ in arrivals))
         host = host_profile(generate, calls) if args.host_profile else None
         prof = device_kernels(generate, calls, tempfile.mkdtemp())
         row = dict(engine=name, prompts=len(prompts), tokens=tokens, tokens_per_s=tokens / secs,

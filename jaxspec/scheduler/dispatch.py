@@ -72,8 +72,9 @@ class Dispatch:
         f = InFlight("decode", reqs, outputs, dict(pt=args[1], stop_ids=args[4], num_steps=args[5],
                                                    pages=[len(r.pages) for r in reqs]),
                      flags, steps=steps, plain=self.device_drafter, host_s=time.perf_counter() - t0)
-        self._host_work_while_device_runs(f, chained_next=overlap and self._may_overlap(f))
-        if overlap and self._may_overlap(f):
+        overlapped = overlap and self._may_overlap(f)
+        self._host_work_while_device_runs(f, chained_next=overlapped)
+        if overlapped:
             self.inflight = f  # read back in the next step, after the call that follows it is launched
         else:
             self._collect(f)

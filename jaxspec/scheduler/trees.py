@@ -148,10 +148,8 @@ class TreeSizing:
         timed at the most steps a call runs and divided: a steady batch runs that many, and one
         step a call also timed the call's launch and read-back (which made verifying look cheap
         against decoding at batch 32: spec-policy-NVIDIA-H200.json, 0091df7). A host drafter's
-        verify_tree runs one step a call: without this table NGRAM's policy knew only the verify
-        calls it saw, priced them from its first few, taken while bench/spec.py's engines warmed up
-        side by side (13-21 ms at batch 1, against 4.7 alone: spec-ngram-new- at a859b2d and
-        8f16ebb, ngram_step-real-always-), and decoded plainly nearly always. Buckets that never
+        verify_tree runs one step a call; without this table its policy priced verify calls from
+        the first few it saw (SpecPolicy.arrived says how that went wrong). Buckets that never
         verify are not timed (no choice is made there)."""
         costs, reps = StepCosts(), 3
         # pages no request holds (at a warm-up: any), else no context
@@ -159,11 +157,11 @@ class TreeSizing:
         pages = min(-(-(context + 2 * self._span(None, 64, self.verify_steps)) // self.page_size), self.pool.num_pages - 1,
                     self.max_pages_per_seq) if context else 0
         for progs, name, flags, cache, args in specs:
+            rows, n = args[0].shape
             if flags.sample or name not in ("decode", "verify_steps", "verify_tree"):
                 continue
-            if name == "decode" and not self._verify_shapes(args[0].shape[0]):
+            if name == "decode" and not self._verify_shapes(rows):
                 continue  # a bucket without trees decodes plainly: no choice reads its cost
-            rows, n = args[0].shape
             steps = {"decode": MAX_DECODE_STEPS, "verify_steps": self.verify_steps}.get(name, 1)
             args = list(self._dummy_decode(rows, steps, alive=True) if name == "decode"
                         else self._dummy_verify(rows, n, steps, alive=True))
@@ -174,15 +172,9 @@ class TreeSizing:
             args = tuple(args)
 
             def call(progs=progs, name=name, flags=flags):
-                if name == "decode" and self.device_drafter:
-                    *out, tcache = progs.decode(self.cache[0], *inputs.pop(), flags=flags)
-                    self.cache = (tcache, self.cache[1])
-                elif name == "decode":
-                    *out, self.cache = progs.decode(self.cache, *inputs.pop(), flags=flags)
-                elif name == "verify_tree":
-                    *out, self.cache = progs.verify_tree(self.cache, *inputs.pop(), flags=flags)
-                else:
-                    *out, self.cache = progs.verify_steps(self.cache, *inputs.pop(), flags=flags)
+                if name != "verify_steps":  # a device drafter's decode runs the target alone
+                    return self._call(name, name == "decode" and self.device_drafter, inputs.pop(), flags)
+                *out, self.cache = progs.verify_steps(self.cache, *inputs.pop(), flags=flags)
                 return out
             # the programs donate some inputs: a copy a call. The first program runs SPIN_CALLS more
             # first, so that no program is timed on a GPU idle since its compiles
@@ -190,8 +182,10 @@ class TreeSizing:
             inputs = [jax.device_put(args) for _ in range(reps + 1 + spin)]
             for _ in range(spin):
                 jax.block_until_ready(call())
-            key = (("decode", rows, None) if name == "decode" else ("verify", rows, progs.tree.label)
-                   if self.device_drafter else ("verify", rows, HostTree(self.tree_size(rows)).label))
+            if name == "decode":
+                key = ("decode", rows, None)
+            else:
+                key = ("verify", rows, (progs.tree if self.device_drafter else HostTree(self.tree_size(rows))).label)
             costs.ms[key] = time_call(call, reps=reps) / steps
         return costs
 
