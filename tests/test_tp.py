@@ -126,3 +126,16 @@ def test_rollout_over_a_tp_mesh_gives_tp1_tokens(tiny, tiny_eagle3):
     rows = sharding.NamedSharding(mesh, sharding.P("data"))
     got = jax.jit(fn)(params, dparams, *(jax.device_put(a, rows) for a in args)).tokens
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_vocab_parallel_lookup_finds_every_shards_rows(tiny):
+    """Token ids on both sides of each shard's boundary, looked up in the vocabulary-split table."""
+    from jaxspec.models.loading import shard_model
+    v = tiny.cfg.vocab_size
+    for tp in (2, 4):
+        n = v // tp
+        ids = np.array([[0, n - 1, n, v - 1, (tp - 1) * n, 7]], np.int32)
+        model = shard_model(tiny, sharding.tp_mesh(tp))
+        with jax.set_mesh(sharding.tp_mesh(tp)):
+            got = jax.jit(lambda t: model.embed_tokens(t))(ids)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(tiny.embed[...])[ids])

@@ -5,6 +5,7 @@ Llama-3-8B shape (random bf16 weights, `--layers` of them), at each batch:
   engine:   the engine's `decode` program (8 steps a call, chained), whose step loop and shared
             sampler's conditional run from the host wherever a collective keeps them out of a
             command buffer (compile_options.py);
+  verify:   the engine's verify_tree program on a 24-node chain (EAGLE-3 6:4:24's size), chained;
   straight: one greedy step a call with no loop and no conditional (forward, argmax), chained, so
             the host never waits on the device;
 and profiles each on every GPU: kernel time, collective kernel time, span per step, and the host
@@ -149,7 +150,7 @@ def child(args) -> list:
     from decode import decode_steps
     from jaxspec import compile_options, sharding
     from jaxspec.models import ModelConfig
-    from tp import MODELS, memory
+    from tp import MODELS, memory, verify_step
 
     cfg = ModelConfig(**dict(MODELS[args.model], num_layers=args.layers or MODELS[args.model]["num_layers"]))
     bw = copy_bandwidth()
@@ -163,13 +164,16 @@ def child(args) -> list:
             mem = memory(cfg, tp, b, args.context)
             floor = (mem["weight_bytes_per_device"] + mem["kv_bytes_per_device"]) / bw
             for algo in args.algos.split(","):
-                row = dict(variant=args.child, all_reduces_per_call=64 if algo == "psum" else None, tp=tp, batch=b, algorithm=algo, layers=args.layers, context=args.context,
+                row = dict(variant=args.child, all_reduces_per_call=64 if algo == "psum" else None, tp=tp, batch=b,
+                           algorithm=algo, layers=args.layers, context=args.context,
                            command_buffers=compile_options.COMMAND_BUFFERS, update_mode=compile_options.update_mode())
                 try:
                     if algo == "psum":  # per all-reduce: 64 a call
                         if mesh is None:
                             continue
                         run, per = all_reduces(b, cfg.hidden_size, mesh), 1
+                    elif algo == "verify":  # one verify_tree call of a 24-node chain
+                        run, per = verify_step(model, b, args.context, 24, 16, mesh), 1
                     elif algo == "engine":
                         run, per = decode_steps(model, b, args.context, 2048, 16, "auto", mesh=mesh), 8
                     else:
