@@ -58,15 +58,16 @@ def _generator(args, max_batch, **kw):
 
 
 def programs(args) -> int:
-    from jaxspec.programs import SHARED_SAMPLER
     gen = _generator(args, args.max_batch, warmup=args.build)
     sched = gen.scheduler
     specs = sched.program_specs()
-    entries = {progs.entry(*spec): (spec[0], getattr(progs.tree, "label", ""), spec[1], spec[3])
+    entries = {progs.entry(*spec): (spec[0], getattr(progs.tree, "label", ""), spec[1], spec[3], progs)
                for progs, *spec in specs}
     print(f"{len(entries)} programs (max batch {args.max_batch}):")
-    for name, tree, flags, call_args in sorted(entries.values(), key=lambda e: (e[0], e[3][0].shape, e[1], e[2].sample)):
-        sampled = "greedy and sampled" if name in SHARED_SAMPLER else "sampled" if flags.sample else "greedy"
+    for name, tree, flags, call_args, progs in sorted(entries.values(),
+                                                      key=lambda e: (e[0], e[3][0].shape, e[1], e[2].sample)):
+        shared = progs.flags_for(name, type(flags)()).sample  # a greedy batch's program samples too
+        sampled = "greedy and sampled" if shared else "sampled" if flags.sample else "greedy"
         tree = f"  tree {tree}" if name == "verify_steps" else ""
         print(f"  {name:12s} rows {call_args[0].shape[0]:4d}  tokens {call_args[0].shape[1]:4d}  {sampled}{tree}")
     if args.build and sched.spec_costs.ms:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec import program_store, sampling
+from jaxspec import program_store, sampling, sharding
 from jaxspec.compile_options import program_options
 from jaxspec.verify import verify_and_accept
 
@@ -51,9 +51,10 @@ STOP_ID_SLOTS = 8  # stop ids a row's decode call checks on the device (the host
 SHARED_SAMPLER = ("extend", "decode", "verify_tree")
 
 
-def program_flags(name: str, flags: sampling.SamplerFlags) -> sampling.SamplerFlags:
-    """The flags the program serving a batch with `flags` is compiled with."""
-    return flags._replace(sample=True, filter=True) if name in SHARED_SAMPLER else flags
+def program_flags(name: str, flags: sampling.SamplerFlags, shared: bool = True) -> sampling.SamplerFlags:
+    """The flags the program serving a batch with `flags` is compiled with (shared: whether
+    SHARED_SAMPLER's programs serve greedy and sampled batches alike)."""
+    return flags._replace(sample=True, filter=True) if shared and name in SHARED_SAMPLER else flags
 
 
 def bucket(n: int, buckets) -> int:
@@ -96,6 +97,13 @@ class Programs:
         """store: a folder for exported programs (program_store.py), or None to trace every one.
         mesh: the tensor-parallel mesh the weights are sharded over (traced under it)."""
         self.jit, self.store, self.mesh = jit, store, mesh
+        # Under a tensor-parallel mesh the sampler's conditional holds collectives (its logits are
+        # split by vocabulary), which no command buffer holds (compile_options.py): XLA runs it
+        # from the host, whose launch then waits for the GPU mid-program. A TP-2 verify_tree call
+        # (8B shape, 8 layers, batch 1, two H100s) took 3.56 ms for 1.39 ms of kernels, its launch
+        # holding the host 3.13 ms (tp_step-NVIDIA-H100-80GB-HBM3.json at d6542d3). So there a
+        # greedy batch gets a program without the sampler.
+        self.shared_sampler = sharding.tp_size(mesh) == 1
         head = getattr(drafter, "head", None)
         self.tree = getattr(drafter, "tree", None)  # the tree a device drafter's programs draft
         # what the programs' code depends on beyond their argument shapes (an exported entry's name)
@@ -155,8 +163,12 @@ class Programs:
         return self.run("verify_steps", flags, cache, (tokens, parents, page_table, kv_lens, num_nodes, budget,
                                                        stop_ids, num_steps, next_nodes, sb))
 
+    def flags_for(self, name, flags):
+        """The flags of the program that serves `flags` (program_flags)."""
+        return program_flags(name, flags, self.shared_sampler)
+
     def run(self, name, flags, cache, args):
-        flags = program_flags(name, flags)
+        flags = self.flags_for(name, flags)
         if not self.jit:
             with self._traced():
                 return self.fns[name](self.state, cache, *args, flags=flags)
@@ -198,7 +210,7 @@ class Programs:
 
     def entry(self, name, flags, cache, args) -> str:
         """The file name of this program in the store."""
-        return program_store.entry_name(self.config_key, name, program_flags(name, flags), _signature((self.state, cache, args)),
+        return program_store.entry_name(self.config_key, name, self.flags_for(name, flags), _signature((self.state, cache, args)),
                                         str(jax.tree.structure((cache, args))))
 
     def _traced(self):
@@ -225,7 +237,7 @@ class Programs:
         t0 = time.perf_counter()
         todo = {}
         for name, flags, cache, args in specs:
-            flags = program_flags(name, flags)
+            flags = self.flags_for(name, flags)
             key = (name, flags, _signature((cache, args)))
             if key not in self.table and key not in todo:
                 todo[key] = (name, flags, cache, args)

@@ -14,6 +14,7 @@ from conftest import TINY
 from jaxspec import Generator, SamplingParams, SpecConfig, sharding
 from jaxspec.drafters.eagle import EagleDrafter, load_head
 from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.sampling import SamplerFlags
 
 RNG = np.random.default_rng(4)
 PROMPTS = [list(map(int, (list(RNG.integers(0, 62, 3)) * 8)[:n])) for n in (3, 9, 14, 21, 6)]  # repeats: NGRAM drafts
@@ -48,6 +49,9 @@ def test_tp_gives_tp1_tokens(tiny, tiny_eagle3, tp, kind):
     if kind != "plain":
         assert np.mean([o.mean_accept_length or 1 for o in out]) > 1.0
     assert gen.scheduler.pool.in_use == 0
+    # greedy and sampled batches have programs of their own under a mesh, all built at start-up
+    assert not gen.scheduler.programs.flags_for("decode", SamplerFlags()).sample
+    assert gen.scheduler.late_compiles == []
     if tp == 4:  # 2 KV heads repeated to one a shard
         assert gen.model.cfg.num_kv_heads == 4 and gen.model.cfg.shard_groups == 4
 
