@@ -101,7 +101,7 @@ class Programs:
         # split by vocabulary), which no command buffer holds (compile_options.py): XLA runs it
         # from the host, whose launch then waits for the GPU mid-program. A TP-2 verify_tree call
         # (8B shape, 8 layers, batch 1, two H100s) took 3.56 ms for 1.39 ms of kernels, its launch
-        # holding the host 3.13 ms (tp_step-NVIDIA-H100-80GB-HBM3.json at d6542d3). So there a
+        # holding the host 3.13 ms (tp_step-NVIDIA-H100-80GB-HBM3.json, run at d6542d3). So there a
         # greedy batch gets a program without the sampler.
         self.shared_sampler = sharding.tp_size(mesh) == 1
         head = getattr(drafter, "head", None)

@@ -165,7 +165,7 @@ class Llama(nnx.Module):
         """Under a tensor-parallel mesh the table is split by vocabulary (sharding.py): each shard
         looks up the tokens in its own rows, and one all-reduce of [B, T, H] sums the rows found.
         Left to XLA's partitioner, a batch-1 step on the GPU all-gathered the whole table: a 1.95 ms
-        NCCL all-gather in a 3.4 ms step (8B shape, 8 layers, two H100s; tp_step-*.json at dec7aa2)."""
+        NCCL all-gather in a 3.4 ms step (8B shape, 8 layers, two H100s; tp_step-*.json as committed in dec7aa2)."""
         from jaxspec import sharding
         table = self.embed[...]
         mesh = jax.sharding.get_abstract_mesh()
