@@ -44,7 +44,7 @@ def patched(variant):
     """The probe-only changes of a variant, in force while its program is built and run."""
     saved = programs.program_flags, sampling.logprobs_of
     if variant == "greedy":
-        programs.program_flags = lambda name, flags: flags
+        programs.program_flags = lambda name, flags, shared=True: flags
     if variant == "no-logprobs":
         sampling.logprobs_of = lambda logits, nxt, k: (jnp.zeros(nxt.shape, jnp.float32), None, None)
     try:
