@@ -7,8 +7,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 47 s instead of 124 s. And many tests build the same step programs (same tiny model, same
 # buckets) in fresh Generators: a persistent cache shared by the xdist workers compiles each once.
 # Its keys are the programs' HLO, the flags and the jax version, so a stale entry cannot match.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
-                      "--xla_llvm_disable_expensive_passes=true")
+# XLA's CPU fusion emitters (MLIR) took twice the compile time of its older LLVM IR emitters on the
+# tiny models' programs (an EAGLE-3 verify_steps 3.8 s against 1.8, decode 1.2 against 0.6; jaxlib
+# 0.10.2, a 2-core machine), though SmolLM2's compile and run a little slower with the old ones
+# (test_golden.py cold: 61 s against 50): the whole suite with an empty cache took 1304 s instead
+# of 1569. An XLA that does not know the flag aborts at start: it is asked first, in a subprocess.
+FAST_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
+              "--xla_llvm_disable_expensive_passes=true")
+OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flags: str) -> bool:
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True,
+                          timeout=300).returncode == 0
+
+
+if "XLA_FLAGS" not in os.environ:  # xdist workers inherit the controller's choice
+    os.environ["XLA_FLAGS"] = FAST_FLAGS + (" " + OLD_EMITTERS if _xla_knows(OLD_EMITTERS) else "")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxspec-test-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
