@@ -35,9 +35,9 @@ TRITON_GEMM_MAX_ROWS = 32
 # So only the programs that loop over the shared sampler (`decode`, the rollout's loop) take XLA's
 # sort; the rest keep CUB's. None: XLA's default.
 # COLLECTIVES (a tensor-parallel loop's all-reduces as commands, so that the loop could be one too)
-# failed in bench/tp.py on two H100s, 8B decode: "Failed to instantiate CUDA graph:
-# CUDA_ERROR_INVALID_VALUE" (jax 0.11.2). Without it TP 2 ran 0.85x one GPU's step at batch 1
-# (tp-NVIDIA-H100-80GB-HBM3.json).
+# fails on two H100s: "Failed to instantiate CUDA graph: CUDA_ERROR_INVALID_VALUE" (jax 0.11.2),
+# under either update mode and with XLA's one-shot all-reduce kernel too (tp_step-*.json as
+# committed in 63f9af0). So a TP decode loop runs from the host (programs.py's shared_sampler).
 COMMAND_BUFFERS: str | None = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
 if os.environ.get("JAXSPEC_COMMAND_BUFFERS") is not None:  # probes: "" turns them off (a profile then sees each kernel)
     COMMAND_BUFFERS = os.environ["JAXSPEC_COMMAND_BUFFERS"] or None
