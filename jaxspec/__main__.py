@@ -58,6 +58,7 @@ def _generator(args, max_batch, **kw):
 
 
 def programs(args) -> int:
+    from jaxspec.sampling import SamplerFlags
     gen = _generator(args, args.max_batch, warmup=args.build)
     sched = gen.scheduler
     specs = sched.program_specs()
@@ -66,7 +67,7 @@ def programs(args) -> int:
     print(f"{len(entries)} programs (max batch {args.max_batch}):")
     for name, tree, flags, call_args, progs in sorted(entries.values(),
                                                       key=lambda e: (e[0], e[3][0].shape, e[1], e[2].sample)):
-        shared = progs.flags_for(name, type(flags)()).sample  # a greedy batch's program samples too
+        shared = progs.flags_for(name, SamplerFlags()).sample  # a greedy batch's program samples too
         sampled = "greedy and sampled" if shared else "sampled" if flags.sample else "greedy"
         tree = f"  tree {tree}" if name == "verify_steps" else ""
         print(f"  {name:12s} rows {call_args[0].shape[0]:4d}  tokens {call_args[0].shape[1]:4d}  {sampled}{tree}")

@@ -179,18 +179,18 @@ def child(args) -> list:
                     else:
                         run, per = straight_steps(model, b, args.context, 16, mesh), 1
                     n = args.steps
-                    times, launch = [], []
+                    times = []
                     for _ in range(3):
                         t0 = time.perf_counter()
                         jax.block_until_ready(run(n))
                         times.append((time.perf_counter() - t0) / n)
                     t0 = time.perf_counter()
                     out = run(per)  # one call: how long its launch holds the host
-                    launch.append(time.perf_counter() - t0)
+                    launch = time.perf_counter() - t0
                     jax.block_until_ready(out)
                     t = float(np.median(times))
                     row.update(ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor,
-                               launch_ms=launch[0] * 1e3 / per,
+                               launch_ms=launch * 1e3 / per,
                                profile=per_device_profile(lambda: run(16), 16))
                 except Exception as e:  # a variant XLA cannot run: recorded, the rest go on
                     row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
