@@ -8,10 +8,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # buckets) in fresh Generators: a persistent cache shared by the xdist workers compiles each once.
 # Its keys are the programs' HLO, the flags and the jax version, so a stale entry cannot match.
 # XLA's CPU fusion emitters (MLIR) took twice the compile time of its older LLVM IR emitters on the
-# tiny models' programs (an EAGLE-3 verify_steps 3.8 s against 1.8, decode 1.2 against 0.6; jaxlib
-# 0.10.2, a 2-core machine), though SmolLM2's compile and run a little slower with the old ones
-# (test_golden.py cold: 61 s against 50): the whole suite with an empty cache took 1304 s instead
-# of 1569. An XLA that does not know the flag aborts at start: it is asked first, in a subprocess.
+# tiny models' programs: an EAGLE-3 verify_steps 3.4-3.8 s against 2.0-2.3, decode 1.0-1.1 against
+# 0.5-0.6 (bench/results/cpu_compile-cpu.json). SmolLM2's tests got slower with the old ones
+# (test_shipped.py 99 s -> 183, test_golden.py 34 -> 62), but the whole suite with an empty cache
+# took 1304 s instead of 1569 (suite_durations-cold-*-cpu.json). An XLA that does not know the flag
+# aborts at start: it is asked first, in a subprocess.
 FAST_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
               "--xla_llvm_disable_expensive_passes=true")
 OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
