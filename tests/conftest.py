@@ -11,7 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tiny models' programs: an EAGLE-3 verify_steps 3.4-3.8 s against 2.0-2.3, decode 1.0-1.1 against
 # 0.5-0.6 (bench/results/cpu_compile-cpu.json). SmolLM2's tests got slower with the old ones
 # (test_shipped.py 99 s -> 183, test_golden.py 34 -> 62), but the whole suite with an empty cache
-# took 1304 s instead of 1569 (suite_durations-cold-*-cpu.json). An XLA that does not know the flag
+# took 1304 s instead of 1569 (suite_durations-cold-base- and -cold-first-options-cpu.json). An XLA that does not know the flag
 # aborts at start: it is asked first, in a subprocess.
 FAST_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
               "--xla_llvm_disable_expensive_passes=true")
@@ -34,6 +34,50 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax.numpy as jnp
 import pytest
+from jax import stages
+
+from jaxspec.programs import Programs
+
+# Those flags trade the programs' speed for their compile time, which pays for the tiny models'
+# programs only. SmolLM2's plain programs ran 2.6x slower under them (30 greedy tokens: 4.59 s
+# against 1.75) and compiled about as fast, so a target-only program over more than
+# BIG_PROGRAM_BYTES of weights compiles with XLA's full optimisation, asked for per compile
+# (bench/results/cpu_compile-smollm2-cpu.json; the whole suite with an empty cache: 1938 s of test
+# time against 2296, suite_durations-cold-base- and -cold-first-options-cpu.json). A drafter's programs keep the fast flags:
+# optimised, SmolLM2's EAGLE-3 engine took 24.2 s against 27.4 for its first generate, within the
+# compiles' spread from run to run.
+BIG_PROGRAM_BYTES = 64 << 20
+FULL_OPTIMISATION = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
+if OLD_EMITTERS in os.environ["XLA_FLAGS"]:
+    FULL_OPTIMISATION["xla_cpu_use_fusion_emitters"] = True
+_OPTIMISED: set = set()  # id() of the lowered programs to compile so (Lowered has no attributes of its own)
+_lower, _compile = Programs._lower, stages.Lowered.compile
+
+
+def _lower_marking_big_programs(self, name, flags, cache, args):
+    lowered = _lower(self, name, flags, cache, args)
+    if self._target_leaves == len(self.state) and sum(x.nbytes for x in self.state) > BIG_PROGRAM_BYTES:
+        _OPTIMISED.add(id(lowered))
+    return lowered
+
+
+def _compile_marked_optimised(self, compiler_options=None, **kw):
+    if id(self) in _OPTIMISED:
+        _OPTIMISED.discard(id(self))
+        compiler_options = {**FULL_OPTIMISATION, **(compiler_options or {})}
+    return _compile(self, compiler_options, **kw)
+
+
+Programs._lower, stages.Lowered.compile = _lower_marking_big_programs, _compile_marked_optimised
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment of a test's child process that runs SmolLM2: without the flags that slow
+    its programs down (as the per-compile options above spare this process's big programs)."""
+    slow = set(FAST_FLAGS.split()[1:]) | {OLD_EMITTERS}
+    env = dict(os.environ, **extra)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in slow)
+    return env
 
 from jaxspec.models import Llama, ModelConfig
 

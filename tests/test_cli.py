@@ -1,12 +1,14 @@
 import subprocess
 import sys
 
+from conftest import subprocess_env
+
 
 def test_cli_answers_paris():
     out = subprocess.run([sys.executable, "-m", "jaxspec", "generate", "--model", "smollm2-135m", "--prompt",
                           "What is the capital of France?", "--max-tokens", "24", "--speculative-algorithm", "NGRAM",
                           "--no-warmup"],  # the warm-up set and its cost table: test_programs.py, test_spec_policy.py
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=subprocess_env())
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 

@@ -13,11 +13,13 @@ uvicorn = pytest.importorskip("uvicorn")
 
 def smol_generator():
     """The engine process's Generator (plain decoding: speculation under batching is tested in
-    test_spec.py and test_eagle.py)."""
+    test_spec.py and test_eagle.py), its programs built before it serves, as server.py's are: a
+    compile mid-run stalls the engine, and the fault run's small queue then turned away most of
+    its requests in a cold run."""
     import jax.numpy as jnp
 
     from jaxspec.generator import Generator
-    return Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, **SMOL_KW)
+    return Generator.from_pretrained("smollm2-135m", dtype=jnp.float32, warmup=True, **SMOL_KW)
 
 
 def serve(engine):
