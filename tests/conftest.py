@@ -42,8 +42,9 @@ from jaxspec.programs import Programs
 # programs only. SmolLM2's plain programs ran 2.6x slower under them (30 greedy tokens: 4.59 s
 # against 1.75) and compiled about as fast, so a target-only program over more than
 # BIG_PROGRAM_BYTES of weights compiles with XLA's full optimisation, asked for per compile
-# (bench/results/cpu_compile-smollm2-cpu.json; the whole suite with an empty cache: 1938 s of test
-# time against 2296, suite_durations-cold-base- and -cold-first-options-cpu.json). A drafter's programs keep the fast flags:
+# (bench/results/cpu_compile-smollm2-cpu.json). The whole suite with an empty cache: 1196 s before,
+# 888 s after in a fresh clone (suite_durations-cold-base-, -ci-cold-fresh-clone-cpu.json, with the
+# server tests' engine warmed up). A drafter's programs keep the fast flags:
 # optimised, SmolLM2's EAGLE-3 engine took 24.2 s against 27.4 for its first generate, within the
 # compiles' spread from run to run.
 BIG_PROGRAM_BYTES = 64 << 20
