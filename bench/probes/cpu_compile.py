@@ -26,11 +26,8 @@ BASE = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_lev
         "--xla_llvm_disable_expensive_passes=true")
 OLD = BASE + " --xla_cpu_use_fusion_emitters=false"
 FLAG_SETS = {"tests-before": BASE, "old-emitters": OLD,
-             "no-unroll": OLD + " --xla_cpu_disable_loop_unrolling=true",
-             "no-slp": OLD + " --xla_cpu_disable_slp_vectorizer=true",
              "split1": OLD + " --xla_cpu_parallel_codegen_split_count=1",
              "no-region": OLD + " --xla_cpu_copy_insertion_use_region_analysis=false",
-             "size": OLD + " --xla_cpu_optimize_for_size=true",
              "no-xnn": OLD + " --xla_cpu_use_xnnpack=false"}
 
 
