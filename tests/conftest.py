@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 import tempfile
 
@@ -69,7 +70,10 @@ def _compile_marked_optimised(self, compiler_options=None, **kw):
     return _compile(self, compiler_options, **kw)
 
 
-Programs._lower, stages.Lowered.compile = _lower_marking_big_programs, _compile_marked_optimised
+# Not in a test's engine process (server.py's set-up, spawned): in two of four suite runs with its
+# programs optimised, the fault run there completed 3 of 120 requests (cause not found yet).
+if multiprocessing.parent_process() is None:
+    Programs._lower, stages.Lowered.compile = _lower_marking_big_programs, _compile_marked_optimised
 
 
 def subprocess_env(**extra) -> dict:
