@@ -44,10 +44,10 @@ from jaxspec.programs import Programs
 # against 1.75) and compiled about as fast, so a target-only program over more than
 # BIG_PROGRAM_BYTES of weights compiles with XLA's full optimisation, asked for per compile
 # (bench/results/cpu_compile-smollm2-cpu.json). The whole suite with an empty cache: 1196 s before,
-# 888 s after in a fresh clone (suite_durations-cold-base-, -ci-cold-fresh-clone-cpu.json, with the
-# server tests' engine warmed up). A drafter's programs keep the fast flags:
-# optimised, SmolLM2's EAGLE-3 engine took 24.2 s against 27.4 for its first generate, within the
-# compiles' spread from run to run.
+# 888 s after in a fresh clone at 51b1c8b, whose server tests' engine process was also warmed up and
+# optimised (suite_durations-cold-base-, -ci-cold-fresh-clone-cpu.json). A drafter's programs keep
+# the fast flags: optimised, SmolLM2's EAGLE-3 engine took 24.2 s against 27.4 for its first
+# generate, within the compiles' spread from run to run.
 BIG_PROGRAM_BYTES = 64 << 20
 FULL_OPTIMISATION = {"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False}
 if OLD_EMITTERS in os.environ["XLA_FLAGS"]:
