@@ -12,8 +12,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tiny models' programs: an EAGLE-3 verify_steps 3.4-3.8 s against 2.0-2.3, decode 1.0-1.1 against
 # 0.5-0.6 (bench/results/cpu_compile-cpu.json). SmolLM2's tests got slower with the old ones
 # (test_shipped.py 99 s -> 183, test_golden.py 34 -> 62), but the whole suite with an empty cache
-# took 1304 s instead of 1569 (suite_durations-cold-base- and -cold-first-options-cpu.json). An XLA that does not know the flag
-# aborts at start: it is asked first, in a subprocess.
+# took 1304 s instead of 1569 (suite_durations-cold-before- and -cold-old-emitters-cpu.json). An XLA
+# that does not know the flag aborts at start: it is asked first, in a subprocess.
 FAST_FLAGS = ("--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 "
               "--xla_llvm_disable_expensive_passes=true")
 OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
@@ -56,9 +56,14 @@ _OPTIMISED: set = set()  # id() of the lowered programs to compile so (Lowered h
 _lower, _compile = Programs._lower, stages.Lowered.compile
 
 
+def compiles_optimised(progs) -> bool:
+    """Whether a Programs' programs compile with FULL_OPTIMISATION: target-only, over BIG_PROGRAM_BYTES."""
+    return progs._target_leaves == len(progs.state) and sum(x.nbytes for x in progs.state) > BIG_PROGRAM_BYTES
+
+
 def _lower_marking_big_programs(self, name, flags, cache, args):
     lowered = _lower(self, name, flags, cache, args)
-    if self._target_leaves == len(self.state) and sum(x.nbytes for x in self.state) > BIG_PROGRAM_BYTES:
+    if compiles_optimised(self):
         _OPTIMISED.add(id(lowered))
     return lowered
 
@@ -70,17 +75,17 @@ def _compile_marked_optimised(self, compiler_options=None, **kw):
     return _compile(self, compiler_options, **kw)
 
 
-# Not in a test's engine process (server.py's set-up, spawned): in two of four suite runs with its
-# programs optimised, the fault run there completed 3 of 120 requests (cause not found yet).
+# Not in a test's engine process (server.py's set-up, spawned): with its programs optimised, the
+# fault run there turned away nearly every request in some suite runs (cause not found yet).
 if multiprocessing.parent_process() is None:
     Programs._lower, stages.Lowered.compile = _lower_marking_big_programs, _compile_marked_optimised
 
 
-def subprocess_env(**extra) -> dict:
+def subprocess_env() -> dict:
     """The environment of a test's child process that runs SmolLM2: without the flags that slow
     its programs down (as the per-compile options above spare this process's big programs)."""
     slow = set(FAST_FLAGS.split()[1:]) | {OLD_EMITTERS}
-    env = dict(os.environ, **extra)
+    env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f not in slow)
     return env
 
