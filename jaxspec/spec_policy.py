@@ -32,11 +32,16 @@ The choice. A call at bucket `rows` verifies the shape with the most expected to
 
 where plain decoding emits one token per plain step. Every shape a bucket has runs `explore` calls
 (4 for a device drafter: after one each, HumanEval's 3:1:4 was held at an accept length of 1.25,
-9ecd17e; a host drafter tries each match key once) before any is preferred; a bucket keeps its
-shape unless another looks SWITCH_GAIN faster (at batch 1 the leading shapes were within 10% of
-each other, about the estimates' noise, and calls that moved between them ran at 0.88x the best
-fixed tree: spec-auto-*.json at 1853a27); every probe_every calls another runs PROBE_CALLS calls
-(the contenders in turn) so that the averages follow the requests and the costs.
+9ecd17e; a host drafter tries each match key once) before any is preferred. A shape whose nodes a
+bigger one of the same depth and branching drafts too is left out where that one costs at most
+NESTED_COST as much a step: it accepts at least as much on every step (on an H200 at batch 1
+6:4:24 cost 1.5% more than 6:4:16 and accepted 6% more, yet a policy that had settled on 6:4:16
+verified it 133 calls of 181: spec-auto-b1-8-). A bucket that moved to a shape keeps it for
+HOLD_CALLS calls, then takes the fastest again: a change of shape costs an unchained call, and
+calls that moved between near-tied shapes ran at 0.88x the best fixed tree (spec-auto-*.json at
+1853a27), while a margin to beat instead (5% until 45c5435) kept whichever near-tied shape led
+first. Every probe_every calls another runs PROBE_CALLS calls (the contenders in turn) so that the
+averages follow the requests and the costs.
 
 Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
 (above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
@@ -67,7 +72,8 @@ PRIOR_STEPS = 16  # steps of the table's (scaled) cost a shape's seen cost is we
 KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are halved (the costs move)
 HOST_KEPT_STEPS = 64  # a host drafter's: its verify calls are rare, each one step
 KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
-SWITCH_GAIN = 1.05  # how much faster another shape must look for a bucket to move to it
+HOLD_CALLS = 8  # calls a bucket keeps a shape it moved to
+NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
 MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
 PLAIN = "plain"  # the label plain decoding's costs are kept under
 
@@ -139,6 +145,14 @@ def _contains(tree, other) -> bool:
         getattr(other, a) <= getattr(tree, a) for a in shape)
 
 
+def _nested(big, small) -> bool:
+    """Whether `big` drafts every node `small` does and more: the same depth and branching (the
+    same candidates, of which each keeps its most probable), more nodes."""
+    shape = ("steps", "topk", "num_draft_tokens")
+    return (all(hasattr(x, a) for x in (big, small) for a in shape) and (big.steps, big.topk) == (small.steps, small.topk)
+            and big.num_draft_tokens > small.num_draft_tokens)
+
+
 class SpecPolicy:
     def __init__(self, costs: StepCosts, trees_at: dict, plain: bool = False, min_gain: float = 1.0,
                  probe_every: int = 32, explore: int | None = None, kept: int = KEPT_ROW_STEPS,
@@ -162,7 +176,7 @@ class SpecPolicy:
         self.chosen: collections.Counter = collections.Counter()  # (bucket, label) -> decisions
         self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
         self.recent: dict = {}  # (bucket, label) -> the last calls' ms a step (the summary's spread)
-        self.held: dict = {}  # bucket -> the tree its calls verify between probes
+        self.held: dict = {}  # bucket -> (the tree its calls verify between probes, the call it moved to it)
         self.backoff: dict = {}  # key -> probe interval multiplier (plain decoding a choice)
         self.last_verified: dict = {}  # key -> plain steps when it last verified
         self.plain_steps = 0  # plain steps read back so far
@@ -297,24 +311,35 @@ class SpecPolicy:
         return pick
 
     def _rank(self, rows, trees):
-        """Among the trees alone (a device drafter): explore, then the fastest, held within
-        SWITCH_GAIN, and rivals probed every probe_every calls."""
+        """Among the trees alone (a device drafter), those no nested bigger one replaces: explore,
+        then the fastest, held HOLD_CALLS calls, and rivals probed every probe_every calls."""
+        trees = self._undominated(rows, trees)
         pick = next((t for t in trees if self.seen[t] < self.explore), None)  # learn what each accepts
         if pick is not None:
             return pick
         n = self.calls[rows] = self.calls[rows] + 1
         ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
         pick = ranked[0]
-        held = self.held.get(rows)
-        if held in trees and self.rate(rows, pick) < SWITCH_GAIN * self.rate(rows, held):
-            pick = held  # within the estimates' noise: a change of shape costs an unchained call
-        self.held[rows] = pick
+        held, since = self.held.get(rows, (None, 0))
+        if held in trees and pick != held and n - since < HOLD_CALLS:
+            pick = held  # a change of shape costs an unchained call
+        if pick != held:
+            self.held[rows] = (pick, n)
         if n % self.probe_every < PROBE_CALLS and n >= self.probe_every and len(ranked) > 1:
             # the shapes within 25% of the best in turn (at least the runner-up): they could
             # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
             rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, pick)] or ranked[1:2]
             pick = rivals[(n // self.probe_every) % len(rivals)]
         return pick
+
+    def _undominated(self, rows, trees):
+        """trees less those a bigger one of the same depth and branching replaces at this bucket
+        (costing at most NESTED_COST as much a step; shapes of unknown cost stay)."""
+        def replaced(t):
+            ct = self.cost(rows, t.label)
+            return ct is not None and any(
+                _nested(u, t) and (cu := self.cost(rows, u.label)) is not None and cu <= NESTED_COST * ct for u in trees)
+        return [t for t in trees if not replaced(t)] or list(trees)
 
     def _gate(self, rows, trees, keys):
         """A tree, or plain decoding where none looks min_gain faster (a host drafter)."""

@@ -49,6 +49,35 @@ def test_the_choice_follows_tokens_per_millisecond(monkeypatch):
     assert "3:2:6" in costs.table() and "1.500" in costs.table()
 
 
+def test_a_nested_shape_costing_nearly_as_much_replaces_the_smaller_one():
+    chain, t16, t24 = TreeShape(3, 1, 4), TreeShape(6, 4, 16), TreeShape(6, 4, 24)
+    costs = StepCosts({("verify", 1, "3:1:4"): 1.30, ("verify", 1, "6:4:16"): 1.45, ("verify", 1, "6:4:24"): 1.48,
+                       ("verify", 8, "3:1:4"): 1.9, ("verify", 8, "6:4:16"): 2.0, ("verify", 8, "6:4:24"): 2.3})
+    policy = SpecPolicy(costs, {1: [chain, t16, t24], 8: [chain, t16, t24]})
+    picks = []
+    for _ in range(3 * spec_policy.EXPLORE_CALLS):
+        picks.append(policy.choose(1))
+        policy.verified(picks[-1], [2])
+    # 6:4:24 drafts all of 6:4:16's nodes for 2% more a step at batch 1: 6:4:16 is never verified there; the
+    # chain is not nested in it (another depth and branching)
+    assert t16 not in picks and picks.count(t24) > 0 and picks[:spec_policy.EXPLORE_CALLS] == [chain] * spec_policy.EXPLORE_CALLS
+    assert policy.choose(8) == t16  # 15% more at batch 8: both stay, and 6:4:16 was never seen
+
+
+def test_a_shape_moved_to_is_held_for_some_calls_then_the_fastest_is_taken(monkeypatch):
+    monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
+    a, b = TreeShape(2, 2, 4), TreeShape(3, 1, 4)  # neither nested in the other
+    costs = StepCosts({("verify", 1, "2:2:4"): 1.0, ("verify", 1, "3:1:4"): 1.0})
+    policy = SpecPolicy(costs, {1: [a, b]}, probe_every=1000)
+    policy.verified(a, [3] * 100)
+    policy.verified(b, [2] * 100)
+    assert policy.choose(1) == a
+    policy.verified(b, [4] * 106)  # b now expected to emit 3.06: 2% faster, under the old 5% margin
+    assert [policy.choose(1) for _ in range(spec_policy.HOLD_CALLS)] == [a] * (spec_policy.HOLD_CALLS - 1) + [b]
+    policy.verified(a, [4] * 100)  # a is ahead again (3.5): b is held as long
+    assert [policy.choose(1) for _ in range(spec_policy.HOLD_CALLS)] == [b] * (spec_policy.HOLD_CALLS - 1) + [a]
+
+
 def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
     monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
     costs = StepCosts({("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0,
@@ -65,7 +94,9 @@ def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
     policy.timed(8, "3:2:6", 1.0 * 48, 48)  # seen mostly: a step takes 1 ms (the ratio is now 2.08 / 1.0)
     assert policy.cost(8, "3:2:6") == pytest.approx((48 + 16 * 3.0 * (41.6 + 48) / (20.8 + 144)) / 64)
     assert policy.cost(16, "3:2:6") is None
-    assert policy.choose(8) == BIG and policy.summary()["observed_ms"] == {"8": {"1:1:2": 2.6, "3:2:6": 1.0}}
+    # the bucket moved to SMALL one call ago: it holds it HOLD_CALLS calls
+    assert [policy.choose(8) for _ in range(spec_policy.HOLD_CALLS)][-2:] == [SMALL, BIG]
+    assert policy.summary()["observed_ms"] == {"8": {"1:1:2": 2.6, "3:2:6": 1.0}}
     for _ in range(40):  # the sums are halved past KEPT_STEPS: what was seen long ago fades
         policy.timed(8, "1:1:2", 1.3 * 16, 16)
     assert policy.summary()["observed_ms"]["8"]["1:1:2"] < 1.35
