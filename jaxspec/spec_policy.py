@@ -285,13 +285,14 @@ class SpecPolicy:
     def _table(self, rows, label):
         return self.costs.ms.get(("decode", rows, None) if label == PLAIN else ("verify", rows, label))
 
-    def rate(self, rows: int, tree, keys=(None,)) -> float | None:
+    def rate(self, rows: int, tree, keys=(None,), ms: float | None = None) -> float | None:
         """Tokens a row emits per ms of a verify step of `tree` at this bucket, averaged over the
-        rows' keys (per verify step where no cost is known), or None before the shape was seen."""
+        rows' keys (per verify step where no cost is known), or None before the shape was seen.
+        ms: the step's cost where the caller has it."""
         exp = [self.expected(tree, k) for k in keys]
         if any(e is None for e in exp):
             return None
-        ms = self.cost(rows, tree.label)
+        ms = self.cost(rows, tree.label) if ms is None else ms
         return sum(exp) / len(exp) / ms if ms else sum(exp) / len(exp)
 
     def _cost_ratio(self, rows, tree) -> float:
@@ -313,12 +314,15 @@ class SpecPolicy:
     def _rank(self, rows, trees):
         """Among the trees alone (a device drafter), those no nested bigger one replaces: explore,
         then the fastest, held HOLD_CALLS calls, and rivals probed every probe_every calls."""
-        trees = self._undominated(rows, trees)
+        ms = {t: self.cost(rows, t.label) for t in trees}  # once a call: each sums every cost seen
+        trees = [t for t in trees if not any(_nested(u, t) and ms[u] is not None and ms[t] is not None
+                                             and ms[u] <= NESTED_COST * ms[t] for u in trees)] or trees
         pick = next((t for t in trees if self.seen[t] < self.explore), None)  # learn what each accepts
         if pick is not None:
             return pick
         n = self.calls[rows] = self.calls[rows] + 1
-        ranked = sorted(trees, key=lambda t: self.rate(rows, t), reverse=True)
+        rate = {t: self.rate(rows, t, ms=ms[t]) for t in trees}
+        ranked = sorted(trees, key=rate.get, reverse=True)
         pick = ranked[0]
         held, since = self.held.get(rows, (None, 0))
         if held in trees and pick != held and n - since < HOLD_CALLS:
@@ -328,18 +332,9 @@ class SpecPolicy:
         if n % self.probe_every < PROBE_CALLS and n >= self.probe_every and len(ranked) > 1:
             # the shapes within 25% of the best in turn (at least the runner-up): they could
             # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
-            rivals = [t for t in ranked[1:] if self.rate(rows, t) >= 0.75 * self.rate(rows, pick)] or ranked[1:2]
+            rivals = [t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick]] or ranked[1:2]
             pick = rivals[(n // self.probe_every) % len(rivals)]
         return pick
-
-    def _undominated(self, rows, trees):
-        """trees less those a bigger one of the same depth and branching replaces at this bucket
-        (costing at most NESTED_COST as much a step; shapes of unknown cost stay)."""
-        def replaced(t):
-            ct = self.cost(rows, t.label)
-            return ct is not None and any(
-                _nested(u, t) and (cu := self.cost(rows, u.label)) is not None and cu <= NESTED_COST * ct for u in trees)
-        return [t for t in trees if not replaced(t)] or list(trees)
 
     def _gate(self, rows, trees, keys):
         """A tree, or plain decoding where none looks min_gain faster (a host drafter)."""
