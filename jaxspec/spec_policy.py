@@ -39,9 +39,10 @@ NESTED_COST as much a step: it accepts at least as much on every step (on an H20
 verified it 133 calls of 181: spec-auto-b1-8-). A bucket that moved to a shape keeps it for
 HOLD_CALLS calls, then takes the fastest again: a change of shape costs an unchained call, and
 calls that moved between near-tied shapes ran at 0.88x the best fixed tree (spec-auto-*.json at
-1853a27), while a margin to beat instead (5% until 45c5435) kept whichever near-tied shape led
-first. Every probe_every calls another runs PROBE_CALLS calls (the contenders in turn) so that the
-averages follow the requests and the costs.
+1853a27), while a margin to beat instead (5%, before 66c9061) kept whichever near-tied shape led
+first (with both rules 6:4:24 took 147 calls of 173; it cost 6% more than 6:4:16 there, which stayed
+a choice: spec-auto-b1-). Every probe_every calls another runs PROBE_CALLS calls (the contenders
+in turn) so that the averages follow the requests and the costs.
 
 Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
 (above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
