@@ -41,8 +41,13 @@ HOLD_CALLS calls, then takes the fastest again: a change of shape costs an uncha
 calls that moved between near-tied shapes ran at 0.88x the best fixed tree (spec-auto-*.json at
 1853a27), while a margin to beat instead (5%, before 66c9061) kept whichever near-tied shape led
 first (with both rules 6:4:24 took 147 calls of 173; it cost 6% more than 6:4:16 there, which stayed
-a choice: spec-auto-b1-). Every probe_every calls another runs PROBE_CALLS calls (the contenders
-in turn) so that the averages follow the requests and the costs.
+a choice: spec-auto-b1-). After probe_every calls another shape runs PROBE_CALLS calls (the
+contenders in turn) so that the averages follow the requests and the costs; the interval doubles
+(up to 8x) after each probe that leaves the bucket on its shape and falls back when the bucket
+moves. A probe costs two unchained calls, about 4.5 ms each at batch 1 on an H200 (6:4:24's four
+steps unchained against chained: engine_step_gap-chain-): a probe every 32 calls, about 9 over
+spec-auto-b1-'s two timed rounds (26 rival calls of 173), cost about 80 ms of the 110 ms by which
+auto trailed fixed 6:4:24 there.
 
 Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
 (above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
@@ -178,6 +183,7 @@ class SpecPolicy:
         self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
         self.recent: dict = {}  # (bucket, label) -> the last calls' ms a step (the summary's spread)
         self.held: dict = {}  # bucket -> (the tree its calls verify between probes, the call it moved to it)
+        self.probes: dict = {}  # bucket -> [the next probe's first call, interval multiplier, probes run, tree before it]
         self.backoff: dict = {}  # key -> probe interval multiplier (plain decoding a choice)
         self.last_verified: dict = {}  # key -> plain steps when it last verified
         self.plain_steps = 0  # plain steps read back so far
@@ -314,7 +320,7 @@ class SpecPolicy:
 
     def _rank(self, rows, trees):
         """Among the trees alone (a device drafter), those no nested bigger one replaces: explore,
-        then the fastest, held HOLD_CALLS calls, and rivals probed every probe_every calls."""
+        then the fastest, held HOLD_CALLS calls, and rivals probed after probe_every calls or more."""
         ms = {t: self.cost(rows, t.label) for t in trees}  # once a call: each sums every cost seen
         trees = [t for t in trees if not any(_nested(u, t) and ms[u] is not None and ms[t] is not None
                                              and ms[u] <= NESTED_COST * ms[t] for u in trees)] or trees
@@ -328,13 +334,21 @@ class SpecPolicy:
         held, since = self.held.get(rows, (None, 0))
         if held in trees and pick != held and n - since < HOLD_CALLS:
             pick = held  # a change of shape costs an unchained call
+        probe = self.probes.setdefault(rows, [self.probe_every, 1, 0, None])
         if pick != held:
+            if held is not None:  # the estimates move: probe as often as at first
+                probe[0], probe[1] = min(probe[0], n + self.probe_every), 1
             self.held[rows] = (pick, n)
-        if n % self.probe_every < PROBE_CALLS and n >= self.probe_every and len(ranked) > 1:
+        start, mult, done, before = probe
+        if n == start + PROBE_CALLS:  # the probe is over: probe less often while it moves nothing
+            probe[1] = 1 if pick != before else min(8, 2 * mult)
+            probe[0], probe[2] = n + self.probe_every * probe[1], done + 1
+        elif start <= n < start + PROBE_CALLS and len(ranked) > 1:
             # the shapes within 25% of the best in turn (at least the runner-up): they could
             # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
+            probe[3] = pick if n == start else before
             rivals = [t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick]] or ranked[1:2]
-            pick = rivals[(n // self.probe_every) % len(rivals)]
+            pick = rivals[done % len(rivals)]
         return pick
 
     def _gate(self, rows, trees, keys):

@@ -78,6 +78,19 @@ def test_a_shape_moved_to_is_held_for_some_calls_then_the_fastest_is_taken(monke
     assert [policy.choose(1) for _ in range(spec_policy.HOLD_CALLS)] == [b] * (spec_policy.HOLD_CALLS - 1) + [a]
 
 
+def test_probes_that_move_nothing_come_less_often(monkeypatch):
+    monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
+    a, b = TreeShape(2, 2, 4), TreeShape(3, 1, 4)
+    policy = SpecPolicy(StepCosts({("verify", 1, "2:2:4"): 1.0, ("verify", 1, "3:1:4"): 1.0}), {1: [a, b]}, probe_every=4)
+    policy.verified(a, [3] * 100)
+    policy.verified(b, [2] * 100)
+    probed = [n for n in range(1, 41) if policy.choose(1) == b]
+    # probes of 3 calls after 4, then 8, then 16 calls: each left the bucket on a
+    assert probed == [4, 5, 6, 15, 16, 17, 34, 35, 36]
+    policy.verified(b, [5] * 300)  # b pulls ahead: the bucket moves at once, and probes come after 4 calls again
+    assert [policy.choose(1) for _ in range(41, 51)] == [b] * 4 + [a] * 3 + [b] * 3
+
+
 def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
     monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
     costs = StepCosts({("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0,
