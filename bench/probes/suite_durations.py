@@ -24,7 +24,8 @@ def parse(text: str) -> dict:
         tests.append(dict(test=test, phase=phase, seconds=t))
         files[test.split("::")[0]] += t
     summary = re.search(r"(\d+) passed.* in ([\d.]+)s", text)
-    return dict(passed=int(summary.group(1)), wall_s=float(summary.group(2)), files=files, tests=tests)
+    failed = re.findall(r"^FAILED (\S+)", text, re.M) + re.findall(r"^ERROR (\S+)", text, re.M)
+    return dict(passed=int(summary.group(1)), wall_s=float(summary.group(2)), files=files, tests=tests, failed=failed)
 
 
 def main(argv=None):
@@ -39,10 +40,11 @@ def main(argv=None):
     got = parse(open(args.log).read())
     rows = [dict(file=f, seconds=s) for f, s in got["files"].most_common()]
     print_table(rows, ["file", "seconds"])
-    print(f"{got['passed']} passed in {got['wall_s']} s; test time summed {sum(got['files'].values()):.0f} s")
+    print(f"{got['passed']} passed, {len(got['failed'])} failed or errors in {got['wall_s']} s; "
+          f"test time summed {sum(got['files'].values()):.0f} s")
     slowest = sorted(got["tests"], key=lambda t: -t["seconds"])[:args.top]
     print(write_results(f"suite_durations-{args.tag}", rows, dict(
-        cache=args.cache, xla_flags=args.xla_flags, passed=got["passed"], wall_s=got["wall_s"],
+        cache=args.cache, xla_flags=args.xla_flags, passed=got["passed"], failed=got["failed"], wall_s=got["wall_s"],
         tests_listed=len(got["tests"]), test_seconds_summed=sum(got["files"].values()), slowest=slowest)))
 
 
