@@ -7,9 +7,10 @@ steps are done and the host's work between calls leaves the GPU idle. For each t
 builds the engine's batch-1 verify_steps program (SmolLM2-shaped target, random bf16 weights; an
 EAGLE-3 head or a DFLASH drafter), counts the asynchronous ops in its optimized HLO, and times 24
 calls launched back to back as the scheduler chains them (engine_step_gap's pipelined way): ms a
-step and the launch's host time a call.
+step and the launch's host time a call. --max-batch B also builds the whole start-up set of an
+engine of B rows and counts each verify_steps program's async ops (by batch bucket and sampler).
 
-    python bench/probes/loop_commands.py [--trees 3:1:4,6:1:7,6:4:24,dflash:15:1:16] [--tag=]
+    python bench/probes/loop_commands.py [--trees 3:1:4,6:1:7,6:4:24,dflash:15:1:16] [--max-batch 8] [--tag=]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -32,7 +34,7 @@ from jaxspec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead
 from jaxspec.drafters.eagle import EagleDrafter
 from jaxspec.drafters.eagle_step import TreeShape
 
-COLS = ["drafter", "tree", "async_ops", "whiles", "ms_per_step", "launch_ms_per_call"]
+COLS = ["drafter", "tree", "batch", "sampler", "async_ops", "whiles", "ms_per_step", "launch_ms_per_call"]
 
 
 def drafter_for(spec: str, cfg, head):
@@ -43,9 +45,21 @@ def drafter_for(spec: str, cfg, head):
     return "eagle3", EagleDrafter(head, TreeShape.parse(spec))
 
 
+def hlo_counts(exe) -> dict:
+    """An executable's asynchronous ops (`*-start`) and while loops, from its optimized HLO."""
+    hlo = exe.as_text()
+    return dict(async_ops=len(re.findall(r" [a-z-]+-start\(", hlo)), whiles=len(re.findall(r" while\(", hlo)))
+
+
+def sampler(key) -> str:
+    """A program key's sampler flags as a word: greedy, or the flags it was built with."""
+    return ",".join(k for k, v in key[1]._asdict().items() if v) or "greedy"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trees", default="3:1:4,6:1:7,6:4:24,dflash:15:1:16,dflash:15:4:32")
+    ap.add_argument("--max-batch", type=int, default=1, help="above 1: also count the async ops of every bucket's programs")
     ap.add_argument("--layers", type=int, default=None, help="fewer target layers (a CPU smoke run)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -53,13 +67,22 @@ def main():
     rows = []
     for spec in args.trees.split(","):
         kind, drafter = drafter_for(spec, cfg, head)
+        tree = spec.split(":", 1)[1] if kind == "dflash" else spec
         gen = Generator(model, None, drafter=drafter, max_batch=1, max_seq_len=1024, warmup=False, compile_cache="off")
         timed = pipelined_rows(gen, spec, calls=24)
-        hlo = next(exe.as_text() for key, exe in gen.scheduler.programs.table.items() if key[0] == "verify_steps")
-        rows.append(dict(drafter=kind, tree=spec.split(":", 1)[1] if kind == "dflash" else spec,
-                         async_ops=len(re.findall(r" [a-z-]+-start\(", hlo)), whiles=len(re.findall(r" while\(", hlo)),
+        key, exe = next((key, exe) for key, exe in gen.scheduler.programs.table.items() if key[0] == "verify_steps")
+        rows.append(dict(drafter=kind, tree=tree, batch=1, sampler=sampler(key), **hlo_counts(exe),
                          ms_per_step=timed["ms_per_step"], launch_ms_per_call=timed["launch_ms_per_call"]))
         print_table(rows[-1:], COLS)
+        if args.max_batch > 1:
+            gen = Generator(model, None, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024, warmup=True,
+                            compile_cache="off")
+            tokens_at = len(jax.tree.leaves(gen.scheduler.cache))  # a key's signature: the cache's leaves, then tokens
+            for key, exe in sorted(gen.scheduler.programs.table.items(), key=str):
+                if key[0] == "verify_steps":
+                    rows.append(dict(drafter=kind, tree=tree, batch=key[2][tokens_at][0][0], sampler=sampler(key),
+                                     **hlo_counts(exe)))
+                    print_table(rows[-1:], COLS)
     print_table(rows, COLS)
     write_results(f"loop_commands{args.tag}", rows, {"calls": 24, "context": 256, "max_seq_len": 1024})
 
