@@ -167,12 +167,16 @@ class Programs:
         """The flags of the program that serves `flags` (program_flags)."""
         return program_flags(name, flags, self.shared_sampler)
 
+    def key(self, name, flags, cache, args) -> tuple:
+        """The table's key of the program that serves `flags` on these arguments."""
+        return name, self.flags_for(name, flags), _signature((cache, args))
+
     def run(self, name, flags, cache, args):
-        flags = self.flags_for(name, flags)
         if not self.jit:
             with self._traced():
-                return self.fns[name](self.state, cache, *args, flags=flags)
-        key = (name, flags, _signature((cache, args)))
+                return self.fns[name](self.state, cache, *args, flags=self.flags_for(name, flags))
+        key = self.key(name, flags, cache, args)
+        flags = key[1]
         if key not in self.table:
             spec = (name, flags, cache, args)
             self.table[key] = self._count_read(self._read_executable(*spec)) or self._compile(*spec)
@@ -237,10 +241,9 @@ class Programs:
         t0 = time.perf_counter()
         todo = {}
         for name, flags, cache, args in specs:
-            flags = self.flags_for(name, flags)
-            key = (name, flags, _signature((cache, args)))
+            key = self.key(name, flags, cache, args)
             if key not in self.table and key not in todo:
-                todo[key] = (name, flags, cache, args)
+                todo[key] = (name, key[1], cache, args)
         if self.jit and todo:
             bar = None
             if progress:
@@ -273,8 +276,13 @@ class Programs:
         out = []
         for name, flags, sig in sorted(self.table, key=str):
             shapes = " ".join("x".join(map(str, s)) or "()" for s, _ in sig)
-            out.append(f"{name:12s} {','.join(k for k, v in flags._asdict().items() if v) or 'greedy':24s} {shapes}")
+            out.append(f"{name:12s} {flags_label(flags):24s} {shapes}")
         return out
+
+
+def flags_label(flags: sampling.SamplerFlags) -> str:
+    """A program's sampler flags as a word: the ones set, or 'greedy'."""
+    return ",".join(k for k, v in flags._asdict().items() if v) or "greedy"
 
 
 def _with_state(treedef, fn):

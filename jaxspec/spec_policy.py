@@ -44,9 +44,8 @@ first (with both rules 6:4:24 took 147 calls of 173; it cost 6% more than 6:4:16
 a choice: spec-auto-b1-). After probe_every calls another shape runs PROBE_CALLS calls (the
 contenders in turn) so that the averages follow the requests and the costs; the interval doubles
 (up to 8x) after each probe that leaves the bucket on its shape and falls back when the bucket
-moves. A probe costs two unchained calls, about 4.5 ms each at batch 1 on an H200 (6:4:24's four
-steps unchained against chained: engine_step_gap-chain-): a probe every 32 calls, about 9 over
-spec-auto-b1-'s two timed rounds (26 rival calls of 173), cost about 80 ms of the 110 ms by which
+moves. A probe costs two unchained calls, ~4.5 ms each at batch 1 on an H200 (engine_step_gap-chain-):
+one every 32 calls (about 9 in spec-auto-b1-'s timed rounds) cost about 80 ms of the 110 by which
 auto trailed fixed 6:4:24 there.
 
 Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
@@ -142,21 +141,33 @@ def match_key(match_len: int) -> int:
     return min(MAX_MATCH_KEY, 1 << (match_len.bit_length() - 1)) if match_len > 0 else 0
 
 
+_SHAPE = ("steps", "topk", "num_draft_tokens")
+
+
+def _is_tree(*shapes) -> bool:
+    """Whether each is an EAGLE-style tree shape (a HostTree has only a node count)."""
+    return all(hasattr(x, a) for x in shapes for a in _SHAPE)
+
+
 def _contains(tree, other) -> bool:
     """Whether `tree` drafts everything `other` does (as deep, as wide, as many nodes)."""
-    if tree == other:
-        return True
-    shape = ("steps", "topk", "num_draft_tokens")
-    return all(hasattr(x, a) for x in (tree, other) for a in shape) and all(
-        getattr(other, a) <= getattr(tree, a) for a in shape)
+    return tree == other or _is_tree(tree, other) and all(getattr(other, a) <= getattr(tree, a) for a in _SHAPE)
 
 
 def _nested(big, small) -> bool:
     """Whether `big` drafts every node `small` does and more: the same depth and branching (the
     same candidates, of which each keeps its most probable), more nodes."""
-    shape = ("steps", "topk", "num_draft_tokens")
-    return (all(hasattr(x, a) for x in (big, small) for a in shape) and (big.steps, big.topk) == (small.steps, small.topk)
+    return (_is_tree(big, small) and (big.steps, big.topk) == (small.steps, small.topk)
             and big.num_draft_tokens > small.num_draft_tokens)
+
+
+@dataclasses.dataclass
+class _Probes:
+    """A bucket's probes: the next one's first call, the interval's multiplier, probes run, the shape before the last."""
+    start: int
+    mult: int = 1
+    done: int = 0
+    before: object = None
 
 
 class SpecPolicy:
@@ -183,7 +194,7 @@ class SpecPolicy:
         self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
         self.recent: dict = {}  # (bucket, label) -> the last calls' ms a step (the summary's spread)
         self.held: dict = {}  # bucket -> (the tree its calls verify between probes, the call it moved to it)
-        self.probes: dict = {}  # bucket -> [the next probe's first call, interval multiplier, probes run, tree before it]
+        self.probes: dict = {}  # bucket -> _Probes
         self.backoff: dict = {}  # key -> probe interval multiplier (plain decoding a choice)
         self.last_verified: dict = {}  # key -> plain steps when it last verified
         self.plain_steps = 0  # plain steps read back so far
@@ -294,8 +305,7 @@ class SpecPolicy:
 
     def rate(self, rows: int, tree, keys=(None,), ms: float | None = None) -> float | None:
         """Tokens a row emits per ms of a verify step of `tree` at this bucket, averaged over the
-        rows' keys (per verify step where no cost is known), or None before the shape was seen.
-        ms: the step's cost where the caller has it."""
+        rows' keys (per verify step where no cost is known), or None before the shape was seen (ms: its cost, if known)."""
         exp = [self.expected(tree, k) for k in keys]
         if any(e is None for e in exp):
             return None
@@ -334,21 +344,20 @@ class SpecPolicy:
         held, since = self.held.get(rows, (None, 0))
         if held in trees and pick != held and n - since < HOLD_CALLS:
             pick = held  # a change of shape costs an unchained call
-        probe = self.probes.setdefault(rows, [self.probe_every, 1, 0, None])
+        probe = self.probes.setdefault(rows, _Probes(self.probe_every))
         if pick != held:
             if held is not None:  # the estimates move: probe as often as at first
-                probe[0], probe[1] = min(probe[0], n + self.probe_every), 1
+                probe.start, probe.mult = min(probe.start, n + self.probe_every), 1
             self.held[rows] = (pick, n)
-        start, mult, done, before = probe
-        if n == start + PROBE_CALLS:  # the probe is over: probe less often while it moves nothing
-            probe[1] = 1 if pick != before else min(8, 2 * mult)
-            probe[0], probe[2] = n + self.probe_every * probe[1], done + 1
-        elif start <= n < start + PROBE_CALLS and len(ranked) > 1:
+        if n == probe.start + PROBE_CALLS:  # the probe is over: probe less often while it moves nothing
+            probe.mult = 1 if pick != probe.before else min(8, 2 * probe.mult)
+            probe.start, probe.done = n + self.probe_every * probe.mult, probe.done + 1
+        elif probe.start <= n < probe.start + PROBE_CALLS and len(ranked) > 1:
             # the shapes within 25% of the best in turn (at least the runner-up): they could
             # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
-            probe[3] = pick if n == start else before
+            probe.before = pick if n == probe.start else probe.before
             rivals = [t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick]] or ranked[1:2]
-            pick = rivals[done % len(rivals)]
+            pick = rivals[probe.done % len(rivals)]
         return pick
 
     def _gate(self, rows, trees, keys):

@@ -56,9 +56,14 @@ _OPTIMISED: set = set()  # id() of the lowered programs to compile so (Lowered h
 _lower, _compile = Programs._lower, stages.Lowered.compile
 
 
+def big(progs) -> bool:
+    """Whether a Programs' weights are over BIG_PROGRAM_BYTES."""
+    return sum(x.nbytes for x in progs.state) > BIG_PROGRAM_BYTES
+
+
 def compiles_optimised(progs) -> bool:
-    """Whether a Programs' programs compile with FULL_OPTIMISATION: target-only, over BIG_PROGRAM_BYTES."""
-    return progs._target_leaves == len(progs.state) and sum(x.nbytes for x in progs.state) > BIG_PROGRAM_BYTES
+    """Whether a Programs' programs compile with FULL_OPTIMISATION: target-only and big."""
+    return progs._target_leaves == len(progs.state) and big(progs)
 
 
 def _lower_marking_big_programs(self, name, flags, cache, args):

@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -33,6 +32,7 @@ from jaxspec import Generator
 from jaxspec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead
 from jaxspec.drafters.eagle import EagleDrafter
 from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.programs import flags_label
 
 COLS = ["drafter", "tree", "batch", "sampler", "async_ops", "whiles", "ms_per_step", "launch_ms_per_call"]
 
@@ -51,11 +51,6 @@ def hlo_counts(exe) -> dict:
     return dict(async_ops=len(re.findall(r" [a-z-]+-start\(", hlo)), whiles=len(re.findall(r" while\(", hlo)))
 
 
-def sampler(key) -> str:
-    """A program key's sampler flags as a word: greedy, or the flags it was built with."""
-    return ",".join(k for k, v in key[1]._asdict().items() if v) or "greedy"
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trees", default="3:1:4,6:1:7,6:4:24,dflash:15:1:16,dflash:15:4:32")
@@ -71,18 +66,20 @@ def main():
         gen = Generator(model, None, drafter=drafter, max_batch=1, max_seq_len=1024, warmup=False, compile_cache="off")
         timed = pipelined_rows(gen, spec, calls=24)
         key, exe = next((key, exe) for key, exe in gen.scheduler.programs.table.items() if key[0] == "verify_steps")
-        rows.append(dict(drafter=kind, tree=tree, batch=1, sampler=sampler(key), **hlo_counts(exe),
+        rows.append(dict(drafter=kind, tree=tree, batch=1, sampler=flags_label(key[1]), **hlo_counts(exe),
                          ms_per_step=timed["ms_per_step"], launch_ms_per_call=timed["launch_ms_per_call"]))
         print_table(rows[-1:], COLS)
         if args.max_batch > 1:
             gen = Generator(model, None, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024, warmup=True,
                             compile_cache="off")
-            tokens_at = len(jax.tree.leaves(gen.scheduler.cache))  # a key's signature: the cache's leaves, then tokens
-            for key, exe in sorted(gen.scheduler.programs.table.items(), key=str):
-                if key[0] == "verify_steps":
-                    rows.append(dict(drafter=kind, tree=tree, batch=key[2][tokens_at][0][0], sampler=sampler(key),
-                                     **hlo_counts(exe)))
-                    print_table(rows[-1:], COLS)
+            built = {}
+            for progs, name, flags, cache, a in gen.scheduler.program_specs():
+                if name == "verify_steps":
+                    key = progs.key(name, flags, cache, a)
+                    built[key] = dict(drafter=kind, tree=tree, batch=a[0].shape[0], sampler=flags_label(key[1]),
+                                      **hlo_counts(progs.table[key]))
+            rows += built.values()
+            print_table(list(built.values()), COLS)
     print_table(rows, COLS)
     write_results(f"loop_commands{args.tag}", rows, {"calls": 24, "context": 256, "max_seq_len": 1024})
 
