@@ -96,6 +96,7 @@ def timed_run(gen, prompts, batch, max_tokens, admission):
                 preemptions=st["preemptions"] - s0["preemptions"],
                 passes=timed_pass + 1, verify_steps=st["verify_steps"] - s0["verify_steps"],
                 emitted=st["emitted"] - s0["emitted"], steps=st["steps"] - s0["steps"],
+                chained=st["chained_steps"] - s0["chained_steps"], switches=st["chained_switches"] - s0["chained_switches"],
                 host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0)
 
 
@@ -269,7 +270,9 @@ def main():
                                    speedup_pooled=pooled_rate(runs) / pooled_rate(base[2]),
                                    accept_length=sum(acc) / max(len(acc), 1),
                                    identical_to_plain=[o.token_ids for o in outs] == base[1],
-                                   verify_steps=vs, emitted=sum(r["emitted"] for r in runs))
+                                   verify_steps=vs, emitted=sum(r["emitted"] for r in runs),
+                                   calls=sum(r["steps"] for r in runs), chained_calls=sum(r["chained"] for r in runs),
+                                   chained_switches=sum(r["switches"] for r in runs))
                         policy = gen.scheduler.spec_policy
                         if policy is not None:  # what the auto policy learned, and chose at this batch
                             summary = policy.summary()

@@ -37,16 +37,16 @@ bigger one of the same depth and branching drafts too is left out where that one
 NESTED_COST as much a step: it accepts at least as much on every step (on an H200 at batch 1
 6:4:24 cost 1.5% more than 6:4:16 and accepted 6% more, yet a policy that had settled on 6:4:16
 verified it 133 calls of 181: spec-auto-b1-8-). A bucket that moved to a shape keeps it for
-HOLD_CALLS calls, then takes the fastest again: a change of shape costs an unchained call, and
-calls that moved between near-tied shapes ran at 0.88x the best fixed tree (spec-auto-*.json at
-1853a27), while a margin to beat instead (5%, before 66c9061) kept whichever near-tied shape led
+HOLD_CALLS calls, then takes the fastest again: calls that moved between near-tied shapes ran at
+0.88x the best fixed tree (spec-auto-*.json at 1853a27, when a change of shape cost an unchained
+call), while a margin to beat instead (5%, before 66c9061) kept whichever near-tied shape led
 first (with both rules 6:4:24 took 147 calls of 173; it cost 6% more than 6:4:16 there, which stayed
 a choice: spec-auto-b1-). After probe_every calls another shape runs PROBE_CALLS calls (the
 contenders in turn) so that the averages follow the requests and the costs; the interval doubles
 (up to 8x) after each probe that leaves the bucket on its shape and falls back when the bucket
-moves. A probe costs two unchained calls, ~4.5 ms each at batch 1 on an H200 (engine_step_gap-chain-):
-one every 32 calls (about 9 in spec-auto-b1-'s timed rounds) cost about 80 ms of the 110 by which
-auto trailed fixed 6:4:24 there.
+moves. A device drafter's change of shape chains on the last call's drafts, cut on the device
+(scheduler/trees.py); before, a probe cost two unchained calls, ~4.5 ms each at batch 1 on an H200
+(engine_step_gap-chain-), about 80 ms of the 110 by which auto trailed fixed 6:4:24 in spec-auto-b1-.
 
 Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
 (above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
@@ -204,8 +204,9 @@ class SpecPolicy:
     # -- what was seen ---------------------------------------------------------------------------------
     def arrived(self, rows: int, label: str | None, now: float, steps: int = 1, measured: bool = True) -> None:
         """A call's outputs arrived at `now`: `steps` steps of `label` (a tree's or PLAIN; None: a
-        prefill) at this bucket. measured: the interval since the last outputs of the same label
-        and bucket is this call's steps' wall time (the device was busy from one to the next)."""
+        prefill) at this bucket. measured: the interval since the last outputs at this bucket is
+        this call's steps' wall time (the device was busy from one to the next: a device drafter's
+        call chained on the last, a change of shape too)."""
         last, self._last = self._last, None if label is None else (rows, label, now)
         if label is None:
             self.run = (None, 0)
@@ -219,8 +220,7 @@ class SpecPolicy:
         # to calls after one of the same kind, its lone probes left its verify cost at what it was
         # first seen (13-21 ms under bench/spec.py's engines warming up side by side, against 4.7
         # alone: spec-ngram-new- at a859b2d and 8f16ebb, ngram_step-real-always-), and it decoded plainly.
-        same_kind = last is not None and (last[1] == label or self.plain)
-        if measured and same_kind and last[0] == rows and steps >= 1:
+        if measured and last is not None and last[0] == rows and steps >= 1:
             self.timed(rows, label, 1e3 * (now - last[2]), steps)
 
     def forget_costs(self) -> None:
@@ -343,7 +343,7 @@ class SpecPolicy:
         pick = ranked[0]
         held, since = self.held.get(rows, (None, 0))
         if held in trees and pick != held and n - since < HOLD_CALLS:
-            pick = held  # a change of shape costs an unchained call
+            pick = held  # near-tied shapes would trade places call after call
         probe = self.probes.setdefault(rows, _Probes(self.probe_every))
         if pick != held:
             if held is not None:  # the estimates move: probe as often as at first

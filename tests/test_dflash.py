@@ -164,6 +164,7 @@ def test_auto_shapes_share_the_block_and_keep_outputs_plain(tiny, tiny_dflash):
         gen.scheduler.spec_policy.choose = lambda rows, keys=None: next(turns)
         assert [c.token_ids for c in gen.generate(prompts, params)] == [c.token_ids for c in plain]
         assert len(gen.scheduler.spec_policy.accepts) == 3 and gen.scheduler.pool.in_use == 0
+        assert gen.scheduler.stats["chained_switches"] >= 2
 
 
 def test_sampling_equals_plain_with_the_same_seeds_and_chains_equal_single_steps(tiny, tiny_dflash):

@@ -150,6 +150,7 @@ def test_shapes_switched_between_calls_keep_outputs_plain(tiny, tiny_eagle3, tem
     accepted = {t.label: max(c) for t, c in gen.scheduler.spec_policy.accepts.items()}
     assert set(accepted) == {t.label for t in trees} and accepted["4:1:5"] >= 3 and accepted["2:4:8"] >= 2
     assert gen.scheduler.pool.in_use == 0 and gen.scheduler.late_compiles == []
+    assert gen.scheduler.stats["chained_switches"] >= 3  # changes chain on the last call's drafts
 
 
 def test_eagle_head_greedy_equals_plain_and_debug_mode_agrees(tiny):

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from jaxspec import Generator, SamplingParams
+from jaxspec.drafters.device import cut_drafts
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.scheduler.request import Request
@@ -138,6 +139,29 @@ def test_a_draft_of_another_shape_is_cut_to_the_programs_depth():
     assert drafter.with_tree(SMALL).num_nodes == 2 and drafter.num_nodes == 6
 
 
+def test_the_device_cut_of_drafts_is_the_hosts():
+    """cut_drafts (a chained change of shape) gives propose's tree for each row of a batch of random
+    parent-first trees, at every node count and depth, padded as the host pads."""
+    drafter = EagleDrafter(DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(0)), BIG)
+    rng = np.random.default_rng(0)
+    rows, n = 6, 24
+    parents = np.stack([[-1] + [int(rng.integers(0, i)) for i in range(1, n)] for _ in range(rows)]).astype(np.int32)
+    parents[0, 1:] = np.arange(n - 1)  # a chain
+    parents[1, 1:] = 0  # a star
+    tokens = rng.integers(1, 1000, (rows, n)).astype(np.int32)
+    for nodes, depth in [(4, 3), (8, 2), (16, 5), (24, 6), (24, 23), (5, 1), (1, 4)]:
+        width = max(nodes, 2)
+        got = [np.asarray(x) for x in cut_drafts(tokens, parents, max_nodes=nodes, max_depth=depth, width=width)]
+        for r in range(rows):
+            req = Request(0, [1], SamplingParams(), 0)
+            req.draft = (tokens[r].tolist(), parents[r].tolist())
+            d_tok, d_par = drafter.propose(req, nodes, max_depth=depth)
+            m = 1 + len(d_tok)
+            assert got[2][r] == m, (nodes, depth, r)
+            assert got[0][r].tolist() == [tokens[r, 0]] + d_tok + [0] * (width - m)
+            assert got[1][r].tolist() == [-1] + d_par + [-1] * (width - m)
+
+
 def _plain_and_auto(tiny, seed, n, max_tokens, max_batch, temperature=0.0):
     """n random prompts, their plain outputs, and an EAGLE-3 engine (random head) choosing among
     two shapes, warmed up (its step costs timed)."""
@@ -263,16 +287,18 @@ def test_a_host_drafters_costs_are_timed_at_warmup_with_every_row_verifying(tiny
 
 def test_a_host_drafters_lone_verify_calls_are_timed_and_old_costs_fade():
     """A host drafter's verify call follows the last outputs' arrival (it never chains), so a lone
-    probe between plain calls is timed; a device drafter's call after another shape is not (it
-    also paid a launch the chained calls hide)."""
+    probe between plain calls is timed; a device drafter's call is timed where it was chained on
+    the last (a change of shape too), not where it also paid a launch the chained calls hide."""
     from jaxspec.spec_policy import PLAIN, HostTree
     host = SpecPolicy(StepCosts(), {1: [HostTree(8)]}, plain=True)
-    device = SpecPolicy(StepCosts(), {1: [SMALL]})
+    device = SpecPolicy(StepCosts(), {1: [SMALL, BIG]})
     for pol, label in ((host, "8 nodes"), (device, SMALL.label)):
         pol.arrived(1, PLAIN, 0.0, 8)
         pol.arrived(1, PLAIN, 0.008, 8)
-        pol.arrived(1, label, 0.027, 1)  # slow at first (19 ms) ...
+        pol.arrived(1, label, 0.027, 1, measured=pol is host)  # slow at first (19 ms) ...
     assert host.cost(1, "8 nodes") == pytest.approx(19.0) and device.cost(1, SMALL.label) is None
+    device.arrived(1, BIG.label, 0.035, 2)  # chained on SMALL's call: 4 ms a step
+    assert device.cost(1, BIG.label) == pytest.approx(4.0) and device.cost(1, SMALL.label) is None
     t = 0.027
     for _ in range(200):  # ... then 4 ms probes among plain calls: the first cost fades
         host.arrived(1, PLAIN, t := t + 0.008, 8)

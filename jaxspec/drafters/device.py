@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import functools
 
+import jax.numpy as jnp
+
 from jaxspec.kv_cache import KVCache
 
 
@@ -73,3 +75,29 @@ class DeviceDrafter:
         """Between steps: whether the head's weights changed (an adaptive token map swapped in),
         so that the programs take them again."""
         return False
+
+
+def cut_drafts(tokens, parents, *, max_nodes: int, max_depth: int, width: int):
+    """DeviceDrafter.propose's cut on the device, for a batch: the drafted trees (tokens, parents
+    [B, n], parent-first, the root at 0) cut to their first max_nodes nodes no deeper than
+    max_depth, in `width` columns (token 0 and parent -1 past a row's nodes, as the host pads).
+    Returns (tokens, parents, num_nodes [B]): the inputs of a call of another shape chained on
+    the call that drafted them, with no read back."""
+    b, n = tokens.shape
+    node = jnp.arange(n)[None]
+    up = jnp.where(node > 0, parents, 0)
+    # after k rounds a node's depth reads min(its depth, k): max_depth + 1 rounds tell the too deep
+    depth = jnp.zeros((b, n), jnp.int32)
+    for _ in range(max_depth + 1):
+        depth = jnp.where(node > 0, jnp.take_along_axis(depth, up, axis=1) + 1, 0)
+    shallow = depth <= max_depth
+    rank = jnp.cumsum(shallow, axis=1)  # a kept node's new index + 1
+    # A too deep node's children are too deep, and once max_nodes are kept no later node is: a
+    # kept node's parent (an earlier node) is kept, so the rank renumbers parents too.
+    keep = shallow & (rank <= max_nodes)
+    col = jnp.where(keep, rank - 1, width)  # past the last column: dropped
+    new_parents = jnp.where(node > 0, jnp.take_along_axis(rank - 1, up, axis=1), -1)
+    rows = jnp.arange(b)[:, None]
+    out_tokens = jnp.zeros((b, width), tokens.dtype).at[rows, col].set(tokens, mode="drop")
+    out_parents = jnp.full((b, width), -1, parents.dtype).at[rows, col].set(new_parents, mode="drop")
+    return out_tokens, out_parents, keep.sum(axis=1, dtype=jnp.int32)

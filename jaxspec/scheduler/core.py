@@ -142,7 +142,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0,
-                          behind_plain_steps=0, verified_rows=0, accepted=0)
+                          behind_plain_steps=0, verified_rows=0, accepted=0, chained_switches=0)
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
 
@@ -215,6 +215,8 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                 program_workers.build(groups, list(missing.values()), workers)
         for progs in groups:
             progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
+        if self.cuts is not None:
+            self.cuts.build(self.cut_specs())
         if self.spec_policy is not None and groups[0].jit:
             self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table the policy reads
         return dict(programs=sum(len(p.table) for p in groups), seconds=time.perf_counter() - t0)
@@ -222,7 +224,8 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
     @property
     def late_compiles(self) -> list:
         """Programs compiled after warm-up: each made some request wait for a compile."""
-        return [key for g in self.program_groups for key in g.late_compiles]
+        cuts = [] if self.cuts is None else self.cuts.late_compiles
+        return [key for g in self.program_groups for key in g.late_compiles] + cuts
 
     def check(self, prompt_ids, params: SamplingParams) -> list:
         """The prompt as a list of ints, or a ValueError naming what the request gets wrong."""

@@ -202,25 +202,29 @@ class Dispatch:
             return False
         if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
             return False  # the batch changes: admissions, prefill chunks, preemptions
+        shape = (f.tree, f.nodes) if f.kind == "verify" else PLAIN
         if not f.plain:  # (a plain step chains while the batch decodes plainly)
             choice = self._choice_for(f.reqs)
             self._decided = (bucket(len(f.reqs), BATCH_BUCKETS), choice)  # step() takes it: one decision a call
-            if choice != ((f.tree, f.nodes) if f.kind == "verify" else PLAIN):
-                return False  # another shape, trees fit again, a probe
+            # another tree shape (a probe, a move) chains on this call's drafts, cut on the device;
+            # from or to plain decoding (the head left behind, or trees fit again) it does not
+            if choice != shape and not (f.kind == "verify" and choice != PLAIN and self.cuts is not None):
+                return False
+            shape = choice
         if f.steps != (self._decode_steps_now(f.reqs) if f.kind == "decode" else self._verify_steps_now(f.reqs)):
             return False
         # A request may reach max_tokens (or a stop) in call t: call t + 1 then holds its row as
         # padding (its token budget, counted on the device, is spent) and, where no row is left,
         # ends at once (programs.steps_while_alive). Pages for both calls' worst case, every step
         # accepting all it may (capped at a row's page-table width: the budget bounds its writes):
-        span = f.steps if f.kind == "decode" else self._span(f.tree, f.nodes, f.steps)
-        need = [self._pages_needed(r, 2 * span - 1) - len(r.pages) for r in f.reqs]
+        span = (lambda tree, nodes: f.steps if f.kind == "decode" else self._span(tree, nodes, f.steps))
+        need = [self._pages_needed(r, span(f.tree, f.nodes) + span(*shape) - 1) - len(r.pages) for r in f.reqs]
         if sum(max(0, x) for x in need) > self.pool.available:
             return False
         for r, x in zip(f.reqs, need):
             if x > 0:
                 r.pages += self.pool.alloc(x)
-        self._decided = None
+        self._decided, f.next_shape = None, shape
         return True
 
     def _chain(self, f: InFlight) -> InFlight:
@@ -239,12 +243,20 @@ class Dispatch:
                          plain=f.plain)
         else:
             tokens, parents, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
-            num_nodes = ins.get("chained_nodes")  # the drafted trees', for every row (the budget stops padding)
-            if num_nodes is None:
-                num_nodes = np.full(rows, min(f.nodes, f.tree.num_draft_tokens), np.int32)
-            g = self._launch_verify(reqs, f.tree, f.nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb, pt, budget,
-                                    ins["stop_ids"], f.steps, ins["num_steps"], ins["next_nodes"])
-            g.inputs["chained_nodes"] = g.inputs["num_nodes"]
+            tree, nodes = f.next_shape
+            next_nodes = ins["next_nodes"]
+            if (tree, nodes) != (f.tree, f.nodes):  # the drafts cut to the next program's nodes and depth
+                tokens, parents, num_nodes = self.cuts(*f.outputs[5], tree, nodes)
+                next_nodes = None
+                self.stats["chained_switches"] += 1
+            else:
+                num_nodes = ins.get("chained_nodes")  # the drafted trees', for every row (the budget stops padding)
+                if num_nodes is None:
+                    num_nodes = np.full(rows, min(f.nodes, f.tree.num_draft_tokens), np.int32)
+            g = self._launch_verify(reqs, tree, nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb, pt, budget,
+                                    ins["stop_ids"], f.steps, ins["num_steps"], next_nodes)
+            if next_nodes is not None:  # (after a cut, the next call verifies whole drafts again)
+                g.inputs["chained_nodes"] = g.inputs["num_nodes"]
         self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
         g.host_s, g.chained = time.perf_counter() - t0, True
         return g

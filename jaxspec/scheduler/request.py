@@ -70,6 +70,7 @@ class InFlight:
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
     match_keys: list | None = None  # a host drafter's: the match keys (spec_policy.match_key) its requests drafted at
+    next_shape: tuple | None = None  # (tree, nodes) of the call chained on this one
 
 
 class DraftsOnDevice:

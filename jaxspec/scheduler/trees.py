@@ -12,12 +12,14 @@ seen at the requests' match lengths. A choice is (tree, nodes); plain decoding i
 A mixin of Scheduler (core.py), which owns the state these methods read."""
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
 import numpy as np
 
 from jaxspec import program_store
+from jaxspec.drafters.device import cut_drafts
 from jaxspec.drafters.eagle_step import nodes_that_fit
 from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket
 from jaxspec.spec_policy import PLAIN as PLAIN_LABEL
@@ -40,6 +42,9 @@ class TreeSizing:
         trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
         self.tree_programs = {t: self.programs if t == drafter.tree else
                               Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in trees}
+        # a change of shape chains on the last call's drafts through a cut (not under a mesh: the
+        # cut's executables are built for one device's arrays)
+        self.cuts = DraftCuts(programs_kw["jit"]) if self.auto and programs_kw["mesh"] is None else None
         self.spec_costs = StepCosts()  # timed by warmup()
         self.spec_policy = None
         if self.auto:
@@ -57,6 +62,14 @@ class TreeSizing:
         """Every Programs of this engine, each once."""
         groups = [self.programs, *self.tree_programs.values()] + ([self.plain_programs] if self.plain_programs else [])
         return list({id(g): g for g in groups}.values())
+
+    def cut_specs(self) -> list:
+        """(rows, drafted nodes, tree, nodes) of every cut a chained change of shape may take."""
+        out = []
+        for rows in BATCH_BUCKETS[:BATCH_BUCKETS.index(bucket(self.max_batch, BATCH_BUCKETS)) + 1]:
+            shapes = self._verify_shapes(rows)
+            out += [(rows, a.num_draft_tokens, b, n) for a, _ in shapes for b, n in shapes if b != a]
+        return out
 
     def tree_size(self, batch: int) -> int:
         """Nodes a step of the fixed policy verifies at this batch size: by its batch bucket, so
@@ -84,7 +97,7 @@ class TreeSizing:
         rows = bucket(len(reqs), BATCH_BUCKETS)
         decided, self._decided = self._decided, None
         if self.auto and decided is not None and decided[0] == rows:
-            return decided[1]  # taken when the last call could not chain on: a probe, a change of shape
+            return decided[1]  # taken when the last call could not chain on (e.g. to or from plain decoding)
         shapes = self._verify_shapes(rows)
         if not shapes or self._no_tree_at(len(self.running)):
             return PLAIN  # (the batch fills to a bucket without trees: its early decoders would verify in vain)
@@ -109,9 +122,10 @@ class TreeSizing:
     def _arrived(self, f, now: float, steps: int = 1, prefill: bool = False) -> None:
         """Tell the policy that a call's outputs (`steps` steps) arrived at `now`: its step costs.
         A device drafter's call measures its steps where it was chained on the last call (the
-        device busy from one to the next): a call after a change of shape also paid the host's
-        launch, and counting it would price every shape but the incumbent above it. A host
-        drafter's calls never chain: the host's share is part of every step's cost."""
+        device busy from one to the next; a change of shape chains too): an unchained call also
+        paid the host's launch, and counting it would price the shapes that follow a prefill or a
+        change of batch above the others. A host drafter's calls never chain: the host's share is
+        part of every step's cost."""
         if self.spec_policy is None:
             return
         rows = f.outputs[0].shape[0]  # the program's bucket
@@ -189,3 +203,33 @@ class TreeSizing:
             costs.ms[key] = time_call(call, reps=reps) / steps
         return costs
 
+
+
+class DraftCuts:
+    """cut_drafts compiled for each (batch bucket, drafted nodes, next shape) a chained change of
+    shape takes: built at warm-up beside the programs; one compiled after it is late."""
+
+    def __init__(self, jit: bool = True):
+        self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
+
+    def _get(self, rows, drafted, tree, nodes):
+        key = ("cut_drafts", rows, drafted, tree.steps, nodes)
+        fn = functools.partial(cut_drafts, max_nodes=nodes, max_depth=tree.steps, width=bucket(nodes, TREE_BUCKETS))
+        if not self.jit:
+            return fn
+        if key not in self.table:
+            spec = jax.ShapeDtypeStruct((rows, drafted), np.int32)
+            self.table[key] = jax.jit(fn).lower(spec, spec).compile()
+            if self.warm:
+                self.late_compiles.append(key)
+        return self.table[key]
+
+    def build(self, specs):
+        for spec in specs:
+            self._get(*spec)
+        self.warm = True
+
+    def __call__(self, tokens, parents, tree, nodes):
+        """The drafts (tokens, parents [rows, drafted]) as the inputs of a call verifying
+        `nodes`-node trees of `tree`'s depth: (tokens, parents, num_nodes)."""
+        return self._get(*tokens.shape, tree, nodes)(tokens, parents)
