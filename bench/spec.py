@@ -8,7 +8,8 @@
         ids of --token-map (FR-Spec), /mapK/refreshN refreshes that map from the emitted tokens every
         N of them, from the start of each pass; a suffix @pallas / @mosaic / @ref picks the attention;
         a last /auto chooses the tree every call among the drafter's shapes by measured costs:
-        spec_policy.py, rows' `policy`, `auto_choices`, `step_costs`)
+        spec_policy.py, rows' `policy`, `auto_choices`, `step_costs`; /auto-avg compares the shapes'
+        plain averages, level_rate 0)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -164,6 +165,7 @@ def main():
         a, _, head_dir = a.partition("=")  # "eagle3:6:4:24=runs/x/head": that head, not --draft-model
         a, _, vsteps = a.partition("+v")  # "eagle3:6:4:24+v8": 8 verify steps a call (Scheduler verify_steps)
         a, _, probe = a.partition("/probe")  # "ngram:8/probe32": a host drafter's spec_probe_every
+        a, plain_avg = (a[:-len("-avg")], True) if a.endswith("/auto-avg") else (a, False)  # level_rate 0
         a, auto = (a[:-len("/auto")], True) if a.endswith("/auto") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
@@ -198,6 +200,8 @@ def main():
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, num_pages=args.num_pages or 1 + args.max_batch * (1024 + 128) // 16,
                                         warmup=not args.lazy, **kw)
+        if plain_avg:  # the policy comparing shapes by plain averages, not against the requests' level
+            gens[(name, label)].scheduler.spec_policy.level_rate = 0.0
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":
@@ -250,7 +254,7 @@ def main():
                     row = dict(model="smollm2-135m" if "smol" in args.model.lower() else os.path.basename(args.model),
                                algorithm=name, config=label.split("=")[0], dataset=ds, batch=b, admission=mode,
                                draft_model=os.path.relpath(label.split("=")[1]) if "=" in label else None,
-                               policy="auto" if label.endswith("/auto") else "fixed",
+                               policy="auto" if "/auto" in label else "fixed",
                                tree=getattr(getattr(gen.scheduler.drafter, "tree", None), "label", None),
                                token_map=(label.split("/map")[1].split("@")[0].split("/")[0] if "/map" in label
                                           else ("none" if name in ("eagle", "eagle3", "naive_eagle") else None)),
@@ -277,6 +281,8 @@ def main():
                         if policy is not None:  # what the auto policy learned, and chose at this batch
                             summary = policy.summary()
                             row.update(auto_accept_length=summary["accept_length"],
+                                       auto_expected=summary["expected"],  # against the requests' level
+                                       auto_level_rate=policy.level_rate,
                                        auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
                                        auto_observed_ms=summary["observed_ms"],
                                        auto_recent_ms=summary["recent_ms"],  # median, p90, max of the last calls

@@ -25,6 +25,12 @@ contains another's shape (as deep, as wide, as many nodes) is expected to accept
 one did: on few calls, an unlucky first average would keep a good shape from being chosen again.
 A host drafter's expectation is optimistic by one standard error while its samples are few (a
 match length judged on a handful of probes stayed shut where drafting every time paid).
+A device drafter's shapes are compared on the same requests: what it averages for a shape is each
+call's mean less the requests' level at that call (a moving average, LEVEL_RATE a call, of every
+call's mean less its shape's difference), and a shape is expected to emit the level plus its
+difference. Plain averages compare shapes on whatever requests each met: at batch 1 requests come
+one at a time, and the held shape's average is of this request while a probed one's is of earlier
+ones (MT-bench's accept lengths differ by request far more than by shape).
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
 
@@ -63,13 +69,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-import os
-import time
 from typing import Hashable
 
-import jax
 import numpy as np
+
+from jaxspec.step_costs import StepCosts, time_call  # noqa: F401  (the policy's cost table, and how it is timed)
 
 EXPLORE_CALLS = 4  # calls each shape runs before any is preferred (one call's accept length is noise)
 PROBE_CALLS = 3  # calls a probe of another shape runs
@@ -78,51 +82,10 @@ KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are hal
 HOST_KEPT_STEPS = 64  # a host drafter's: its verify calls are rare, each one step
 KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
 HOLD_CALLS = 8  # calls a bucket keeps a shape it moved to
+LEVEL_RATE = 0.5  # weight of a device drafter's call in the requests' level (0: plain averages)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
 MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
 PLAIN = "plain"  # the label plain decoding's costs are kept under
-
-
-@dataclasses.dataclass
-class StepCosts:
-    """ms a step of each program: ('decode', rows, None) and ('verify', rows, tree label)."""
-    ms: dict = dataclasses.field(default_factory=dict)
-
-    def save(self, path: str) -> None:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump([[kind, rows, tree, ms] for (kind, rows, tree), ms in sorted(self.ms.items(), key=str)], f)
-        os.replace(tmp, path)  # whole or not at all: another process may be reading it
-
-    @classmethod
-    def load(cls, path: str) -> "StepCosts | None":
-        """The table saved at path, or None where there is none or it is unreadable."""
-        try:
-            with open(path) as f:
-                return cls({(kind, int(rows), tree): float(ms) for kind, rows, tree, ms in json.load(f)})
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def table(self) -> str:
-        """ms a step: a row per batch bucket, plain decoding then each tree's verify step."""
-        rows = sorted({r for _, r, _ in self.ms})
-        trees = sorted({t for k, _, t in self.ms if k == "verify"}, key=lambda t: [int(x) for x in t.split(":")])
-        lines = ["rows  " + "  ".join(f"{c:>9s}" for c in ["decode"] + trees)]
-        for r in rows:
-            cells = [self.ms.get(("decode", r, None))] + [self.ms.get(("verify", r, t)) for t in trees]
-            lines.append(f"{r:4d}  " + "  ".join(" " * 9 if c is None else f"{c:9.3f}" for c in cells))
-        return "\n".join(lines)
-
-
-def time_call(call, reps: int = 3) -> float:
-    """Median ms of call() (its outputs waited for), after one untimed call."""
-    jax.block_until_ready(call())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(1e3 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,20 +136,22 @@ class _Probes:
 class SpecPolicy:
     def __init__(self, costs: StepCosts, trees_at: dict, plain: bool = False, min_gain: float = 1.0,
                  probe_every: int = 32, explore: int | None = None, kept: int = KEPT_ROW_STEPS,
-                 min_accept: float = 2.0):
+                 min_accept: float = 2.0, level_rate: float = LEVEL_RATE):
         """trees_at: batch bucket -> the tree shapes built for it (each with a .label). plain:
         plain decoding is a choice (a host drafter); min_gain: how much faster than plain decoding
         a tree must look; probe_every: calls between probes of rival shapes, or plain steps before
         a match key that does not pay is probed; explore: calls each shape (a host drafter: each
         key) runs before any is preferred (default EXPLORE_CALLS); kept: row-steps past which
         acceptance sums are halved; min_accept: plain step / verify step assumed until a host
-        drafter's verify step is timed."""
+        drafter's verify step is timed; level_rate: see Acceptance."""
         self.costs, self.trees_at, self.plain = costs, trees_at, plain
         self.min_gain, self.probe_every, self.kept = min_gain, probe_every, kept
         self.explore = EXPLORE_CALLS if explore is None else explore
         self.min_accept = min_accept
         self.emitted: dict = {}  # (tree, key) -> average tokens a live row emits per verify step
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
+        self.level, self.level_rate = None, level_rate  # a device drafter's requests' level (Acceptance)
+        self.diffs: dict = {}  # tree -> [row-steps x (call mean - level), row-steps]
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
@@ -251,6 +216,7 @@ class SpecPolicy:
         self.seen[tree] += 1
         if keys is None:  # one key: the call's sums at once (a device drafter's hundreds of row-steps)
             calls = {None: (sum(emitted), len(emitted))}
+            self._relate(tree, sum(emitted) / len(emitted), len(emitted))
         else:
             calls = {}
             for k, c in zip(keys, emitted):
@@ -271,6 +237,15 @@ class SpecPolicy:
                 pays = self.expected(tree, k) * ratio >= self.min_gain
                 self.backoff[k] = 1 if pays else min(8, 2 * self.backoff.get(k, 1))
 
+    def _relate(self, tree, mean: float, n: int) -> None:
+        """A device drafter's call of `tree`: its mean over n row-steps against the requests' level."""
+        self.level = mean if self.level is None else self.level
+        d = self.diffs.setdefault(tree, [0.0, 0])
+        d[0], d[1] = d[0] + n * (mean - self.level), d[1] + n
+        if d[1] > self.kept:
+            d[0], d[1] = d[0] / 2, d[1] / 2
+        self.level += self.level_rate * (mean - d[0] / d[1] - self.level)
+
     # -- what to expect --------------------------------------------------------------------------------
     def expected(self, tree, key: Hashable = None) -> float | None:
         """Tokens a row drafting at `key` is expected to emit per verify step of `tree`: the most
@@ -280,6 +255,8 @@ class SpecPolicy:
             return 1.0
         if (tree, key) not in self.emitted:
             return None
+        if key is None and tree in self.diffs:  # a device drafter's: the level and the shape's difference
+            return self.level + max(d / n for t, (d, n) in self.diffs.items() if _contains(tree, t))
         e = max(e for (t, k), e in self.emitted.items() if k == key and _contains(tree, t))
         return e + (min(self.totals[(tree, key)][1], 16) ** -0.5 if self.plain else 0.0)
 
@@ -392,7 +369,7 @@ class SpecPolicy:
         accept = {}
         for (t, k), e in self.emitted.items():
             accept[t.label if k is None else f"{t.label} @{k}"] = round(e, 3)
-        return dict(accept_length=accept,
+        return dict(accept_length=accept, expected={t.label: round(self.expected(t), 3) for t in self.diffs},
                     accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
                     observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in self.observed.items()}),
                     recent_ms=by_bucket({k: [round(float(q), 3) for q in np.percentile(v, (50, 90, 100))]

@@ -31,7 +31,8 @@ def test_the_choice_follows_tokens_per_millisecond(monkeypatch):
     monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
     costs = StepCosts({("decode", 1, None): 1.0, ("verify", 1, "1:1:2"): 1.2, ("verify", 1, "3:2:6"): 1.5,
                        ("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 1.3, ("verify", 8, "3:2:6"): 3.0})
-    policy = SpecPolicy(costs, {1: [SMALL, BIG], 8: [SMALL, BIG], 16: []}, probe_every=8)
+    # plain averages (level_rate=0): the big tree's drafts stop paying on the same requests
+    policy = SpecPolicy(costs, {1: [SMALL, BIG], 8: [SMALL, BIG], 16: []}, probe_every=8, level_rate=0)
     assert policy.choose(1) == SMALL  # nothing seen: each shape once, to learn what it accepts
     policy.verified(SMALL, [2, 1, 2, 2])
     assert policy.choose(8) == BIG  # the estimates are pooled over buckets: SMALL is known
@@ -117,7 +118,7 @@ def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
 
 
 def test_a_tree_is_expected_to_accept_what_a_shape_it_contains_did():
-    policy = SpecPolicy(StepCosts(), {1: [SMALL, BIG]})
+    policy = SpecPolicy(StepCosts(), {1: [SMALL, BIG]}, level_rate=0)  # plain averages
     policy.verified(SMALL, [3, 3])
     policy.verified(BIG, [1, 2])  # one unlucky call
     assert policy.expected(BIG) == 3.0 and policy.expected(SMALL) == 3.0
@@ -137,6 +138,27 @@ def test_a_draft_of_another_shape_is_cut_to_the_programs_depth():
     assert drafter.propose(req, 4, max_depth=2) == ([10, 11, 12], [0, 0, 1])
     assert drafter.propose(req, 3, max_depth=1) == ([10, 11], [0, 0])
     assert drafter.with_tree(SMALL).num_nodes == 2 and drafter.num_nodes == 6
+
+
+def test_a_device_drafters_shapes_are_compared_on_the_same_requests():
+    """One shape held over easy and hard requests, the other probed once on a hard one, where it
+    emits 0.5 more: against the requests' level the probed shape is 0.5 ahead; plain averages put
+    it behind (the held shape's average is mostly of easy requests)."""
+    a, b = TreeShape(2, 2, 4), TreeShape(3, 1, 4)  # neither nested in the other
+    wide = TreeShape(3, 2, 6)  # contains both
+    expect = {}
+    for rate in (spec_policy.LEVEL_RATE, 0):
+        policy = SpecPolicy(StepCosts(), {1: [a, b, wide]}, level_rate=rate)
+        for call in range(40):
+            policy.verified(a, [5 if call % 20 < 10 else 2] * 4)  # ten calls of an easy request, ten of a hard one
+        policy.verified(b, [2, 3, 2, 3])  # on the hard request: 2.5
+        expect[rate] = policy.expected(a), policy.expected(b)
+        assert policy.expected(wide) is None  # never verified
+        policy.verified(wide, [1] * 4)  # an unlucky first call: still expected to accept what b did
+        assert policy.expected(wide) >= policy.expected(b)
+    (level_a, level_b), (plain_a, plain_b) = expect[spec_policy.LEVEL_RATE], expect[0]
+    assert level_b - level_a == pytest.approx(0.5, abs=0.1) and level_a == pytest.approx(2.0, abs=0.15)
+    assert plain_a == pytest.approx(3.5) and plain_b == 2.5
 
 
 def test_the_device_cut_of_drafts_is_the_hosts():
