@@ -9,9 +9,12 @@ serving, the policy adds the wall time steps were seen to take (`arrived`: the i
 outputs of two calls of the same shape and bucket, where the later one measured a step: a device
 drafter's call chained on the last, any call of a host drafter, whose calls cannot chain; the
 host's share counts, and a call read late lengthens its interval by what it shortens the next
-one's), weighed against PRIOR_STEPS steps of the table's cost, itself scaled by how all the costs
-seen compare with the table's (the table runs steady calls with nothing else to do). Averages of
-single intervals varied by 5x on the H100 (spec-auto-*.json at 9a8f8c4, git history).
+one's): the median of a shape's last RECENT_CALLS calls' ms a step, weighed against PRIOR_CALLS
+calls of the table's cost, itself scaled by the median of how the costs seen compare with the
+table's (the table runs steady calls with nothing else to do). Averages of single intervals varied
+by 5x on the H100 (spec-auto-*.json at 9a8f8c4, git history), and a few stalled calls (up to 11 ms
+a step against a median of 1.4 on an H200) priced rarely verified shapes at twice their cost and
+kept them out while the cost was the mean of every call seen (spec-level-b1-8-, auto_recent_ms, 3643a58).
 
 Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took
 (sums halved past `kept` row-steps, so that they follow the requests), pooled over batch sizes
@@ -77,7 +80,8 @@ from jaxspec.step_costs import StepCosts, time_call  # noqa: F401  (the policy's
 
 EXPLORE_CALLS = 4  # calls each shape runs before any is preferred (one call's accept length is noise)
 PROBE_CALLS = 3  # calls a probe of another shape runs
-PRIOR_STEPS = 16  # steps of the table's (scaled) cost a shape's seen cost is weighed against
+PRIOR_CALLS = 4  # calls of the table's (scaled) cost a shape's seen cost is weighed against
+RECENT_CALLS = 64  # a (bucket, shape)'s last calls whose median ms a step is its seen cost
 KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are halved (the costs move)
 HOST_KEPT_STEPS = 64  # a host drafter's: its verify calls are rare, each one step
 KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
@@ -157,7 +161,9 @@ class SpecPolicy:
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
         self.chosen: collections.Counter = collections.Counter()  # (bucket, label) -> decisions
         self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
-        self.recent: dict = {}  # (bucket, label) -> the last calls' ms a step (the summary's spread)
+        self.recent: dict = {}  # (bucket, label) -> the last calls' ms a step
+        self.medians: dict = {}  # (bucket, label) -> the median of recent's
+        self.scale = 1.0  # the median over (bucket, label) of seen over table cost
         self.held: dict = {}  # bucket -> (the tree its calls verify between probes, the call it moved to it)
         self.probes: dict = {}  # bucket -> _Probes
         self.backoff: dict = {}  # key -> probe interval multiplier (plain decoding a choice)
@@ -196,11 +202,17 @@ class SpecPolicy:
         ngram_step-real-always-)."""
         self.observed.clear()
         self.recent.clear()
+        self.medians.clear()
+        self.scale = 1.0
         self._last = None
 
     def timed(self, rows: int, label: str, ms: float, steps: int) -> None:
         """Calls of a tree (or PLAIN) at this bucket took `ms` over `steps` steps."""
-        self.recent.setdefault((rows, label), collections.deque(maxlen=64)).append(ms / steps)
+        recent = self.recent.setdefault((rows, label), collections.deque(maxlen=RECENT_CALLS))
+        recent.append(ms / steps)
+        self.medians[(rows, label)] = float(np.median(recent))
+        ratios = [m / t for (r, k), m in self.medians.items() if (t := self._table(r, k))]
+        self.scale = float(np.median(ratios)) if ratios else 1.0
         seen = self.observed.setdefault((rows, label), [0.0, 0])
         seen[0] += ms
         seen[1] += steps
@@ -261,17 +273,13 @@ class SpecPolicy:
         return e + (min(self.totals[(tree, key)][1], 16) ** -0.5 if self.plain else 0.0)
 
     def cost(self, rows: int, label: str) -> float | None:
-        """ms a step of a tree (or PLAIN) at this bucket: what was seen, weighed against
-        PRIOR_STEPS steps of the table's cost scaled by seen over table time of every shape seen;
-        None where neither."""
-        table = self._table(rows, label)
-        seen = self.observed.get((rows, label))
+        """ms a step of a tree (or PLAIN) at this bucket: the median seen, weighed against
+        PRIOR_CALLS calls of the table's cost scaled by self.scale; None where neither."""
+        table, seen = self._table(rows, label), self.medians.get((rows, label))
         if table is None:
-            return seen[0] / seen[1] if seen else None
-        pairs = [(ms, steps * t) for (r, k), (ms, steps) in self.observed.items() if (t := self._table(r, k))]
-        prior = table * (sum(ms for ms, _ in pairs) / sum(t for _, t in pairs) if pairs else 1.0)
-        ms, steps = seen or (0.0, 0)
-        return (ms + PRIOR_STEPS * prior) / (steps + PRIOR_STEPS)
+            return seen
+        n = len(self.recent[(rows, label)]) if seen is not None else 0
+        return (n * (seen or 0.0) + PRIOR_CALLS * table * self.scale) / (n + PRIOR_CALLS)
 
     def knows_plain(self, rows: int) -> bool:
         """Whether a plain step's cost at this bucket is known (seen, or in the table)."""

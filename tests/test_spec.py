@@ -280,7 +280,9 @@ def test_host_policy_learns_accept_by_match_length():
     assert pol.choose(1, [8]) == tree  # never verified at 8: tried
     assert pol.choose(1, [0]) is None  # no match, nothing to draft
     pol.verified(tree, [5], [8], 1)
-    pol.observed = {(1, PLAIN): [1e3, 1], (1, tree.label): [1.5e3, 1]}  # ms: the clock reads seconds
+    pol.forget_costs()  # ms: the clock reads seconds
+    pol.timed(1, PLAIN, 1e3, 1)
+    pol.timed(1, tree.label, 1.5e3, 1)
     pol.verified(tree, [1], [2], 1)
     assert pol.choose(1, [2]) == tree  # one sample of 1 token: 1 + 1 expected, 2 x 1 / 1.5 >= 1.1
     for _ in range(15):
@@ -319,7 +321,9 @@ def test_host_drafter_policy_reads_match_lengths(tiny):
     assert sched._match_keys([fresh, repeated]) == [1, 8]  # the kept matches were renewed
     pol, tree = sched.spec_policy, HostTree(8)
     assert pol.trees_at[1] == pol.trees_at[2] == [tree] and pol.trees_at[4] == [HostTree(4)]  # learn apart
-    pol.observed = {(rows, label): [ms, 1] for rows in (1, 2) for label, ms in ((PLAIN, 1.0), (tree.label, 1.5))}
+    for rows in (1, 2):
+        for label, ms in ((PLAIN, 1.0), (tree.label, 1.5)):
+            pol.timed(rows, label, ms, 1)
     pol.emitted = {(tree, 1): 1.1, (tree, 8): 6.0}  # over 20 verify steps each: expected 1.35 and 6.25 tokens
     pol.totals = {(tree, 1): [22.0, 20], (tree, 8): [120.0, 20]}
     assert sched._choice_for([fresh]) == (None, 1)

@@ -103,18 +103,21 @@ def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
     policy.verified(BIG, [4])
     assert policy.choose(8) == SMALL  # 2 / 1.3 against 4 / 3.0
     policy.timed(8, "1:1:2", 2.6 * 16, 16)  # verify calls take twice the table's time
-    # 16 steps seen against PRIOR_STEPS = 16 of the table's cost scaled by 2: 2.6
+    # one call seen against PRIOR_CALLS = 4 of the table's cost scaled by 2: 2.6
     assert policy.cost(8, "1:1:2") == pytest.approx(2.6) and policy.cost(8, "3:2:6") == pytest.approx(6.0)
     assert policy.cost(1, "3:2:6") == pytest.approx(3.0)
-    policy.timed(8, "3:2:6", 1.0 * 48, 48)  # seen mostly: a step takes 1 ms (the ratio is now 2.08 / 1.0)
-    assert policy.cost(8, "3:2:6") == pytest.approx((48 + 16 * 3.0 * (41.6 + 48) / (20.8 + 144)) / 64)
+    for _ in range(3):
+        policy.timed(8, "3:2:6", 1.0 * 4, 4)  # a step takes 1 ms: the scale is the median of 2 and 1/3
+    assert policy.cost(8, "3:2:6") == pytest.approx((3 * 1.0 + 4 * 3.0 * (2 + 1 / 3) / 2) / 7)
     assert policy.cost(16, "3:2:6") is None
     # the bucket moved to SMALL one call ago: it holds it HOLD_CALLS calls
     assert [policy.choose(8) for _ in range(spec_policy.HOLD_CALLS)][-2:] == [SMALL, BIG]
     assert policy.summary()["observed_ms"] == {"8": {"1:1:2": 2.6, "3:2:6": 1.0}}
-    for _ in range(40):  # the sums are halved past KEPT_STEPS: what was seen long ago fades
+    policy.timed(8, "3:2:6", 40.0, 4)  # a stalled call (10 ms a step) leaves the median where it was
+    assert policy.cost(8, "3:2:6") == pytest.approx(1.0 * 4 / 8 + 4 * 3.0 * policy.scale / 8)
+    for _ in range(spec_policy.RECENT_CALLS):  # the median is of the last RECENT_CALLS calls: the old fade
         policy.timed(8, "1:1:2", 1.3 * 16, 16)
-    assert policy.summary()["observed_ms"]["8"]["1:1:2"] < 1.35
+    assert policy.cost(8, "1:1:2") == pytest.approx(1.3 * (1 - 4 / 68) + 1.3 * policy.scale * 4 / 68)
 
 
 def test_a_tree_is_expected_to_accept_what_a_shape_it_contains_did():
