@@ -33,7 +33,8 @@ call's mean less the requests' level at that call (a moving average, LEVEL_RATE 
 call's mean less its shape's difference), and a shape is expected to emit the level plus its
 difference. Plain averages compare shapes on whatever requests each met: at batch 1 requests come
 one at a time, and the held shape's average is of this request while a probed one's is of earlier
-ones (MT-bench's accept lengths differ by request far more than by shape).
+ones. (Not yet shown faster than plain averages: beside them in one run, at 3643a58 when stalled
+calls still priced shapes, neither led on every batch and dataset: spec-level-.)
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
 
