@@ -225,8 +225,11 @@ class DraftCuts:
         return self.table[key]
 
     def build(self, specs):
-        for spec in specs:
-            self._get(*spec)
+        """Compile each (rows, drafted nodes, tree, nodes) and run it once: a GPU executable's
+        first run also loads it, which would stall the first chained call that changes shape."""
+        for rows, drafted, tree, nodes in specs:
+            zeros = np.zeros((rows, drafted), np.int32)
+            jax.block_until_ready(self._get(rows, drafted, tree, nodes)(zeros, zeros - 1))
         self.warm = True
 
     def __call__(self, tokens, parents, tree, nodes):
