@@ -12,6 +12,7 @@ seen at the requests' match lengths. A choice is (tree, nodes); plain decoding i
 A mixin of Scheduler (core.py), which owns the state these methods read."""
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 
@@ -212,21 +213,36 @@ class DraftCuts:
     def __init__(self, jit: bool = True):
         self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
 
-    def _get(self, rows, drafted, tree, nodes):
-        key = ("cut_drafts", rows, drafted, tree.steps, nodes)
+    @staticmethod
+    def _key(rows, drafted, tree, nodes):
+        return "cut_drafts", rows, drafted, tree.steps, nodes
+
+    @staticmethod
+    def _lower(rows, drafted, tree, nodes):
         fn = functools.partial(cut_drafts, max_nodes=nodes, max_depth=tree.steps, width=bucket(nodes, TREE_BUCKETS))
+        spec = jax.ShapeDtypeStruct((rows, drafted), np.int32)
+        return jax.jit(fn).lower(spec, spec)
+
+    def _get(self, *spec):
         if not self.jit:
-            return fn
+            rows, drafted, tree, nodes = spec
+            return functools.partial(cut_drafts, max_nodes=nodes, max_depth=tree.steps, width=bucket(nodes, TREE_BUCKETS))
+        key = self._key(*spec)
         if key not in self.table:
-            spec = jax.ShapeDtypeStruct((rows, drafted), np.int32)
-            self.table[key] = jax.jit(fn).lower(spec, spec).compile()
+            self.table[key] = self._lower(*spec).compile()
             if self.warm:
                 self.late_compiles.append(key)
         return self.table[key]
 
     def build(self, specs):
-        """Compile each (rows, drafted nodes, tree, nodes) and run it once: a GPU executable's
-        first run also loads it, which would stall the first chained call that changes shape."""
+        """Compile each (rows, drafted nodes, tree, nodes) (traced here, compiled in threads) and
+        run it once: a GPU executable's first run also loads it, which would stall the first
+        chained call that changes shape."""
+        todo = {self._key(*spec): spec for spec in specs if self._key(*spec) not in self.table}
+        if self.jit and todo:
+            lowered = {key: self._lower(*spec) for key, spec in todo.items()}
+            with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+                self.table.update(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
         for rows, drafted, tree, nodes in specs:
             zeros = np.zeros((rows, drafted), np.int32)
             jax.block_until_ready(self._get(rows, drafted, tree, nodes)(zeros, zeros - 1))
