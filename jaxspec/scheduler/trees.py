@@ -205,7 +205,6 @@ class TreeSizing:
         return costs
 
 
-
 class DraftCuts:
     """cut_drafts compiled for each (batch bucket, drafted nodes, next shape) a chained change of
     shape takes: built at warm-up beside the programs; one compiled after it is late."""
@@ -218,15 +217,16 @@ class DraftCuts:
         return "cut_drafts", rows, drafted, tree.steps, nodes
 
     @staticmethod
-    def _lower(rows, drafted, tree, nodes):
-        fn = functools.partial(cut_drafts, max_nodes=nodes, max_depth=tree.steps, width=bucket(nodes, TREE_BUCKETS))
+    def _fn(tree, nodes):
+        return functools.partial(cut_drafts, max_nodes=nodes, max_depth=tree.steps, width=bucket(nodes, TREE_BUCKETS))
+
+    def _lower(self, rows, drafted, tree, nodes):
         spec = jax.ShapeDtypeStruct((rows, drafted), np.int32)
-        return jax.jit(fn).lower(spec, spec)
+        return jax.jit(self._fn(tree, nodes)).lower(spec, spec)
 
     def _get(self, *spec):
         if not self.jit:
-            rows, drafted, tree, nodes = spec
-            return functools.partial(cut_drafts, max_nodes=nodes, max_depth=tree.steps, width=bucket(nodes, TREE_BUCKETS))
+            return self._fn(*spec[2:])
         key = self._key(*spec)
         if key not in self.table:
             self.table[key] = self._lower(*spec).compile()
