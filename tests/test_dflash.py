@@ -154,17 +154,19 @@ def test_auto_shapes_share_the_block_and_keep_outputs_plain(tiny, tiny_dflash):
     with pytest.raises(ValueError, match="share its block of 4 tokens"):
         drafter.with_tree(TreeShape(2, 1, 3))
     prompts = random_prompts(13, 5)
+    trees = (TreeShape(3, 1, 2), chain(4), TreeShape(3, 4, 8))
+    plain_gen = Generator(tiny, None, **KW)
+    gen = Generator(tiny, None, drafter=DFlashDrafter(head, chain(4)), spec_policy="auto", spec_trees=trees, **KW)
+    assert gen.scheduler.draft_slots == 4
+    turns = iter([trees[1], trees[2], trees[2], trees[0], trees[1]] * 200)
+    gen.scheduler.spec_policy.choose = lambda rows, keys=None: next(turns)
     for params in (SamplingParams(max_tokens=30, ignore_eos=True),
                    [SamplingParams(max_tokens=30, temperature=1.0, seed=i, ignore_eos=True) for i in range(5)]):
-        plain = Generator(tiny, None, **KW).generate(prompts, params)
-        trees = (TreeShape(3, 1, 2), chain(4), TreeShape(3, 4, 8))
-        gen = Generator(tiny, None, drafter=DFlashDrafter(head, chain(4)), spec_policy="auto", spec_trees=trees, **KW)
-        assert gen.scheduler.draft_slots == 4
-        turns = iter([trees[1], trees[2], trees[2], trees[0], trees[1]] * 100)
-        gen.scheduler.spec_policy.choose = lambda rows, keys=None: next(turns)
+        switches = gen.scheduler.stats["chained_switches"]
+        plain = plain_gen.generate(prompts, params)
         assert [c.token_ids for c in gen.generate(prompts, params)] == [c.token_ids for c in plain]
-        assert len(gen.scheduler.spec_policy.accepts) == 3 and gen.scheduler.pool.in_use == 0
-        assert gen.scheduler.stats["chained_switches"] >= 2
+        assert gen.scheduler.pool.in_use == 0 and gen.scheduler.stats["chained_switches"] - switches >= 2
+    assert len(gen.scheduler.spec_policy.accepts) == 3
 
 
 def test_sampling_equals_plain_with_the_same_seeds_and_chains_equal_single_steps(tiny, tiny_dflash):
