@@ -187,35 +187,37 @@ def test_the_device_cut_of_drafts_is_the_hosts():
             assert got[1][r].tolist() == [-1] + d_par + [-1] * (width - m)
 
 
-def _plain_and_auto(tiny, seed, n, max_tokens, max_batch, temperature=0.0):
-    """n random prompts, their plain outputs, and an EAGLE-3 engine (random head) choosing among
-    two shapes, warmed up (its step costs timed)."""
+def _plain_and_auto(tiny, seed, n, max_tokens, max_batch, temperatures=(0.0,)):
+    """n random prompts, a list of (params, plain outputs) at each temperature, and an EAGLE-3
+    engine (random head) choosing among two shapes, warmed up (its step costs timed)."""
     head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
     rng = np.random.default_rng(seed)
     prompts = [list(map(int, rng.integers(0, 62, int(rng.integers(3, 20))))) for _ in range(n)]
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
-              for i in range(n)]
     kw = dict(max_batch=max_batch, max_seq_len=128, num_pages=300)  # the pages of test_eagle.py's KW: shared programs
-    plain = [c.token_ids for c in Generator(tiny, None, **kw).generate(prompts, params)]
+    plain_gen, runs = Generator(tiny, None, **kw), []
+    for temperature in temperatures:
+        params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+                  for i in range(n)]
+        runs.append((params, [c.token_ids for c in plain_gen.generate(prompts, params)]))
     gen = Generator(tiny, None, drafter=EagleDrafter(head, BIG), spec_policy="auto", spec_trees=(SMALL, BIG),
                     warmup=True, **kw)
-    return prompts, params, plain, gen
+    return (prompts, *runs[0], gen) if len(runs) == 1 else (prompts, runs, gen)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_outputs_are_plain_decodings_whichever_shape_each_call_takes(tiny, temperature):
+def test_outputs_are_plain_decodings_whichever_shape_each_call_takes(tiny):
     """Greedy: token-identical to plain. Sampled: each position draws with the key plain sampling
     uses there, so the same seeds give plain sampling's tokens. Calls alternate between the two
-    shapes and plain decoding, one step a call and several."""
-    prompts, params, plain, gen = _plain_and_auto(tiny, 0, 5, 32, 4, temperature)
+    shapes and plain decoding, one step a call and several (one engine for both passes)."""
+    prompts, runs, gen = _plain_and_auto(tiny, 0, 5, 32, 4, temperatures=(0.0, 1.0))
     sched = gen.scheduler
     assert set(sched.spec_costs.ms) == {(kind, rows, tree) for rows in (1, 2, 4) for kind, tree in
                                         (("decode", None), ("verify", "1:1:2"), ("verify", "3:2:6"))}
     assert all(ms > 0 for ms in sched.spec_costs.ms.values())
-    turns = iter([SMALL, BIG, BIG, SMALL, SMALL, None] * 100)
+    turns = iter([SMALL, BIG, BIG, SMALL, SMALL, None] * 200)
     sched.spec_policy.choose = lambda rows, keys=None: next(turns)
-    out = gen.generate(prompts, params)
-    assert [c.token_ids for c in out] == plain
+    for params, plain in runs:
+        out = gen.generate(prompts, params)
+        assert [c.token_ids for c in out] == plain, params[0].temperature
     assert sched.stats["verify_steps"] > 0 and sched.stats["decode_time"] > 0
     assert {t.label for t in sched.spec_policy.accepts} == {"1:1:2", "3:2:6"}
     seen = sched.spec_policy.observed  # wall ms a step between consecutive calls of the whole batch
