@@ -6,8 +6,8 @@ Costs. At warm-up the engine times every decode and verify program of its set (S
 step by kind, batch bucket and tree) and keeps the table beside its programs in the program store:
 a later start of the same engine on the same device reads it back rather than timing again. While
 serving, the policy adds the wall time steps were seen to take (`arrived`: the interval between the
-outputs of two calls of the same shape and bucket, where the later one measured a step: a device
-drafter's call chained on the last, any call of a host drafter, whose calls cannot chain; the
+outputs of two calls at the same bucket, where the later one measured a step: a device drafter's
+call chained on the last, of any shape, and any call of a host drafter, whose calls cannot chain; the
 host's share counts, and a call read late lengthens its interval by what it shortens the next
 one's): the median of a shape's last RECENT_CALLS calls' ms a step, weighed against PRIOR_CALLS
 calls of the table's cost, itself scaled by the median of how the costs seen compare with the
