@@ -77,7 +77,8 @@ def pooled_rate(runs) -> float:
 def compiled_programs(gen) -> int:
     """Shapes compiled so far by the generator's jitted programs (a compile inside the timed run
     is a stall the timing includes)."""
-    return sum(len(p.table) for p in gen.scheduler.program_groups)
+    cuts = gen.scheduler.cuts  # a chained change of shape's cut (scheduler/trees.py)
+    return sum(len(p.table) for p in gen.scheduler.program_groups) + (len(cuts.table) if cuts else 0)
 
 
 def timed_run(gen, prompts, batch, max_tokens, admission):

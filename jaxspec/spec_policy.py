@@ -269,7 +269,8 @@ class SpecPolicy:
         if (tree, key) not in self.emitted:
             return None
         if key is None and tree in self.diffs:  # a device drafter's: the level and the shape's difference
-            return self.level + max(d / n for t, (d, n) in self.diffs.items() if _contains(tree, t))
+            # (at least the one token every step emits: a difference seen at another level can overshoot)
+            return max(1.0, self.level + max(d / n for t, (d, n) in self.diffs.items() if _contains(tree, t)))
         e = max(e for (t, k), e in self.emitted.items() if k == key and _contains(tree, t))
         return e + (min(self.totals[(tree, key)][1], 16) ** -0.5 if self.plain else 0.0)
 

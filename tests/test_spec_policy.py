@@ -162,6 +162,12 @@ def test_a_device_drafters_shapes_are_compared_on_the_same_requests():
     (level_a, level_b), (plain_a, plain_b) = expect[spec_policy.LEVEL_RATE], expect[0]
     assert level_b - level_a == pytest.approx(0.5, abs=0.1) and level_a == pytest.approx(2.0, abs=0.15)
     assert plain_a == pytest.approx(3.5) and plain_b == 2.5
+    policy = SpecPolicy(StepCosts(), {1: [a, b]})
+    policy.verified(a, [6] * 4)
+    policy.verified(b, [1] * 4)  # 5 below the level of an easy request
+    for _ in range(20):
+        policy.verified(a, [2] * 4)  # a hard one
+    assert policy.expected(b) == 1.0  # every step emits a token
 
 
 def test_the_device_cut_of_drafts_is_the_hosts():
