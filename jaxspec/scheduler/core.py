@@ -153,7 +153,6 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         batch bucket that gets a tree. Penalties and top logprobs add programs that are compiled
         when first asked for."""
         flag_sets = flag_sets or (SamplerFlags(), SamplerFlags(sample=True, filter=True))
-        rows_all = [b for b in BATCH_BUCKETS if b <= bucket(self.max_batch, BATCH_BUCKETS)]
         decode, target_cache = self.programs, self.cache
         if self.device_drafter:
             decode, target_cache = self.plain_programs, self.cache[0]
@@ -164,7 +163,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                 specs.append((self.programs, "extend", flags, self.cache, self._dummy_inputs(rows, t)))
                 if plain_prefill:
                     specs.append((decode, "extend", flags, target_cache, self._dummy_inputs(rows, t)))
-            for rows in rows_all:
+            for rows in self.row_buckets:
                 specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
                 for tree, nodes in self._verify_shapes(rows):
                     specs.append((self.tree_programs.get(tree, self.programs), self._verify_name, flags, self.cache,

@@ -64,10 +64,15 @@ class TreeSizing:
         groups = [self.programs, *self.tree_programs.values()] + ([self.plain_programs] if self.plain_programs else [])
         return list({id(g): g for g in groups}.values())
 
+    @property
+    def row_buckets(self) -> list:
+        """The batch buckets this engine builds programs for (up to max_batch's)."""
+        return [b for b in BATCH_BUCKETS if b <= bucket(self.max_batch, BATCH_BUCKETS)]
+
     def cut_specs(self) -> list:
         """(rows, drafted nodes, tree, nodes) of every cut a chained change of shape may take."""
         out = []
-        for rows in BATCH_BUCKETS[:BATCH_BUCKETS.index(bucket(self.max_batch, BATCH_BUCKETS)) + 1]:
+        for rows in self.row_buckets:
             shapes = self._verify_shapes(rows)
             out += [(rows, a.num_draft_tokens, b, n) for a, _ in shapes for b, n in shapes if b != a]
         return out
