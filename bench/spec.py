@@ -21,8 +21,8 @@ reverse order every other round (a pass is timed again, up to twice, if it compi
 `speedup_pooled` divides all rounds' tokens by all their seconds. An algorithm named twice runs
 twice (`plain,plain,...`: the second plain's speedup is the noise between two identical engines).
 The heap is frozen for the garbage collector after the compile passes, as a server does after its
-warm-up. Greedy; outputs of every algorithm are compared with plain's (`identical_to_plain`: exact
-in float32; bf16 kernels differ by batch shape).
+warm-up. Greedy (the engines build their greedy programs only); outputs of every algorithm are
+compared with plain's (`identical_to_plain`: exact in float32; bf16 kernels differ by batch shape).
 """
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ from jaxspec import SamplingParams, SpecConfig
 from jaxspec.speculative import shipped_drafter
 from jaxspec.generator import Generator
 from jaxspec.models.loading import load
+from jaxspec.sampling import SamplerFlags
+
+
+def greedy(max_tokens) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens)
 
 
 def run(gen, prompts, batch, max_tokens, admission="waves"):
@@ -55,7 +60,7 @@ def run(gen, prompts, batch, max_tokens, admission="waves"):
     reset = getattr(gen.scheduler.drafter, "reset", None)
     if reset is not None:
         reset()
-    params = SamplingParams(max_tokens=max_tokens)
+    params = greedy(max_tokens)
     t0 = time.perf_counter()
     if admission == "continuous":
         built, gen.scheduler.max_batch = gen.scheduler.max_batch, batch  # admission's cap; programs unchanged
@@ -200,7 +205,7 @@ def main():
             kw["spec_probe_every"] = int(probe)
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, num_pages=args.num_pages or 1 + args.max_batch * (1024 + 128) // 16,
-                                        warmup=not args.lazy, **kw)
+                                        warmup=not args.lazy, warmup_flags=[SamplerFlags.of([greedy(1)])], **kw)
         if plain_avg:  # the policy comparing shapes by plain averages, not against the requests' level
             gens[(name, label)].scheduler.spec_policy.level_rate = 0.0
     rows = []
