@@ -28,13 +28,18 @@ contains another's shape (as deep, as wide, as many nodes) is expected to accept
 one did: on few calls, an unlucky first average would keep a good shape from being chosen again.
 A host drafter's expectation is optimistic by one standard error while its samples are few (a
 match length judged on a handful of probes stayed shut where drafting every time paid).
-A device drafter's shapes are compared on the same requests: what it averages for a shape is each
-call's mean less the requests' level at that call (a moving average, LEVEL_RATE a call, of every
-call's mean less its shape's difference), and a shape is expected to emit the level plus its
-difference. Plain averages compare shapes on whatever requests each met: at batch 1 requests come
-one at a time, and the held shape's average is of this request while a probed one's is of earlier
-ones. (Not yet shown faster than plain averages: beside them in one run, at 3643a58 when stalled
-calls still priced shapes, neither led on every batch and dataset: spec-level-.)
+A device drafter's shapes are compared on the same requests, by the drafts a row-step accepts
+(its tokens past the one every step emits), whose log is the requests' level plus the shape's
+difference: a shape accepts a multiple of what another does, whatever the requests (on an H200,
+6:4:24 accepted 1.83-1.89x and 6:8:64 2.16-2.27x 3:1:4's drafts at batches 32 and 64 on MT-bench
+and HumanEval, where the differences in tokens ranged 0.81-1.16: spec-b32-64-). What it averages
+for a shape is each call's log less the level at that call (a moving average, LEVEL_RATE a call,
+of every call's log less its shape's difference). Differences in tokens carried the gaps of easy
+requests to hard ones: at batch 64 on HumanEval 3:1:4 was expected to emit 1.0 tokens a step and
+emitted 2.28, and the policy held 6:4:16, at 0.88x fixed 3:1:4 (spec-b32-64- at c0a6b01). Plain
+averages (level_rate 0) compare shapes on whatever requests each met: at batch 1 requests come
+one at a time, and the held shape's average is of this request while a probed one's is of
+earlier ones.
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
 
@@ -73,6 +78,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Hashable
 
 import numpy as np
@@ -88,6 +94,7 @@ HOST_KEPT_STEPS = 64  # a host drafter's: its verify calls are rare, each one st
 KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
 HOLD_CALLS = 8  # calls a bucket keeps a shape it moved to
 LEVEL_RATE = 0.5  # weight of a device drafter's call in the requests' level (0: plain averages)
+MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
 MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
 PLAIN = "plain"  # the label plain decoding's costs are kept under
@@ -156,7 +163,8 @@ class SpecPolicy:
         self.emitted: dict = {}  # (tree, key) -> average tokens a live row emits per verify step
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
         self.level, self.level_rate = None, level_rate  # a device drafter's requests' level (Acceptance)
-        self.diffs: dict = {}  # tree -> [row-steps x (call mean - level), row-steps]
+        self.diffs: dict = {}  # tree -> [row-steps x (log of the call's drafts accepted - level), row-steps]
+        self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
@@ -251,13 +259,22 @@ class SpecPolicy:
                 self.backoff[k] = 1 if pays else min(8, 2 * self.backoff.get(k, 1))
 
     def _relate(self, tree, mean: float, n: int) -> None:
-        """A device drafter's call of `tree`: its mean over n row-steps against the requests' level."""
-        self.level = mean if self.level is None else self.level
+        """A device drafter's call of `tree`: its mean over n row-steps against the requests' level.
+        A shape's difference is taken from the first PROBE_CALLS calls of each run of it, against the
+        level where the run began (the requests the last shape met); within a run the level follows
+        the calls: a shape held alone would otherwise share every move of the requests with it."""
+        x = math.log(max(mean - 1.0, MIN_DRAFTS))
+        last, calls, base = self._compared
+        if tree != last:
+            calls, base = 0, x if self.level is None else self.level
+        self._compared = (tree, calls + 1, base)
         d = self.diffs.setdefault(tree, [0.0, 0])
-        d[0], d[1] = d[0] + n * (mean - self.level), d[1] + n
-        if d[1] > self.kept:
-            d[0], d[1] = d[0] / 2, d[1] / 2
-        self.level += self.level_rate * (mean - d[0] / d[1] - self.level)
+        if calls < PROBE_CALLS or not d[1]:
+            d[0], d[1] = d[0] + n * (x - base), d[1] + n
+            if d[1] > self.kept:
+                d[0], d[1] = d[0] / 2, d[1] / 2
+        x -= d[0] / d[1]
+        self.level = x if self.level is None else self.level + self.level_rate * (x - self.level)
 
     # -- what to expect --------------------------------------------------------------------------------
     def expected(self, tree, key: Hashable = None) -> float | None:
@@ -268,9 +285,9 @@ class SpecPolicy:
             return 1.0
         if (tree, key) not in self.emitted:
             return None
-        if key is None and tree in self.diffs:  # a device drafter's: the level and the shape's difference
-            # (at least the one token every step emits: a difference seen at another level can overshoot)
-            return max(1.0, self.level + max(d / n for t, (d, n) in self.diffs.items() if _contains(tree, t)))
+        if key is None and tree in self.diffs and self.level_rate:  # a device drafter's: the level and the difference
+            drafts = math.exp(self.level + max(d / n for t, (d, n) in self.diffs.items() if _contains(tree, t)))
+            return 1.0 + min(drafts, tree.steps)  # (a step accepts at most one draft a level)
         e = max(e for (t, k), e in self.emitted.items() if k == key and _contains(tree, t))
         return e + (min(self.totals[(tree, key)][1], 16) ** -0.5 if self.plain else 0.0)
 
