@@ -57,11 +57,15 @@ HOLD_CALLS calls, then takes the fastest again: calls that moved between near-ti
 call), while a margin to beat instead (5%, before 66c9061) kept whichever near-tied shape led
 first (with both rules 6:4:24 took 147 calls of 173; it cost 6% more than 6:4:16 there, which stayed
 a choice: spec-auto-b1-). After probe_every calls another shape runs PROBE_CALLS calls (the
-contenders in turn) so that the averages follow the requests and the costs; the interval doubles
-(up to 8x) after each probe that leaves the bucket on its shape and falls back when the bucket
-moves. A device drafter's change of shape chains on the last call's drafts, cut on the device
-(scheduler/trees.py); before, a probe cost two unchained calls, ~4.5 ms each at batch 1 on an H200
-(engine_step_gap-chain-), about 80 ms of the 110 by which auto trailed fixed 6:4:24 in spec-auto-b1-.
+contenders in turn) so that the averages follow the requests and the costs; the interval doubles (up
+to 8x) after each probe that leaves the bucket on its shape and falls back when the bucket moves. A
+shape the bucket has not verified for STALE_PROBES probe intervals is probed first, whatever it is
+expected to emit: 3:1:4, explored on the first request of a run at batch 1 (1.8 tokens a step) and
+never within 25% of the best again, was not verified at batches 32 and 64, where it led as a fixed
+tree and accepted 2.2 (spec-ratio-b1-64- at 63e7aef). A device drafter's change of shape chains on
+the last call's drafts, cut on the device (scheduler/trees.py); before, a probe cost two unchained
+calls, ~4.5 ms each at batch 1 on an H200 (engine_step_gap-chain-), about 80 ms of the 110 by which
+auto trailed fixed 6:4:24 in spec-auto-b1-.
 
 Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
 (above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
@@ -87,6 +91,7 @@ from jaxspec.step_costs import StepCosts, time_call  # noqa: F401  (the policy's
 
 EXPLORE_CALLS = 4  # calls each shape runs before any is preferred (one call's accept length is noise)
 PROBE_CALLS = 3  # calls a probe of another shape runs
+STALE_PROBES = 4  # probe intervals after which a shape the bucket has not verified is probed first
 PRIOR_CALLS = 4  # calls of the table's (scaled) cost a shape's seen cost is weighed against
 RECENT_CALLS = 64  # a (bucket, shape)'s last calls whose median ms a step is its seen cost
 KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are halved (the costs move)
@@ -143,6 +148,7 @@ class _Probes:
     mult: int = 1
     done: int = 0
     before: object = None
+    shape: object = None  # the shape the probe runs
 
 
 class SpecPolicy:
@@ -175,6 +181,7 @@ class SpecPolicy:
         self.scale = 1.0  # the median over (bucket, label) of seen over table cost
         self.held: dict = {}  # bucket -> (the tree its calls verify between probes, the call it moved to it)
         self.probes: dict = {}  # bucket -> _Probes
+        self.verified_at: dict = {}  # (bucket, tree) -> the bucket's decision that last took it
         self.backoff: dict = {}  # key -> probe interval multiplier (plain decoding a choice)
         self.last_verified: dict = {}  # key -> plain steps when it last verified
         self.plain_steps = 0  # plain steps read back so far
@@ -359,9 +366,14 @@ class SpecPolicy:
         elif probe.start <= n < probe.start + PROBE_CALLS and len(ranked) > 1:
             # the shapes within 25% of the best in turn (at least the runner-up): they could
             # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
-            probe.before = pick if n == probe.start else probe.before
-            rivals = [t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick]] or ranked[1:2]
-            pick = rivals[probe.done % len(rivals)]
+            if n == probe.start:
+                probe.before = pick
+                last = {t: self.verified_at.get((rows, t), -1) for t in ranked[1:]}
+                stale = [t for t in ranked[1:] if n - last[t] > STALE_PROBES * self.probe_every]
+                rivals = [t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick]] or ranked[1:2]
+                probe.shape = min(stale, key=last.get) if stale else rivals[probe.done % len(rivals)]
+            pick = probe.shape
+        self.verified_at[(rows, pick)] = n
         return pick
 
     def _gate(self, rows, trees, keys):

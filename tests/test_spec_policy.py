@@ -43,8 +43,8 @@ def test_the_choice_follows_tokens_per_millisecond(monkeypatch):
     assert policy.choose(16) is None  # no program at this bucket
     for _ in range(30):  # the big tree's drafts stop paying: the average forgets
         policy.verified(BIG, [1, 2])
-    # the probe's two more calls (of the shape now second), then 1.75 / 1.2 beats 1.75 (its own floor) / 1.5
-    assert [policy.choose(1) for _ in range(5)] == [BIG, BIG, SMALL, SMALL, SMALL]
+    # the probe's two more calls (of the shape it began), then 1.75 / 1.2 beats 1.75 (its own floor) / 1.5
+    assert [policy.choose(1) for _ in range(5)] == [SMALL] * 5
     assert [policy.choose(8) for _ in range(3)] == [BIG, BIG, SMALL]  # the probe's two more calls
     summary = policy.summary()
     assert summary["accept_histogram"]["3:2:6"][3] == 2 and summary["chosen"]["8"] == {"1:1:2": 8, "3:2:6": 4}
@@ -91,6 +91,23 @@ def test_probes_that_move_nothing_come_less_often(monkeypatch):
     assert probed == [4, 5, 6, 15, 16, 17, 34, 35, 36]
     policy.verified(b, [5] * 300)  # b pulls ahead: the bucket moves at once, and probes come after 4 calls again
     assert [policy.choose(1) for _ in range(41, 51)] == [b] * 4 + [a] * 3 + [b] * 3
+
+
+def test_a_shape_not_verified_for_long_is_probed_however_far_behind(monkeypatch):
+    """c's first calls looked poor (far outside the 25% that rivals the best): it is still probed
+    once the bucket has not verified it for STALE_PROBES probe intervals, so that what it accepts
+    and costs follows the requests and the batch."""
+    monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
+    a, b, c = TreeShape(2, 2, 4), TreeShape(3, 1, 4), TreeShape(1, 1, 2)
+    costs = StepCosts({("verify", 1, t.label): 1.0 for t in (a, b, c)})
+    policy = SpecPolicy(costs, {1: [a, b, c]}, probe_every=4, level_rate=0)
+    for t, emitted in ((a, 3), (b, 2.8), (c, 1.2)):
+        assert policy.choose(1) == t  # explored once each
+        policy.verified(t, [emitted] * 100)
+    picks = [policy.choose(1) for _ in range(40)]
+    c_calls = [n for n, t in enumerate(picks) if t == c]
+    assert picks.count(b) >= 3 and len(c_calls) == spec_policy.PROBE_CALLS
+    assert c_calls == list(range(c_calls[0], c_calls[0] + spec_policy.PROBE_CALLS))  # one probe, calls in a row
 
 
 def test_costs_seen_while_serving_replace_and_scale_the_table(monkeypatch):
