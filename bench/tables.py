@@ -81,7 +81,7 @@ def drafters() -> str:
 
 def policy() -> str:
     """Fixed trees beside the auto policy's choice among shapes (a run a dataset)."""
-    return _side_by_side(("spec-auto", "spec-auto-humaneval"), "speculation", DEVICE)
+    return _side_by_side(("spec-stale-b1-64", "spec-stale-he-b1-64"), "speculation")
 
 
 def heads() -> str:
