@@ -1,6 +1,7 @@
 """Speculation sized by measured costs, for every drafter family: the draft tree a decode batch
 verifies, or plain decoding, chosen every call among the shapes whose programs were built at
-start-up, as the one that emits the most tokens per ms of a step.
+start-up, as the one that emits the most tokens per ms of a step. Each rule's measurements (what
+went wrong without it) are in bench/probes/spec_policy_notes.md.
 
 Costs. At warm-up the engine times every decode and verify program of its set (StepCosts: ms a
 step by kind, batch bucket and tree) and keeps the table beside its programs in the program store:
@@ -9,12 +10,9 @@ serving, the policy adds the wall time steps were seen to take (`arrived`: the i
 outputs of two calls at the same bucket, where the later one measured a step: a device drafter's
 call chained on the last, of any shape, and any call of a host drafter, whose calls cannot chain; the
 host's share counts, and a call read late lengthens its interval by what it shortens the next
-one's): the median of a shape's last RECENT_CALLS calls' ms a step, weighed against PRIOR_CALLS
-calls of the table's cost, itself scaled by the median of how the costs seen compare with the
-table's (the table runs steady calls with nothing else to do). Averages of single intervals varied
-by 5x on the H100 (spec-auto-*.json at 9a8f8c4, git history), and a few stalled calls (up to 11 ms
-a step against a median of 1.4 on an H200) priced rarely verified shapes at twice their cost and
-kept them out while the cost was the mean of every call seen (spec-level-b1-8-, auto_recent_ms, 3643a58).
+one's): the median of a shape's last RECENT_CALLS calls' ms a step (a few stalled calls must not
+price a shape), weighed against PRIOR_CALLS calls of the table's cost, itself scaled by the median
+of how the costs seen compare with the table's (the table runs steady calls with nothing else to do).
 
 Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took
 (sums halved past `kept` row-steps, so that they follow the requests), pooled over batch sizes
@@ -22,61 +20,42 @@ Acceptance. For each shape and match key, the tokens rows emitted over the row-s
 device drafter has one key; a host drafter (NGRAM) keys each request by how many of its latest
 tokens matched (1, 2-3, 4-7, 8 or more; 0, no match, drafts nothing and expects 1): a request
 continuing a long stretch seen before (a repeated line of code) accepts several tokens, one whose
-last token alone matches rarely more than the bonus token, and code alternates the two (HumanEval
-batch 1: 1.54x with one average over recent steps, 1.85x drafting every step). A tree that
+last token alone matches rarely more than the bonus token, and code alternates the two. A tree that
 contains another's shape (as deep, as wide, as many nodes) is expected to accept at least what that
 one did: on few calls, an unlucky first average would keep a good shape from being chosen again.
-A host drafter's expectation is optimistic by one standard error while its samples are few (a
-match length judged on a handful of probes stayed shut where drafting every time paid).
+A host drafter's expectation is optimistic by one standard error while its samples are few.
 A device drafter's shapes are compared on the same requests, by the drafts a row-step accepts
 (its tokens past the one every step emits), whose log is the requests' level plus the shape's
-difference: a shape accepts a multiple of what another does, whatever the requests (on an H200,
-6:4:24 accepted 1.83-1.89x and 6:8:64 2.16-2.27x 3:1:4's drafts at batches 32 and 64 on MT-bench
-and HumanEval, where the differences in tokens ranged 0.81-1.16: spec-b32-64-). What it averages
-for a shape is each call's log less the level at that call (a moving average, LEVEL_RATE a call,
-of every call's log less its shape's difference). Differences in tokens carried the gaps of easy
-requests to hard ones: at batch 64 on HumanEval 3:1:4 was expected to emit 1.0 tokens a step and
-emitted 2.28, and the policy held 6:4:16, at 0.88x fixed 3:1:4 (spec-b32-64- at c0a6b01). Plain
-averages (level_rate 0) compare shapes on whatever requests each met: at batch 1 requests come
-one at a time, and the held shape's average is of this request while a probed one's is of
-earlier ones.
+difference: a shape accepts a multiple of what another does, whatever the requests. What it
+averages for a shape is each call's log less the level at that call (a moving average, LEVEL_RATE
+a call, of every call's log less its shape's difference). Plain averages (level_rate 0) compare
+shapes on whatever requests each met: at batch 1 the held shape's average is of this request while
+a probed one's is of earlier ones.
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
 
     mean over its requests of expected(tree, key) / cost(rows, tree),
 
 where plain decoding emits one token per plain step. Every shape a bucket has runs `explore` calls
-(4 for a device drafter: after one each, HumanEval's 3:1:4 was held at an accept length of 1.25,
-9ecd17e; a host drafter tries each match key once) before any is preferred. A shape whose nodes a
-bigger one of the same depth and branching drafts too is left out where that one costs at most
-NESTED_COST as much a step: it accepts at least as much on every step (on an H200 at batch 1
-6:4:24 cost 1.5% more than 6:4:16 and accepted 6% more, yet a policy that had settled on 6:4:16
-verified it 133 calls of 181: spec-auto-b1-8-). A bucket that moved to a shape keeps it for
-HOLD_CALLS calls, then takes the fastest again: calls that moved between near-tied shapes ran at
-0.88x the best fixed tree (spec-auto-*.json at 1853a27, when a change of shape cost an unchained
-call), while a margin to beat instead (5%, before 66c9061) kept whichever near-tied shape led
-first (with both rules 6:4:24 took 147 calls of 173; it cost 6% more than 6:4:16 there, which stayed
-a choice: spec-auto-b1-). After probe_every calls another shape runs PROBE_CALLS calls (the
-contenders in turn) so that the averages follow the requests and the costs; the interval doubles (up
-to 8x) after each probe that leaves the bucket on its shape and falls back when the bucket moves. A
-shape the bucket has not verified for STALE_PROBES probe intervals is probed first, whatever it is
-expected to emit: 3:1:4, explored on the first request of a run at batch 1 (1.8 tokens a step) and
-never within 25% of the best again, was not verified at batches 32 and 64, where it led as a fixed
-tree and accepted 2.2 (spec-ratio-b1-64- at 63e7aef). A device drafter's change of shape chains on
-the last call's drafts, cut on the device (scheduler/trees.py); before, a probe cost two unchained
-calls, ~4.5 ms each at batch 1 on an H200 (engine_step_gap-chain-), about 80 ms of the 110 by which
-auto trailed fixed 6:4:24 in spec-auto-b1-.
+(4 for a device drafter; a host drafter tries each match key once) before any is preferred. A
+shape whose nodes a bigger one of the same depth and branching drafts too is left out where that
+one costs at most NESTED_COST as much a step: it accepts at least as much on every step. A bucket
+that moved to a shape keeps it for HOLD_CALLS calls, then takes the fastest again (near-tied shapes
+would trade places call after call). After probe_every calls another shape runs PROBE_CALLS calls
+(the contenders in turn) so that the averages follow the requests and the costs; the interval
+doubles (up to 8x) after each probe that leaves the bucket on its shape and falls back when the
+bucket moves. A shape the bucket has not verified for STALE_PROBES probe intervals is probed first,
+whatever it is expected to emit: a shape judged on a few early calls could otherwise never be
+verified again. A device drafter's change of shape chains on the last call's drafts, cut on the
+device (scheduler/trees.py).
 
 Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
 (above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
 not pay is probed again after probe_every verify steps' worth of plain steps (at least
 probe_every), the interval doubling after each probe that does not pay (up to 8x). A device
 drafter's head is left behind by the target alone, so a request decoded plainly once decodes
-plainly to its end, and a policy that chose plain decoding from a few noisy calls never saw the
-trees again (on the H100 such a policy held HumanEval at batch 1 at 0.99x plain, and mixed calls
-of behind and current heads ran MT-bench at batch 64 at 0.40x: spec-auto-*.json at 931c778, git
-history). Which of its buckets verify at all is the fixed rule's
-(scheduler/trees.py).
+plainly to its end, and a policy that chose plain decoding from a few noisy calls would never see
+the trees again. Which of its buckets verify at all is the fixed rule's (scheduler/trees.py).
 """
 from __future__ import annotations
 
