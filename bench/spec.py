@@ -27,6 +27,7 @@ compared with plain's (`identical_to_plain`: exact in float32; bf16 kernels diff
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import gc
 import os
@@ -89,9 +90,10 @@ def compiled_programs(gen) -> int:
 def timed_run(gen, prompts, batch, max_tokens, admission):
     """One timed pass. A compile inside it (drafts, hence shapes, can differ between passes) is a
     stall of seconds: the pass is repeated, at most twice, and the count reported."""
-    drafter = gen.scheduler.drafter
+    drafter, policy = gen.scheduler.drafter, gen.scheduler.spec_policy
     for timed_pass in range(3):
         s0 = dict(gen.scheduler.stats)
+        chosen0 = dict(policy.chosen) if policy is not None else {}
         h0, o0 = getattr(drafter, "host_time", 0.0), getattr(drafter, "overlapped_time", 0.0)
         c0 = compiled_programs(gen)
         outs, secs = run(gen, prompts, batch, max_tokens, admission)
@@ -99,7 +101,12 @@ def timed_run(gen, prompts, batch, max_tokens, admission):
         if compiles == 0:
             break
     st = gen.scheduler.stats
-    return dict(outs=outs, secs=secs, tokens=sum(len(o.token_ids) for o in outs), compiles=compiles,
+    chosen = collections.Counter()  # the auto policy's calls a shape in this pass, over every bucket
+    for (rows, label), n in (policy.chosen.items() if policy is not None else ()):
+        chosen[label] += n - chosen0.get((rows, label), 0)
+    acc = [a for o in outs for a in (o.accept_lengths or [])]
+    return dict(outs=outs, secs=secs, chosen={k: n for k, n in sorted(chosen.items()) if n},
+                accept=sum(acc) / len(acc) if acc else None, tokens=sum(len(o.token_ids) for o in outs), compiles=compiles,
                 preemptions=st["preemptions"] - s0["preemptions"],
                 passes=timed_pass + 1, verify_steps=st["verify_steps"] - s0["verify_steps"],
                 emitted=st["emitted"] - s0["emitted"], steps=st["steps"] - s0["steps"],
@@ -286,7 +293,9 @@ def main():
                         policy = gen.scheduler.spec_policy
                         if policy is not None:  # what the auto policy learned, and chose at this batch
                             summary = policy.summary()
-                            row.update(auto_accept_length=summary["accept_length"],
+                            row.update(auto_choices_runs=[r["chosen"] for r in runs],  # a timed pass each
+                                       accept_length_runs=[r["accept"] for r in runs],
+                                       auto_accept_length=summary["accept_length"],
                                        auto_expected=summary["expected"],  # against the requests' level
                                        auto_level_rate=policy.level_rate,
                                        auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
