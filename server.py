@@ -312,7 +312,7 @@ def build_app(argv=None):
     ap.add_argument("--served-model-name")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    from jaxspec.speculative import add_flags, config_from_flags
+    from jaxspec.speculative import add_flags, config_from_flags, verify_budget
     add_flags(ap)
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--max-queued-requests", type=int, default=1024,
@@ -336,7 +336,7 @@ def build_app(argv=None):
     spec = config_from_flags(args)  # bad flags fail here, before the engine process starts
     kw = dict(speculative=spec, max_batch=args.max_running_requests, dtype=args.dtype, max_seq_len=args.max_seq_len,
               page_size=args.page_size, num_pages=args.num_pages, mem_fraction=args.mem_fraction_static,
-              spec_policy=args.speculative_policy, tp_size=args.tp_size,
+              spec_policy=args.speculative_policy, tp_size=args.tp_size, **verify_budget(args),
               warmup=False if args.skip_warmup else "progress")  # before the port opens
     engine = EngineProcess(_generator, args.model, kw)
     return create_app(engine, args.served_model_name or args.model, args.max_queued_requests,

@@ -1,6 +1,6 @@
 """Serving under load: the real HTTP server on loopback, streamed chat completions, per algorithm.
 
-    python bench/serve.py [--model smollm2-135m] [--algos plain,eagle3:6:4:24,ngram:8]
+    python bench/serve.py [--model smollm2-135m] [--algos plain,eagle3:6:4:24,eagle3:6:4:24/auto/4096,ngram:8]
         [--datasets mt-bench,humaneval] [--concurrency 1,8,32,128] [--rates 4,16,64] [--max-tokens 256]
 
 Closed loop: `c` clients, each sending its next request when the last one ends. Open loop:
@@ -140,9 +140,26 @@ def open_loop(url, chats, rate, max_tokens, seed=0):
     return summarize(results, time.perf_counter() - t0)
 
 
+def algo_parts(algo):
+    """(name, tree numbers, scheduler options) of a bench algorithm name: 'eagle3:6:4:24/auto/4096'
+    is EAGLE-3 under the auto policy (the tree sizing the prefill's first draft) with a verify
+    budget of 4096 nodes a step (--speculative-max-verify-tokens)."""
+    head, *opts = algo.split("/")
+    name, *nums = head.split(":")
+    kw = {}
+    for o in opts:
+        if o == "auto":
+            kw["spec_policy"] = "auto"
+        elif o.isdigit():
+            kw["spec_max_verify_tokens"] = int(o)
+        else:
+            raise SystemExit(f"unknown option {o!r} in algorithm {algo!r} (auto, or a verify budget)")
+    return name, nums, kw
+
+
 def spec_of(algo):
     from jaxspec import SpecConfig
-    name, *nums = algo.split(":")
+    name, nums, _ = algo_parts(algo)
     if name == "plain":
         return None
     if name == "ngram":
@@ -174,13 +191,14 @@ def plot(rows, path):
 
 def server_flags(algo) -> list:
     """server.py's flags for a bench algorithm name."""
-    name, *nums = algo.split(":")
+    name, nums, kw = algo_parts(algo)
     if name == "plain":
         return ["--speculative-algorithm", "NONE"]
     if name == "ngram":
         return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", nums[0] if nums else "8"]
+    opts = {"spec_policy": "--speculative-policy", "spec_max_verify_tokens": "--speculative-max-verify-tokens"}
     return ["--speculative-algorithm", name.upper(), "--speculative-num-steps", nums[0], "--speculative-eagle-topk",
-            nums[1], "--speculative-num-draft-tokens", nums[2]]
+            nums[1], "--speculative-num-draft-tokens", nums[2], *(x for k, v in kw.items() for x in (opts[k], str(v)))]
 
 
 @contextlib.contextmanager
@@ -220,9 +238,10 @@ def server_process(model, algo, max_running, log_path, start_timeout=900, extra_
                 proc.kill()
 
 
-def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client_procs=1):
+def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client_procs=1, served=None):
     """Rows for every (algorithm, dataset, load point); serve(algo) is a context manager yielding
-    that algorithm's server's url."""
+    that algorithm's server's url; served(rows) is called after each algorithm (results written as
+    they come: a run cut short by a time limit keeps the algorithms it finished)."""
     rows = []
     for algo in algos:
         with serve(algo) as url:
@@ -238,6 +257,8 @@ def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client
                                          **({"concurrency": p} if kind == "closed" else {"rate": p}), **load(batch)))
                         print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
                                                 "ttft_p50_s", "itl_p50_s", "itl_token_p50_s", "tpot_p50_s"])
+        if served is not None:
+            served(rows)
     return rows
 
 
@@ -287,19 +308,26 @@ def main():
             spec = spec_of(algo)
             drafter = spec.build(model, "smollm2-135m" if "smol" in args.model.lower() else args.model) if spec else None
             return in_thread(Generator(model, tok, drafter=drafter, max_batch=max(conc), max_seq_len=1024,
-                                       num_pages=None, warmup=True))
+                                       num_pages=None, warmup=True, **algo_parts(algo)[2]))
     else:
+        # the results name the device, which starts a JAX client here: a small one, the same for
+        # every server after it (each sizes its KV pool from the memory it finds free)
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        device_name()
+
         def serve(algo):
-            log = os.path.join(tempfile.gettempdir(), f"jaxspec-serve-{algo.replace(':', '_')}.log")
+            log = os.path.join(tempfile.gettempdir(), f"jaxspec-serve-{algo.replace(':', '_').replace('/', '_')}.log")
             return server_process(args.model, algo, max(conc), log, extra_args=args.server_args.split())
 
-    rows = run(serve, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests, args.client_procs)
+    meta = {"max_tokens": args.max_tokens, "server_args": args.server_args}
+    rows = run(serve, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests, args.client_procs,
+               served=lambda rows: write_results("serve" + args.tag, rows, meta))
     print()
     print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s", "requests_per_s",
                        "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_token_p50_s", "itl_token_p99_s", "tpot_p50_s"])
     if args.plot:
         print(plot(rows, os.path.join(RESULTS, f"serve{args.tag}-{device_name()}.png")))
-    print(write_results("serve" + args.tag, rows, {"max_tokens": args.max_tokens, "server_args": args.server_args}))
+    print(write_results("serve" + args.tag, rows, meta))
 
 
 if __name__ == "__main__":

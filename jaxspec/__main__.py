@@ -50,11 +50,11 @@ def main(argv=None):
 def _generator(args, max_batch, **kw):
     import jax.numpy as jnp
     from jaxspec import Generator
-    from jaxspec.speculative import config_from_flags
+    from jaxspec.speculative import config_from_flags, verify_budget
     return Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
                                      speculative=config_from_flags(args), max_batch=max_batch,
                                      page_size=args.page_size, max_seq_len=args.max_seq_len, tp_size=args.tp_size,
-                                     spec_policy=args.speculative_policy, **kw)
+                                     spec_policy=args.speculative_policy, **verify_budget(args), **kw)
 
 
 def programs(args) -> int:

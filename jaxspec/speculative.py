@@ -41,6 +41,9 @@ def add_flags(ap) -> None:
                     help="EAGLE family and DFLASH: verify the given tree, cut to fit the batch (fixed), or choose "
                          "every call among several tree shapes by the step costs and accept lengths seen (auto; also "
                          "set by a tree flag's value auto)")
+    ap.add_argument("--speculative-max-verify-tokens", type=int,
+                    help="EAGLE family and DFLASH: tree nodes a verify step may take over its whole batch bucket "
+                         "(default 128); a bucket where no tree fits decodes plainly, its heads left behind")
 
 
 def _int_or_auto(value: str):
@@ -64,6 +67,14 @@ def config_from_flags(args) -> "SpecConfig | None":
                       draft_model_path=args.speculative_draft_model_path, token_map=args.speculative_token_map,
                       token_map_refresh=args.speculative_token_map_refresh, num_steps=args.speculative_num_steps,
                       eagle_topk=args.speculative_eagle_topk, dflash_block_size=args.speculative_dflash_block_size)
+
+
+def verify_budget(args) -> dict:
+    """The Generator's keyword for --speculative-max-verify-tokens, if given."""
+    n = args.speculative_max_verify_tokens
+    if n is not None and n < 1:
+        raise ValueError(f"--speculative-max-verify-tokens must be >= 1, got {n}")
+    return {} if n is None else dict(spec_max_verify_tokens=n)
 
 
 def resolve_auto(args) -> None:

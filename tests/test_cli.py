@@ -51,5 +51,11 @@ def test_programs_lists_the_start_up_set():
     eagle3 = listed()
     assert eagle3[0] == "25 programs (max batch 64):" and len(eagle3) == 26
     assert sum("verify_steps" in line for line in eagle3) == 8
+    # a verify budget of 1024 nodes a step: a tree at every bucket (16 nodes at 64), no prefill by the target alone
+    wide = listed("--speculative-max-verify-tokens", "1024")
+    assert wide[0] == "26 programs (max batch 64):" and sum("verify_steps" in line for line in wide) == 14
+    out = subprocess.run([sys.executable, "-m", "jaxspec", "programs", "--speculative-max-verify-tokens", "0"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "--speculative-max-verify-tokens must be >= 1, got 0" in out.stderr
     plain = listed("--speculative-algorithm", "NONE")
     assert plain[0] == "12 programs (max batch 64):" and all("greedy and sampled" in line for line in plain[1:])
