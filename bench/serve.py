@@ -143,7 +143,10 @@ def open_loop(url, chats, rate, max_tokens, seed=0):
 def algo_parts(algo):
     """(name, tree numbers, scheduler options) of a bench algorithm name: 'eagle3:6:4:24/auto/4096'
     is EAGLE-3 under the auto policy (the tree sizing the prefill's first draft) with a verify
-    budget of 4096 nodes a step (--speculative-max-verify-tokens)."""
+    budget of 4096 nodes a step (--speculative-max-verify-tokens). 'default': server.py's own
+    defaults (for SmolLM2 the shipped EAGLE-3 head under the auto policy)."""
+    if algo == "default":
+        return "eagle3", ["6", "4", "24"], {"spec_policy": "auto"}
     head, *opts = algo.split("/")
     name, *nums = head.split(":")
     kw = {}
@@ -191,6 +194,8 @@ def plot(rows, path):
 
 def server_flags(algo) -> list:
     """server.py's flags for a bench algorithm name."""
+    if algo == "default":
+        return []
     name, nums, kw = algo_parts(algo)
     if name == "plain":
         return ["--speculative-algorithm", "NONE"]

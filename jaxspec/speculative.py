@@ -37,13 +37,15 @@ def add_flags(ap) -> None:
                     help="DFLASH: tokens a draft pass proposes and a step verifies (default: the drafter's)")
     ap.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=8)
     ap.add_argument("--speculative-ngram-match-type", default="BFS")
-    ap.add_argument("--speculative-policy", choices=["fixed", "auto"], default="fixed",
+    ap.add_argument("--speculative-policy", choices=["fixed", "auto"],
                     help="EAGLE family and DFLASH: verify the given tree, cut to fit the batch (fixed), or choose "
                          "every call among several tree shapes by the step costs and accept lengths seen (auto; also "
-                         "set by a tree flag's value auto)")
+                         "set by a tree flag's value auto). Default: auto for AUTO's shipped head given no tree "
+                         "numbers, else fixed")
     ap.add_argument("--speculative-max-verify-tokens", type=int,
                     help="EAGLE family and DFLASH: tree nodes a verify step may take over its whole batch bucket "
-                         "(default 128); a bucket where no tree fits decodes plainly, its heads left behind")
+                         "(default 128 under the fixed policy, 4096 under auto); a bucket where no tree fits decodes "
+                         "plainly, its heads left behind")
 
 
 def _int_or_auto(value: str):
@@ -59,6 +61,8 @@ def config_from_flags(args) -> "SpecConfig | None":
             if getattr(args, f) == "auto":
                 setattr(args, f, None)
     resolve_auto(args)
+    if args.speculative_policy is None:
+        args.speculative_policy = "fixed"
     if args.speculative_algorithm.upper() == "NONE":
         return None
     return SpecConfig(args.speculative_algorithm, num_draft_tokens=args.speculative_num_draft_tokens,
@@ -79,17 +83,22 @@ def verify_budget(args) -> dict:
 
 def resolve_auto(args) -> None:
     """The command lines' --speculative-algorithm AUTO, resolved in place on their parsed flags:
-    EAGLE3 with a 6:4:24 tree (the tree flags given keep their values) where a trained head ships
-    for the model, else NONE. On the H200 that head served faster than plain decoding at every
-    load measured (bench/results/serve-NVIDIA-H200.json); for a model without one, no drafter
-    is known to pay."""
+    EAGLE3 where a trained head ships for the model, else NONE (for a model without one, no
+    drafter is known to pay). Given no tree numbers and no policy, the auto policy chooses its tree
+    every call (6:4:24 sizing the prefill's first draft): served on the H200 (MT-bench, 256 tokens)
+    it ran at 2.48x / 1.20x / 1.11x / 1.12x plain at concurrency 1 / 8 / 32 / 128, the fixed
+    6:4:24 tree at 2.35x / 1.26x / 0.90x / 1.04x (serve-auto-NVIDIA-H200.json). Tree numbers given
+    keep their values, the others 6:4:24's."""
     if args.speculative_algorithm.upper() != "AUTO":
         return
     if args.speculative_draft_model_path is None and shipped_drafter(args.model, "EAGLE3") is None:
         args.speculative_algorithm = "NONE"
         return
     args.speculative_algorithm = "EAGLE3"
-    for flag, value in (("speculative_num_steps", 6), ("speculative_eagle_topk", 4), ("speculative_num_draft_tokens", 24)):
+    tree = (("speculative_num_steps", 6), ("speculative_eagle_topk", 4), ("speculative_num_draft_tokens", 24))
+    if args.speculative_policy is None and all(getattr(args, flag) is None for flag, _ in tree):
+        args.speculative_policy = "auto"
+    for flag, value in tree:
         if getattr(args, flag) is None:
             setattr(args, flag, value)
 

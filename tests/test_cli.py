@@ -30,10 +30,11 @@ def test_auto_picks_the_shipped_eagle3_head_or_no_drafter():
         vars(args).update(model=model, **given)
         resolve_auto(args)
         return (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
-                args.speculative_num_draft_tokens)
+                args.speculative_num_draft_tokens, args.speculative_policy)
 
-    assert resolved("smollm2-135m") == ("EAGLE3", 6, 4, 24)
-    assert resolved("smollm2-135m", speculative_num_draft_tokens=8) == ("EAGLE3", 6, 4, 8)
+    assert resolved("smollm2-135m") == ("EAGLE3", 6, 4, 24, "auto")  # the tree chosen every call
+    assert resolved("smollm2-135m", speculative_num_draft_tokens=8) == ("EAGLE3", 6, 4, 8, None)  # fixed
+    assert resolved("smollm2-135m", speculative_policy="fixed") == ("EAGLE3", 6, 4, 24, "fixed")
     assert resolved("some/hf-checkpoint")[0] == "NONE"
     assert resolved("smollm2-135m", speculative_algorithm="NGRAM")[0] == "NGRAM"
 
@@ -45,14 +46,18 @@ def test_programs_lists_the_start_up_set():
         assert out.returncode == 0, out.stderr
         return out.stdout.splitlines()
 
-    # AUTO: the shipped EAGLE-3 head. 5 prefill shapes with the head and 5 by the target alone (bucket 64
-    # gets no tree), 7 decode steps, a verify step for the buckets whose tree keeps 16 nodes (1..8), greedy
-    # and sampled apart
+    # AUTO: the shipped EAGLE-3 head under the auto policy, its budget of 4096 nodes a step fitting each of
+    # its 5 shapes at every bucket (6:8:64 at 64 rows): 7 decode steps, 5 prefill shapes with the head
+    # (none by the target alone), 5 x 7 verify steps, greedy and sampled apart
     eagle3 = listed()
-    assert eagle3[0] == "25 programs (max batch 64):" and len(eagle3) == 26
-    assert sum("verify_steps" in line for line in eagle3) == 8
+    assert eagle3[0] == "82 programs (max batch 64):" and sum("verify_steps" in line for line in eagle3) == 70
+    # the fixed 6:4:24 tree: 5 prefill shapes with the head and 5 by the target alone (bucket 64 gets no
+    # tree), a verify step for the buckets whose tree keeps 16 nodes of the 128 a step (1..8)
+    fixed = listed("--speculative-policy", "fixed")
+    assert fixed[0] == "25 programs (max batch 64):" and len(fixed) == 26
+    assert sum("verify_steps" in line for line in fixed) == 8
     # a verify budget of 1024 nodes a step: a tree at every bucket (16 nodes at 64), no prefill by the target alone
-    wide = listed("--speculative-max-verify-tokens", "1024")
+    wide = listed("--speculative-policy", "fixed", "--speculative-max-verify-tokens", "1024")
     assert wide[0] == "26 programs (max batch 64):" and sum("verify_steps" in line for line in wide) == 14
     out = subprocess.run([sys.executable, "-m", "jaxspec", "programs", "--speculative-max-verify-tokens", "0"],
                          capture_output=True, text=True, timeout=600)

@@ -220,10 +220,16 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     import argparse
     from jaxspec.speculative import add_flags, config_from_flags
     flags = argparse.ArgumentParser()
+    flags.add_argument("--model", default="smollm2-135m")
     add_flags(flags)  # the load bench's server.py flags say what its algorithm names mean
     cfg = config_from_flags(flags.parse_args(bench.server_flags("eagle3:6:4:24")))
     assert (cfg.algorithm, cfg.num_steps, cfg.eagle_topk, cfg.num_draft_tokens) == ("EAGLE3", 6, 4, 24)
     assert config_from_flags(flags.parse_args(bench.server_flags("plain"))) is None
+    args = flags.parse_args(bench.server_flags("eagle3:6:4:24/auto/4096"))
+    assert config_from_flags(args).num_draft_tokens == 24 and args.speculative_policy == "auto"
+    assert args.speculative_max_verify_tokens == 4096
+    args = flags.parse_args(bench.server_flags("default"))
+    assert config_from_flags(args).algorithm == "EAGLE3" and args.speculative_policy == "auto"
     chats = [[{"role": "user", "content": q}] for q in ("Say hi.", "Name a fruit.", "Count to three.", "Spell cat.")]
     one = bench.stream_one(httpx.Client(), url, chats[0], 8)
     assert 0 < one["ttft"] <= one["latency"] and 0 < one["tokens"] <= 8
