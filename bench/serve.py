@@ -258,13 +258,28 @@ def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client
                         load = (lambda b: closed_loop(url, b, p, max_tokens, client_procs)) if kind == "closed" else (
                             lambda b: open_loop(url, b, p, max_tokens))
                         load(batch[:min(len(batch), max(p, 4))] if kind == "closed" else batch[:4])  # warm this shape
+                        before = server_counters(url)
+                        row = load(batch)
+                        after = server_counters(url)
                         rows.append(dict(algorithm=algo, dataset=ds, load=kind, client_procs=client_procs,
-                                         **({"concurrency": p} if kind == "closed" else {"rate": p}), **load(batch)))
+                                         **({"concurrency": p} if kind == "closed" else {"rate": p}), **row,
+                                         **{k: after[k] - before[k] for k in after}))
                         print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
                                                 "ttft_p50_s", "itl_p50_s", "itl_token_p50_s", "tpot_p50_s"])
         if served is not None:
             served(rows)
     return rows
+
+
+COUNTERS = ("late_compiles", "preemptions", "verify_steps")
+
+
+def server_counters(url) -> dict:
+    """The server's /metrics counters a load point's row reports the growth of: compiles a request
+    waited for and preemptions are stalls its latencies include."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = dict(line.split() for line in text.splitlines() if line and not line.startswith("#"))
+    return {k: float(values[f"jaxspec_{k}_total"]) for k in COUNTERS}
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
 """The real server on loopback, driven by the official openai client and raw HTTP."""
+import contextlib
 import concurrent.futures
 import time
 
@@ -240,6 +241,11 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
         assert row["ttft_p50_s"] <= row["latency_p50_s"] <= row["wall_s"]
         assert 0 < row["tpot_p50_s"] <= row["latency_p50_s"]
+    # a run's rows carry the growth of the server's counters over the timed load (its warm-up left out)
+    done = []
+    rows = bench.run(lambda algo: contextlib.nullcontext(url), ["x"], {"chat": chats}, [2], [], 8, 4, served=done.append)
+    assert len(rows) == 1 and done == [rows] and rows[0]["requests"] == 4
+    assert set(bench.COUNTERS) <= set(rows[0]) and rows[0]["late_compiles"] == 0 and rows[0]["preemptions"] == 0
     assert wait_idle(url)
 
 
