@@ -86,7 +86,7 @@ def _signature(tree) -> tuple:
 # into the inputs' buffers, so a chain of calls runs on the same buffers and the command buffer
 # (CUDA graph) XLA recorded for the program is replayed without updating its kernels' pointers.
 _CARRIED = {"decode": ("tokens", "kv_lens", "budget", "sb")}
-_CARRIED_DEVICE_DRAFTER = {"verify_steps": ("tokens", "parents", "kv_lens", "budget", "sb")}
+_CARRIED_DEVICE_DRAFTER = {**_CARRIED, "verify_steps": ("tokens", "parents", "kv_lens", "budget", "sb")}
 
 
 class Programs:
@@ -322,7 +322,20 @@ def _extend(graphdef, attn_impl, state, cache, tokens, next_tokens, page_table, 
 
 
 def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budget, stop_ids, num_steps, sb, flags):
-    """Up to num_steps (<= MAX_DECODE_STEPS, a device scalar) decode steps in one call.
+    """Up to num_steps (<= MAX_DECODE_STEPS, a device scalar) decode steps in one call: decode_loop's."""
+    model = nnx.merge(graphdef, state)
+
+    def forward(cache, tok, kv, q):
+        h, cache, _ = model(tok, kv[:, None], cache, page_table, kv, q, attn_impl=attn_impl)
+        return model.logits(h), cache, None
+    return decode_loop(forward, None, cache, tokens, kv_lens, budget, stop_ids, num_steps, sb, flags)
+
+
+def decode_loop(forward, keep, cache, tokens, kv_lens, budget, stop_ids, num_steps, sb, flags):
+    """Up to num_steps (<= MAX_DECODE_STEPS, a device scalar) decode steps: forward(cache, tokens
+    [B, 1], kv lengths [B], q_lens [B]) -> (logits [B, 1, V], cache, aux); keep(cache, aux, the
+    sampled tokens [B, 1], kv lengths, q_lens) -> cache after each step's sample (a device drafter
+    keeping its head in step), or None.
 
     tokens [B, 1]: each request's pending token (sampled, not yet cached). Row b emits at most
     budget[b] tokens (0: a padding row) and stops after a token in stop_ids[b] (-1 padded); a
@@ -332,7 +345,6 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
     left [B]): the next call's inputs, in this call's donated input buffers, cache). The trip
     count is a device value, so one program serves every N; the token budget left comes back too,
     so that a call chained on this one needs nothing from the host."""
-    model = nnx.merge(graphdef, state)
     b, m, k = tokens.shape[0], MAX_DECODE_STEPS, flags.top_logprobs
     out = jnp.zeros((b, m), jnp.int32)
     lps = jnp.zeros((b, m), jnp.float32)
@@ -344,9 +356,10 @@ def _decode(graphdef, attn_impl, state, cache, tokens, page_table, kv_lens, budg
         # derived, not carried: at batch 1 XLA kept a copy of the carried lengths for the kernels
         # that read them inside the loop (cmdbuf_probe-NVIDIA-H200.json)
         kv = kv_lens + count
-        h, cache, _ = model(tok, kv[:, None], cache, page_table, kv, q, attn_impl=attn_impl)
-        logits = model.logits(h)  # [B, 1, V]
+        logits, cache, aux = forward(cache, tok, kv, q)  # [B, 1, V]
         nxt = sampling.sample(logits, dataclasses.replace(sb, step=sb.step + count), flags)
+        if keep is not None:
+            cache = keep(cache, aux, nxt, kv, q)
         lp, top_v, top_i = sampling.logprobs_of(logits, nxt, k)
         out, lps = out.at[:, i].set(nxt[:, 0]), lps.at[:, i].set(lp[:, 0])
         if k:

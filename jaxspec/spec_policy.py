@@ -49,13 +49,13 @@ whatever it is expected to emit: a shape judged on a few early calls could other
 verified again. A device drafter's change of shape chains on the last call's drafts, cut on the
 device (scheduler/trees.py).
 
-Plain decoding is a choice for a host drafter only, and a tree must look min_gain faster than it
-(above 1: the estimate is noisy, and every switch costs an unchained step); a match key that does
-not pay is probed again after probe_every verify steps' worth of plain steps (at least
-probe_every), the interval doubling after each probe that does not pay (up to 8x). A device
-drafter's head is left behind by the target alone, so a request decoded plainly once decodes
-plainly to its end, and a policy that chose plain decoding from a few noisy calls would never see
-the trees again. Which of its buckets verify at all is the fixed rule's (scheduler/trees.py).
+For a host drafter plain decoding is a choice a tree must look min_gain faster than (above 1: the
+estimate is noisy, and every switch costs an unchained step); a match key that does not pay is
+probed again after probe_every verify steps' worth of plain steps (at least probe_every), the
+interval doubling after each probe that does not pay (up to 8x). For a device drafter it is one
+shape among the trees (PLAIN_CHOICE, one token a step) where its plain steps keep the head in step
+(eagle_step.decode); a head the target alone leaves behind (DFLASH's) would decode plainly to the
+request's end. Which of its buckets verify at all is the fixed rule's (scheduler/trees.py).
 """
 from __future__ import annotations
 
@@ -82,6 +82,14 @@ MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
 MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
 PLAIN = "plain"  # the label plain decoding's costs are kept under
+
+
+class _PlainChoice:
+    """Plain decoding as one of a device drafter's shapes (its heads kept in step)."""
+    label = PLAIN
+
+
+PLAIN_CHOICE = _PlainChoice()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +188,7 @@ class SpecPolicy:
         self.run = (label, self.run[1] + 1 if self.run[0] == label else 1)
         if label == PLAIN:
             self.plain_steps += steps
-            measured = measured and self.plain  # costs are kept for what can be chosen
+            measured = measured and (self.plain or PLAIN_CHOICE in self.trees_at.get(rows, ()))  # what can be chosen
         # A host drafter's calls are launched after the last outputs arrived (its verify calls never
         # chain, and a plain call chains only on plain ones), so every call is timed from them: kept
         # to calls after one of the same kind, its lone probes left its verify cost at what it was
@@ -191,10 +199,7 @@ class SpecPolicy:
 
     def forget_costs(self) -> None:
         """Drop the step costs seen (the warm-up table stays): they were taken under a load that
-        is gone, such as other engines sharing the host (bench/spec.py's engines warming up side by
-        side saw NGRAM's verify step take 19-21 ms at batch 1, against ~4.7 alone, and its lone
-        probes did not bring the cost back within the timed rounds: spec-ngram-new- at 8f16ebb,
-        ngram_step-real-always-)."""
+        is gone, such as other engines sharing the host (spec_policy_notes.md)."""
         self.observed.clear()
         self.recent.clear()
         self.medians.clear()
@@ -267,7 +272,7 @@ class SpecPolicy:
         """Tokens a row drafting at `key` is expected to emit per verify step of `tree`: the most
         that it or any shape it contains averaged (a host drafter's optimistic by one standard
         error while its samples are few), 1 for a request with no match, None before it was seen."""
-        if key == 0:
+        if key == 0 or tree is PLAIN_CHOICE:
             return 1.0
         if (tree, key) not in self.emitted:
             return None
@@ -316,7 +321,7 @@ class SpecPolicy:
             return None
         pick = self._gate(rows, trees, keys) if self.plain else self._rank(rows, trees)
         self.chosen[(rows, PLAIN if pick is None else pick.label)] += 1
-        return pick
+        return None if pick is PLAIN_CHOICE else pick
 
     def _rank(self, rows, trees):
         """Among the trees alone (a device drafter), those no nested bigger one replaces: explore,
@@ -324,7 +329,7 @@ class SpecPolicy:
         ms = {t: self.cost(rows, t.label) for t in trees}  # once a call: each sums every cost seen
         trees = [t for t in trees if not any(_nested(u, t) and ms[u] is not None and ms[t] is not None
                                              and ms[u] <= NESTED_COST * ms[t] for u in trees)] or trees
-        pick = next((t for t in trees if self.seen[t] < self.explore), None)  # learn what each accepts
+        pick = next((t for t in trees if self.seen[t] < self.explore and t is not PLAIN_CHOICE), None)  # learn each
         if pick is not None:
             return pick
         n = self.calls[rows] = self.calls[rows] + 1

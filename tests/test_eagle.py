@@ -157,6 +157,38 @@ def test_shapes_switched_between_calls_keep_outputs_plain(tiny, tiny_eagle3):
     assert gen.scheduler.late_compiles == []
 
 
+def test_plain_spells_of_the_auto_policy_keep_the_head_in_step(tiny, tiny_eagle3):
+    """The auto policy's plain decoding (eagle_step.decode) writes the head's K/V as the verify
+    path would, so trees can come back: outputs stay plain's, greedy and sampled; the head's cache
+    over a request's tokens matches an engine's that never decoded plainly; its drafts are accepted
+    after each plain spell; the root verified alone after one is kept out of the accept statistics."""
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    prompts = random_prompts(21, 6)
+    trees = (TreeShape(4, 1, 5), TreeShape(2, 4, 8))
+    plain_gen = Generator(tiny, None, **KW)
+    gens = [eagle_generator(tiny, head, trees[0], max_batch=4, spec_policy="auto", spec_trees=trees) for _ in range(2)]
+    gens[0].scheduler.spec_policy.choose = lambda rows, keys=None: trees[0]
+    turns = iter([None, None, trees[1], None, trees[0], trees[0], None] * 300)
+    gens[1].scheduler.spec_policy.choose = lambda rows, keys=None: next(turns)
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, seed=i) for i in range(6)]
+        spec = gens[1].generate(prompts, params)
+        assert [c.token_ids for c in spec] == [c.token_ids for c in plain_gen.generate(prompts, params)], temperature
+        assert gens[1].scheduler.pool.in_use == 0
+    assert min(a for t, a in gens[1].scheduler.spec_policy.emitted.items()) > 1.5  # no root-alone step counted
+    assert gens[1].scheduler.late_compiles == []
+    reqs = [g.submit(prompts[0], SamplingParams(max_tokens=60, ignore_eos=True)) for g in gens]
+    for g, r in zip(gens, reqs):
+        while len(r.output_ids) < 30:
+            g.scheduler.step()
+    n = min(r.kv_len for r in reqs) - 1  # slots whose pair (feature, next token) is committed in both
+    ps = gens[0].scheduler.page_size
+    k = [np.asarray(g.scheduler.cache[1].k[0])[[r.pages[i // ps] for i in range(n)], [i % ps for i in range(n)]]
+         for g, r in zip(gens, reqs)]
+    np.testing.assert_allclose(k[1], k[0], atol=1e-5)
+    assert np.mean(reqs[1].accept_lengths[1:]) > 1.5
+
+
 def test_eagle_head_greedy_equals_plain_and_debug_mode_agrees(tiny):
     head = DraftHead(HeadConfig.for_target(TINY, "eagle"), rngs=nnx.Rngs(5))
     prompts = random_prompts(1, 3)

@@ -284,10 +284,12 @@ def test_the_costs_decide_the_shape(tiny):
     assert sched.stats["decode_time"] == 0 and sched.pool.in_use == 0 and sched.late_compiles == []
 
 
-def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny):
-    """Requests whose heads fell behind (they decoded plainly) outnumber a fresh one: the whole
-    batch decodes plainly, one call a step rather than a verify call beside a decode call, and
-    its output is plain decoding's."""
+def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny, monkeypatch):
+    """Requests whose heads fell behind (they decoded plainly, by a drafter whose plain steps
+    leave its head behind: DFLASH's, here EAGLE's made so) outnumber a fresh one: the whole batch
+    decodes plainly, one call a step rather than a verify call beside a decode call, and its
+    output is plain decoding's."""
+    monkeypatch.setattr(EagleDrafter, "keeps_head_in_decode", property(lambda self: False))
     prompts, params, plain, gen = _plain_and_auto(tiny, 1, 4, 24, 4)
     sched = gen.scheduler
     choose = sched.spec_policy.choose
@@ -404,3 +406,25 @@ def test_a_tree_flag_auto_asks_for_the_auto_policy():
     assert config_from_flags(args).num_steps == 5 and args.speculative_policy == "fixed"
     with pytest.raises(SystemExit):  # argparse names the bad value
         ap.parse_args(["--speculative-eagle-topk", "many"])
+
+
+def test_plain_decoding_is_a_device_drafters_shape_where_its_heads_are_kept(monkeypatch):
+    """PLAIN_CHOICE among a bucket's shapes: one token a step at the decode cost, never explored,
+    chosen where no tree emits more tokens a ms, probed while held, and its steps timed."""
+    from jaxspec.spec_policy import PLAIN, PLAIN_CHOICE
+    monkeypatch.setattr(spec_policy, "EXPLORE_CALLS", 1)
+    costs = StepCosts({("decode", 1, None): 1.0, ("verify", 1, "1:1:2"): 1.2,
+                       ("decode", 64, None): 1.0, ("verify", 64, "1:1:2"): 2.5})
+    policy = SpecPolicy(costs, {1: [SMALL, PLAIN_CHOICE], 64: [SMALL, PLAIN_CHOICE]}, probe_every=8, level_rate=0)
+    assert policy.choose(1) == SMALL  # the tree explored; plain decoding's tokens a step are known
+    policy.verified(SMALL, [2, 2, 1, 2])
+    # batch 1: 1.75 tokens / 1.2 ms beats 1 / 1.0; batch 64: 1 / 1.0 beats 1.75 / 2.5 (None: decode plainly)
+    assert [policy.choose(1) for _ in range(7)] == [SMALL] * 7
+    assert [policy.choose(64) for _ in range(8)] == [None] * 7 + [SMALL]  # held, then the tree probed
+    for t in range(4):  # plain steps arrive chained: timed, as 2 ms a step
+        policy.arrived(64, PLAIN, 0.016 * t, 8)
+    assert policy.cost(64, PLAIN) > 1.5 and policy.summary()["chosen"]["64"]["plain"] == 7
+    host = SpecPolicy(costs, {64: [SMALL]})  # without the plain choice its steps are not timed
+    for t in range(4):
+        host.arrived(64, PLAIN, 0.016 * t, 8)
+    assert host.cost(64, PLAIN) == 1.0

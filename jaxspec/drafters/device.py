@@ -27,13 +27,23 @@ class DeviceDrafter:
         raise NotImplementedError
 
     def step_functions(self, graphs, attn_impl) -> dict:
-        """{'extend', 'verify' (one step), 'verify_steps' (up to MAX_VERIFY_STEPS a call)}: the fused
+        """{'extend', 'verify' (one step), 'verify_steps' (up to MAX_VERIFY_STEPS a call), and
+        'decode' where the drafter keeps its head in step while decoding plainly}: the fused
         programs' functions (see programs.py), each taking (state, cache, ...)."""
         from jaxspec.drafters import eagle_step
         mod = self.step_module()
         verify = functools.partial(mod.verify, graphs, self.tree, attn_impl)
-        return {"extend": functools.partial(mod.extend, graphs, self.tree, attn_impl), "verify": verify,
-                "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree)}
+        fns = {"extend": functools.partial(mod.extend, graphs, self.tree, attn_impl), "verify": verify,
+               "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree)}
+        if self.keeps_head_in_decode:
+            fns["decode"] = functools.partial(mod.decode, graphs, attn_impl)
+        return fns
+
+    @property
+    def keeps_head_in_decode(self) -> bool:
+        """Whether plain decode steps can keep this drafter's head in step (its module's `decode`):
+        then the auto policy may decode plainly a while and verify again."""
+        return hasattr(self.step_module(), "decode")
 
     def create_cache(self, num_pages, page_size, dtype, mesh=None):
         from jaxspec.sharding import cache_sharding

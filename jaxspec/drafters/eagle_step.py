@@ -28,7 +28,7 @@ from jaxspec.attention import NEG_INF
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.pallas.attention_ref import LOG2E
 from jaxspec.pallas.top_k import top_k_log_softmax
-from jaxspec.programs import steps_while_alive
+from jaxspec.programs import decode_loop, steps_while_alive
 from jaxspec.verify import verify_and_accept
 
 
@@ -269,6 +269,27 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
                           coupled(sb, flags, sb.step + count), attn_impl)
     chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
     return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
+
+
+def decode(graphs, attn_impl, state, cache, tokens, page_table, kv_lens, budget, stop_ids, num_steps, sb, flags):
+    """Plain decode steps (programs.decode_loop) that keep the head in step, for the auto policy's
+    plain decoding: each step also writes the head's K/V at the fed token's slot from its pair (the
+    target's feature there, the token sampled after it). The head's output there is not computed
+    (it needs the head's attention), so no tree is drafted: the next verify call verifies each root
+    alone, then drafts from it. Outputs as programs._decode's, with both caches."""
+    target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
+
+    def forward(cache, tok, kv, q):
+        h, tcache, layers = target(tok, kv[:, None], cache[0], page_table, kv, q,
+                                   hidden_layers=head.cfg.feature_layers, attn_impl=attn_impl)
+        return target.logits(h), (tcache, cache[1]), head.features(h, layers)
+
+    def keep(cache, feats, nxt, kv, q):
+        _, k, v, _ = head.qkv(target.embed_tokens(nxt), feats, kv[:, None])
+        dcache = cache[1]
+        page, offset = slot_coordinates(page_table, kv, q, 1, dcache.page_size)
+        return cache[0], KVCache(write_layer(dcache.k, 0, k, page, offset), write_layer(dcache.v, 0, v, page, offset))
+    return decode_loop(forward, keep, cache, tokens, kv_lens, budget, stop_ids, num_steps, sb, flags)
 
 
 def next_inputs(tree_out, width, kv_lens, count, sb):

@@ -173,7 +173,9 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                 if plain_prefill:
                     specs.append((decode, "extend", flags, target_cache, self._dummy_inputs(rows, t)))
             for rows in self.row_buckets:
-                specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
+                keep = self._keeps_heads_at(rows)  # (its plain decoding keeps the heads in step)
+                specs.append((self.programs if keep else decode, "decode", flags, self.cache if keep else target_cache,
+                              self._dummy_decode(rows)))
                 for tree, nodes in self._verify_shapes(rows):
                     specs.append((self.tree_programs.get(tree, self.programs), self._verify_name, flags, self.cache,
                                   self._dummy_verify(rows, bucket(nodes, TREE_BUCKETS))))

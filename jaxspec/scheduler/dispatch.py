@@ -53,11 +53,16 @@ class Dispatch:
 
     def _run_decode(self, reqs, steps, overlap=True):
         """Up to `steps` plain decode steps over reqs in one call (by the target alone where a
-        device drafter falls back: its head is left behind)."""
+        device drafter falls back: its head is left behind; where the auto policy chose plain
+        decoding, with the heads kept in step: no draft is made, so their next verify call verifies
+        each root alone)."""
         t0 = time.perf_counter()
-        if self.device_drafter:
-            self._leave_heads_behind(reqs)
         rows = bucket(len(reqs), BATCH_BUCKETS)
+        plain = self.device_drafter and not (self._keeps_heads_at(rows) and all(r.head_len is None for r in reqs))
+        if plain:
+            self._leave_heads_behind(reqs)
+        for r in reqs if self.device_drafter else ():
+            r.draft = None
         tokens = np.zeros((rows, 1), np.int32)
         kv_lens = np.zeros(rows, np.int32)
         for i, r in enumerate(reqs):
@@ -68,10 +73,10 @@ class Dispatch:
         sb = self._sampling(reqs, rows, flags)
         pt = self._page_table(reqs, rows)
         args = _to_device((tokens, pt, kv_lens, budget, stop_ids, np.int32(steps), sb))
-        outputs = self._call("decode", self.device_drafter, args, flags)
+        outputs = self._call("decode", plain, args, flags)
         f = InFlight("decode", reqs, outputs, dict(pt=args[1], stop_ids=args[4], num_steps=args[5],
                                                    pages=[len(r.pages) for r in reqs]),
-                     flags, steps=steps, plain=self.device_drafter, host_s=time.perf_counter() - t0)
+                     flags, steps=steps, plain=plain, host_s=time.perf_counter() - t0)
         overlapped = overlap and self._may_overlap(f)
         self._host_work_while_device_runs(f, chained_next=overlapped)
         if overlapped:
@@ -157,6 +162,8 @@ class Dispatch:
                                 budget=budget, stop_ids=stop_ids, steps=steps)
         if not self.device_drafter and self.spec_policy is not None:
             f.match_keys = self._match_keys(reqs)
+        if self.device_drafter:
+            f.undrafted = tuple(i for i in range(len(reqs)) if num_nodes[i] == 1)
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):

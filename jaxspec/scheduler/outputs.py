@@ -56,7 +56,9 @@ class Outputs:
             toks, count = toks[:, None], count[:, None]
             lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
         if self.spec_policy is not None:
-            live = [(i, c) for i, r in enumerate(f.reqs) if not r.finished for c in count[i] if c]
+            # a root verified alone tells nothing of the shape: its step emits one token whatever it is
+            live = [(i, c) for i, r in enumerate(f.reqs) if not r.finished
+                    for s, c in enumerate(count[i]) if c and not (s == 0 and i in f.undrafted)]
             keys = None if f.match_keys is None else [f.match_keys[i] for i, _ in live]
             self.spec_policy.verified(self._policy_tree(f), [int(c) for _, c in live], keys, count.shape[0])
             self._arrived(f, arrived, int((count > 0).sum(axis=1).max(initial=0)))

@@ -24,7 +24,7 @@ from jaxspec.drafters.device import cut_drafts
 from jaxspec.drafters.eagle_step import nodes_that_fit
 from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket
 from jaxspec.spec_policy import PLAIN as PLAIN_LABEL
-from jaxspec.spec_policy import HostTree, SpecPolicy, StepCosts, match_key, time_call
+from jaxspec.spec_policy import PLAIN_CHOICE, HostTree, SpecPolicy, StepCosts, match_key, time_call
 
 PLAIN = (None, 1)
 TIMING_CONTEXT = 256  # tokens of context each row attends to while the step costs are timed
@@ -39,6 +39,8 @@ class TreeSizing:
         if spec_policy not in ("fixed", "auto"):
             raise ValueError(f"spec_policy must be 'fixed' or 'auto', got {spec_policy!r}")
         self.auto = bool(auto_trees)  # a host drafter has one tree size a bucket: its policy gates it
+        # auto's plain decoding keeps an EAGLE head in step (eagle_step.decode): a choice among the shapes
+        self.keeps_heads = self.auto and drafter.keeps_head_in_decode
         self._decided = None  # (bucket, choice) the last call's chain check took
         trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
         self.tree_programs = {t: self.programs if t == drafter.tree else
@@ -50,6 +52,7 @@ class TreeSizing:
         self.spec_policy = None
         if self.auto:
             self.spec_policy = SpecPolicy(self.spec_costs, {rows: [t for t, _ in self._verify_shapes(rows)]
+                                                            + [PLAIN_CHOICE] * self._keeps_heads_at(rows)
                                                             for rows in BATCH_BUCKETS})
         elif drafter is not None and not self.device_drafter:
             # each match key tried once; its mean over about its last 16 verify steps (code alternates
@@ -92,6 +95,11 @@ class TreeSizing:
             return [(t, t.num_draft_tokens) for t in self.tree_programs
                     if n > 1 and rows * bucket(t.num_draft_tokens, TREE_BUCKETS) <= self.spec_max_verify_tokens]
         return [(self.drafter.tree if self.device_drafter else None, n)] if n > 1 else []
+
+    def _keeps_heads_at(self, rows: int) -> bool:
+        """Whether plain decoding at this batch bucket keeps the device drafter's heads in step (a
+        bucket with trees, under the auto policy, whose plain decoding is then a choice)."""
+        return self.keeps_heads and bool(self._verify_shapes(rows))
 
     def _no_tree_at(self, batch: int) -> bool:
         """Whether a device drafter's batch of this size never verifies (its bucket has no verify
@@ -192,8 +200,9 @@ class TreeSizing:
             args = tuple(args)
 
             def call(progs=progs, name=name, flags=flags):
-                if name != "verify_steps":  # a device drafter's decode runs the target alone
-                    return self._call(name, name == "decode" and self.device_drafter, inputs.pop(), flags)
+                if name != "verify_steps":  # a device drafter's decode runs the target alone, or keeps its heads
+                    plain = name == "decode" and self.device_drafter and not self._keeps_heads_at(rows)
+                    return self._call(name, plain, inputs.pop(), flags)
                 *out, self.cache = progs.verify_steps(self.cache, *inputs.pop(), flags=flags)
                 return out
             # the programs donate some inputs: a copy a call. The first program runs SPIN_CALLS more
