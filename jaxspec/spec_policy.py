@@ -53,9 +53,9 @@ For a host drafter plain decoding is a choice a tree must look min_gain faster t
 estimate is noisy, and every switch costs an unchained step); a match key that does not pay is
 probed again after probe_every verify steps' worth of plain steps (at least probe_every), the
 interval doubling after each probe that does not pay (up to 8x). For a device drafter it is one
-shape among the trees (PLAIN_CHOICE, one token a step) where its plain steps keep the head in step
-(eagle_step.decode); a head the target alone leaves behind (DFLASH's) would decode plainly to the
-request's end. Which of its buckets verify at all is the fixed rule's (scheduler/trees.py).
+shape among the trees (PLAIN_CHOICE, one token a step): its plain steps keep the drafter in step
+(eagle_step.decode, dflash_step.decode). Which of its buckets verify at all is the fixed rule's
+(scheduler/trees.py); the target alone decodes the others, leaving the drafter behind.
 """
 from __future__ import annotations
 

@@ -141,6 +141,21 @@ def run_mixed_requests_with_aborts(gen, rng, n=1000):
     assert sched.pool.in_use == 0
 
 
+def drafter_cache_after(gens, prompt, outputs=30):
+    """Each engine's drafter cache (K at layer 0) over one request's committed tokens, once it
+    emitted `outputs` tokens (the slots both engines committed: a head's pair needs the token
+    after it too), and the requests."""
+    import numpy as np
+    from jaxspec import SamplingParams
+    reqs = [g.submit(prompt, SamplingParams(max_tokens=2 * outputs, ignore_eos=True)) for g in gens]
+    for g, r in zip(gens, reqs):
+        while len(r.output_ids) < outputs:
+            g.scheduler.step()
+    n, ps = min(r.kv_len for r in reqs) - 1, gens[0].scheduler.page_size
+    return [np.asarray(g.scheduler.cache[1].k[0])[[r.pages[i // ps] for i in range(n)], [i % ps for i in range(n)]]
+            for g, r in zip(gens, reqs)], reqs
+
+
 @pytest.fixture(autouse=True)
 def step_clock_ticks(monkeypatch):
     """Whether a host drafter drafts depends on timed steps (spec_policy.SpecPolicy); wall time

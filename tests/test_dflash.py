@@ -14,7 +14,7 @@ from jaxspec.models.loading import CheckpointError
 from jaxspec.train_dflash import block_forward
 from jaxspec.models.llama import dense_forward
 
-from conftest import TINY, run_mixed_requests_with_aborts
+from conftest import TINY, drafter_cache_after, run_mixed_requests_with_aborts
 
 KW = dict(max_batch=8, max_seq_len=128, num_pages=300, page_size=4)
 
@@ -167,6 +167,26 @@ def test_auto_shapes_share_the_block_and_keep_outputs_plain(tiny, tiny_dflash):
         assert [c.token_ids for c in gen.generate(prompts, params)] == [c.token_ids for c in plain]
         assert gen.scheduler.pool.in_use == 0 and gen.scheduler.stats["chained_switches"] - switches >= 2
     assert len(gen.scheduler.spec_policy.accepts) == 3
+
+
+def test_plain_spells_of_the_auto_policy_keep_the_context_in_step(tiny, tiny_dflash):
+    """The auto policy's plain decoding (dflash_step.decode) writes the drafter's context K/V as
+    verifying would: outputs stay plain's, and the context over a request's tokens matches an
+    engine's that never decoded plainly."""
+    head = load_dflash(str(tiny_dflash / "drafter"), TINY)
+    prompts = random_prompts(17, 5)
+    trees = (chain(4), TreeShape(3, 4, 8))
+    gens = [Generator(tiny, None, drafter=DFlashDrafter(head, chain(4)), spec_policy="auto", spec_trees=trees, **KW)
+            for _ in range(2)]
+    gens[0].scheduler.spec_policy.choose = lambda rows, keys=None: trees[0]
+    turns = iter([None, trees[1], None, None, trees[0], trees[0]] * 300)
+    gens[1].scheduler.spec_policy.choose = lambda rows, keys=None: next(turns)
+    params = [SamplingParams(max_tokens=30, temperature=t, seed=i, ignore_eos=True) for i, t in enumerate([0, 1] * 3)]
+    plain = Generator(tiny, None, **KW).generate(prompts, params[:5])
+    assert [c.token_ids for c in gens[1].generate(prompts, params[:5])] == [c.token_ids for c in plain]
+    assert gens[1].scheduler.pool.in_use == 0 and gens[1].scheduler.late_compiles == []
+    k, reqs = drafter_cache_after(gens, prompts[0])
+    np.testing.assert_allclose(k[1], k[0], atol=1e-5)
 
 
 def test_sampling_equals_plain_with_the_same_seeds_and_chains_equal_single_steps(tiny, tiny_dflash):

@@ -14,7 +14,7 @@ from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig, export_h
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.models.loading import CheckpointError
 
-from conftest import TINY, run_mixed_requests_with_aborts, train_tiny_head
+from conftest import TINY, drafter_cache_after, run_mixed_requests_with_aborts, train_tiny_head
 
 KW = dict(max_batch=8, max_seq_len=128, num_pages=300)
 
@@ -177,14 +177,7 @@ def test_plain_spells_of_the_auto_policy_keep_the_head_in_step(tiny, tiny_eagle3
         assert gens[1].scheduler.pool.in_use == 0
     assert min(a for t, a in gens[1].scheduler.spec_policy.emitted.items()) > 1.5  # no root-alone step counted
     assert gens[1].scheduler.late_compiles == []
-    reqs = [g.submit(prompts[0], SamplingParams(max_tokens=60, ignore_eos=True)) for g in gens]
-    for g, r in zip(gens, reqs):
-        while len(r.output_ids) < 30:
-            g.scheduler.step()
-    n = min(r.kv_len for r in reqs) - 1  # slots whose pair (feature, next token) is committed in both
-    ps = gens[0].scheduler.page_size
-    k = [np.asarray(g.scheduler.cache[1].k[0])[[r.pages[i // ps] for i in range(n)], [i % ps for i in range(n)]]
-         for g, r in zip(gens, reqs)]
+    k, reqs = drafter_cache_after(gens, prompts[0])
     np.testing.assert_allclose(k[1], k[0], atol=1e-5)
     assert np.mean(reqs[1].accept_lengths[1:]) > 1.5
 

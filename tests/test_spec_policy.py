@@ -286,7 +286,7 @@ def test_the_costs_decide_the_shape(tiny):
 
 def test_a_batch_mostly_behind_its_head_decodes_plainly_as_one(tiny, monkeypatch):
     """Requests whose heads fell behind (they decoded plainly, by a drafter whose plain steps
-    leave its head behind: DFLASH's, here EAGLE's made so) outnumber a fresh one: the whole batch
+    leave its head behind: EAGLE's made so here) outnumber a fresh one: the whole batch
     decodes plainly, one call a step rather than a verify call beside a decode call, and its
     output is plain decoding's."""
     monkeypatch.setattr(EagleDrafter, "keeps_head_in_decode", property(lambda self: False))

@@ -23,6 +23,7 @@ from jaxspec import attention, sampling
 from jaxspec.drafters.eagle_step import coupled, first_round, next_inputs, next_round, select_tree, with_root
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.models.llama import rope_frequencies, rope_table
+from jaxspec.programs import decode_loop
 from jaxspec.verify import verify_and_accept
 
 
@@ -129,3 +130,17 @@ def verify(graphs, tree, attn_impl, state, cache, tokens, parents, page_table, k
                                    attn_impl, coupled(sb, flags, sb.step + count))
     chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
     return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
+
+
+def decode(graphs, attn_impl, state, cache, tokens, page_table, kv_lens, budget, stop_ids, num_steps, sb, flags):
+    """Plain decode steps (programs.decode_loop) that keep the drafter's context in step, for the
+    auto policy's plain decoding: each writes the context K/V of the fed token's position. No block
+    is drafted: the next verify call verifies each root alone, then drafts from it. Outputs as
+    programs._decode's, with both caches."""
+    target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
+
+    def forward(cache, tok, kv, q):
+        h, tcache, layers = target(tok, kv[:, None], cache[0], page_table, kv, q,
+                                   hidden_layers=head.cfg.target_layer_ids, attn_impl=attn_impl)
+        return target.logits(h), (tcache, write_context(head, cache[1], layers, page_table, kv, q)), None
+    return decode_loop(forward, None, cache, tokens, kv_lens, budget, stop_ids, num_steps, sb, flags)
