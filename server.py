@@ -319,6 +319,9 @@ def build_app(argv=None):
                     help="waiting requests beyond which new ones get 503 + Retry-After")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="new tokens a streamed chunk waits for (its first and last do not): fewer, larger chunks")
+    ap.add_argument("--scheduler-delay-factor", type=float, default=0.0,
+                    help="vLLM's: a running batch admits waiting requests once the oldest has waited this many "
+                         "times the last prefill's time, or they fill its free rows (0: at once)")
     ap.add_argument("--request-timeout", type=float, default=0,
                     help="seconds a request may take, queued and running, before it is aborted (0: no limit)")
     ap.add_argument("--context-length", "--max-seq-len", dest="max_seq_len", type=int,
@@ -333,10 +336,16 @@ def build_app(argv=None):
     ap.add_argument("--skip-warmup", action="store_true",
                     help="serve at once and compile each program when a request first needs it")
     args = ap.parse_args(argv)
-    spec = config_from_flags(args)  # bad flags fail here, before the engine process starts
+    if args.scheduler_delay_factor < 0:
+        ap.error(f"--scheduler-delay-factor must be >= 0, got {args.scheduler_delay_factor}")
+    try:  # bad flags fail here, before the engine process starts
+        spec, budget = config_from_flags(args), verify_budget(args)
+    except ValueError as e:
+        ap.error(str(e))
     kw = dict(speculative=spec, max_batch=args.max_running_requests, dtype=args.dtype, max_seq_len=args.max_seq_len,
               page_size=args.page_size, num_pages=args.num_pages, mem_fraction=args.mem_fraction_static,
-              spec_policy=args.speculative_policy, tp_size=args.tp_size, **verify_budget(args),
+              spec_policy=args.speculative_policy, tp_size=args.tp_size, **budget,
+              scheduler_delay_factor=args.scheduler_delay_factor,
               warmup=False if args.skip_warmup else "progress")  # before the port opens
     engine = EngineProcess(_generator, args.model, kw)
     return create_app(engine, args.served_model_name or args.model, args.max_queued_requests,

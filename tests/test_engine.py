@@ -242,6 +242,40 @@ def test_a_newcomer_decodes_in_the_step_that_prefills_it(tiny):
     assert [a.output_ids, b.output_ids] == [c.token_ids for c in alone] and sched.pool.in_use == 0
 
 
+def test_a_delay_factor_admits_newcomers_together(tiny):
+    """scheduler_delay_factor (vLLM's): a running batch admits waiting requests once the oldest has
+    waited that many times the last prefill's time, or they fill its free rows; then one prefill
+    call takes them all, and outputs are each request's alone."""
+    rng = np.random.default_rng(9)
+    prompts = [list(map(int, rng.integers(0, 62, n))) for n in (7, 5, 6, 4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    long = SamplingParams(max_tokens=120, ignore_eos=True)
+    gen = make_gen(tiny, max_batch=4, scheduler_delay_factor=1e9)  # waits for rows to fill
+    sched = gen.scheduler
+    first = sched.add(prompts[0], long)
+    while len(first.output_ids) < 3:
+        sched.step()
+    late = [sched.add(p, params) for p in prompts[1:3]]
+    for _ in range(4):  # two wait (two rows free), the batch decodes on without them
+        sched.step()
+    assert all(r.kv_len == 0 for r in late) and len(first.output_ids) > 3
+    late.append(sched.add(prompts[3], params))  # the free rows filled: all three in one prefill call
+    calls = sched.stats["prefill_tokens"]
+    while any(r.kv_len == 0 for r in late):
+        sched.step()
+    assert all(r.kv_len >= len(p) for r, p in zip(late, prompts[1:])) and sched.stats["prefill_tokens"] - calls == 15
+    while sched.has_work:
+        sched.step()
+    alone = make_gen(tiny).generate(prompts, [long] + [params] * 3)
+    assert [r.output_ids for r in [first] + late] == [c.token_ids for c in alone] and sched.pool.in_use == 0
+    sched.delay_factor, sched.last_prefill_s = 2.0, 0.001  # waited long enough: admitted at once
+    r = sched.add(prompts[0], params)
+    r.arrival -= 1.0
+    assert sched._admission_due()
+    with pytest.raises(ValueError, match="scheduler_delay_factor must be >= 0"):
+        make_gen(tiny, scheduler_delay_factor=-1)
+
+
 def test_sampling_seeded_reproducible_and_batch_independent(tiny):
     gen = make_gen(tiny)
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=20, seed=7, ignore_eos=True)

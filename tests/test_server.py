@@ -349,3 +349,12 @@ def test_an_engine_process_that_cannot_start_says_why():
     from jaxspec.engine_process import EngineProcess
     with pytest.raises(RuntimeError, match="failed to start: CheckpointError: model .*no/such/model.gguf.: no such file"):
         EngineProcess(no_such_model, start_timeout=120)
+
+
+def test_bad_server_flags_exit_before_the_engine_starts(capsys):
+    import server as srv
+    for argv, what in ((["--scheduler-delay-factor", "-1"], "--scheduler-delay-factor must be >= 0, got -1.0"),
+                       (["--speculative-max-verify-tokens", "0"], "--speculative-max-verify-tokens must be >= 1")):
+        with pytest.raises(SystemExit):
+            srv.build_app(argv + ["--skip-warmup"])
+        assert what in capsys.readouterr().err

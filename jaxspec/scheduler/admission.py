@@ -4,6 +4,7 @@ A mixin of Scheduler (core.py), which owns the state these methods read."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -20,7 +21,22 @@ class Admission:
         the page table's width (a request's writes stop at max_seq_len + the tree's slack)."""
         return min(-(-(req.kv_len + req.todo + extra) // self.page_size), self.max_pages_per_seq)
 
+    def _admission_due(self) -> bool:
+        """Whether waiting requests are admitted now (and the running batch's chained calls stop
+        for their prefill). With scheduler_delay_factor > 0 (vLLM's), a running batch takes them
+        once the oldest has waited that many times the last prefill call's time, or they fill its
+        free rows: a newcomer at a time would cost a prefill call, and break the chain of
+        decode calls, per arrival."""
+        free = self.max_batch - len(self.running)
+        if not self.waiting or free <= 0:
+            return False
+        if not self.running or not self.delay_factor or len(self.waiting) >= free:
+            return True
+        return time.perf_counter() - self.waiting[0].arrival >= self.delay_factor * self.last_prefill_s
+
     def _admit(self):
+        if not self._admission_due():
+            return
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
             toks = req.tokens

@@ -50,7 +50,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                  spec_max_verify_tokens=None, spec_max_host_verify_tokens=16, spec_min_nodes=None, spec_min_accept=2.0,
                  spec_probe_every=32, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
                  verify_steps=VERIFY_STEPS, warmup_flags=None, compile_cache=None, build_workers=None, mesh=None,
-                 mem_fraction=None, spec_policy="fixed", spec_trees=None):
+                 mem_fraction=None, spec_policy="fixed", spec_trees=None, scheduler_delay_factor=0.0):
         """mesh: a tensor-parallel mesh (sharding.tp_mesh) the model is laid out and sharded for:
         the caches are sharded by KV head, the programs partitioned over it. mem_fraction: with
         num_pages None, the KV pool takes this share of the device memory left free after the
@@ -60,7 +60,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         verifies, by the step costs seen and the accept lengths seen); spec_trees: the shapes
         'auto' chooses among (default: the drafter's auto_trees()). spec_max_verify_tokens: tree
         nodes a verify step may take over its batch bucket (default 128 under 'fixed', 4096 under
-        'auto')."""
+        'auto'). scheduler_delay_factor: vLLM's; see Admission._admission_due."""
         cfg = model.cfg
         self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -132,6 +132,9 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.spec_max_host_verify_tokens = spec_max_host_verify_tokens
         host_policy = dict(min_gain=DEFAULT_SPEC_MIN_GAIN if spec_min_gain is None else spec_min_gain,
                            min_accept=spec_min_accept, probe_every=spec_probe_every)
+        if scheduler_delay_factor < 0:
+            raise ValueError(f"scheduler_delay_factor must be >= 0, got {scheduler_delay_factor}")
+        self.delay_factor, self.last_prefill_s = scheduler_delay_factor, 0.0
         self.overlap = overlap
         if not 1 <= verify_steps <= MAX_VERIFY_STEPS:
             raise ValueError(f"verify_steps={verify_steps} must be in [1, {MAX_VERIFY_STEPS}]")
@@ -320,7 +323,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         learning = (not self.device_drafter and self.spec_policy is not None
                     and not self.spec_policy.knows_plain(bucket(len(reqs), BATCH_BUCKETS)))
         if (self.decode_steps == 1 or learning
-                or len(reqs) != len(self.running) or (self.waiting and len(self.running) < self.max_batch)
+                or len(reqs) != len(self.running) or self._admission_due()
                 or any(r.params.penalised for r in reqs)):
             return 1
         return max(1, min(self.decode_steps, max(r.params.max_tokens - len(r.output_ids) for r in reqs)))

@@ -49,7 +49,9 @@ class Dispatch:
                 best = (got, rows, t, batch)
         got, rows, t, batch = best
         self.stats["prefill_tokens"] += got
+        t0 = time.perf_counter()
         self._run_extend(batch, rows, t)
+        self.last_prefill_s = time.perf_counter() - t0  # (read back: the call's wall time)
 
     def _run_decode(self, reqs, steps, overlap=True):
         """Up to `steps` plain decode steps over reqs in one call (by the target alone where a
@@ -207,7 +209,7 @@ class Dispatch:
         steps' worst case are reserved here."""
         if not self._may_overlap(f) or any(r.finished for r in f.reqs):
             return False
-        if len(self.running) != len(f.reqs) or (self.waiting and len(self.running) < self.max_batch):
+        if len(self.running) != len(f.reqs) or self._admission_due():
             return False  # the batch changes: admissions, prefill chunks, preemptions
         shape = (f.tree, f.nodes) if f.kind == "verify" else PLAIN
         if not f.plain:  # (a plain step chains while the batch decodes plainly)
