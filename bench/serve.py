@@ -143,20 +143,23 @@ def open_loop(url, chats, rate, max_tokens, seed=0):
 def algo_parts(algo):
     """(name, tree numbers, scheduler options) of a bench algorithm name: 'eagle3:6:4:24/auto/4096'
     is EAGLE-3 under the auto policy (the tree sizing the prefill's first draft) with a verify
-    budget of 4096 nodes a step (--speculative-max-verify-tokens). 'default': server.py's own
-    defaults (for SmolLM2 the shipped EAGLE-3 head under the auto policy)."""
-    if algo == "default":
-        return "eagle3", ["6", "4", "24"], {"spec_policy": "auto"}
+    budget of 4096 nodes a step (--speculative-max-verify-tokens); '/delay2' adds
+    --scheduler-delay-factor 2. 'default': server.py's own defaults (for SmolLM2 the shipped
+    EAGLE-3 head under the auto policy), options after it too."""
     head, *opts = algo.split("/")
-    name, *nums = head.split(":")
     kw = {}
     for o in opts:
         if o == "auto":
             kw["spec_policy"] = "auto"
         elif o.isdigit():
             kw["spec_max_verify_tokens"] = int(o)
+        elif o.startswith("delay"):
+            kw["scheduler_delay_factor"] = float(o[len("delay"):])
         else:
-            raise SystemExit(f"unknown option {o!r} in algorithm {algo!r} (auto, or a verify budget)")
+            raise SystemExit(f"unknown option {o!r} in algorithm {algo!r} (auto, a verify budget, or delayF)")
+    if head == "default":
+        return "eagle3", ["6", "4", "24"], {"spec_policy": "auto", **kw}
+    name, *nums = head.split(":")
     return name, nums, kw
 
 
@@ -194,16 +197,20 @@ def plot(rows, path):
 
 def server_flags(algo) -> list:
     """server.py's flags for a bench algorithm name."""
-    if algo == "default":
-        return []
     name, nums, kw = algo_parts(algo)
-    if name == "plain":
-        return ["--speculative-algorithm", "NONE"]
-    if name == "ngram":
-        return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", nums[0] if nums else "8"]
-    opts = {"spec_policy": "--speculative-policy", "spec_max_verify_tokens": "--speculative-max-verify-tokens"}
-    return ["--speculative-algorithm", name.upper(), "--speculative-num-steps", nums[0], "--speculative-eagle-topk",
-            nums[1], "--speculative-num-draft-tokens", nums[2], *(x for k, v in kw.items() for x in (opts[k], str(v)))]
+    if algo.split("/")[0] == "default":
+        kw.pop("spec_policy")  # (the server's own)
+        chosen = []
+    elif name == "plain":
+        chosen = ["--speculative-algorithm", "NONE"]
+    elif name == "ngram":
+        chosen = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", nums[0] if nums else "8"]
+    else:
+        chosen = ["--speculative-algorithm", name.upper(), "--speculative-num-steps", nums[0],
+                  "--speculative-eagle-topk", nums[1], "--speculative-num-draft-tokens", nums[2]]
+    opts = {"spec_policy": "--speculative-policy", "spec_max_verify_tokens": "--speculative-max-verify-tokens",
+            "scheduler_delay_factor": "--scheduler-delay-factor"}
+    return chosen + [x for k, v in kw.items() for x in (opts[k], str(v))]
 
 
 @contextlib.contextmanager
