@@ -33,7 +33,7 @@ def main(argv=None):
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per completion")
     g.add_argument("--no-warmup", action="store_true", help="compile programs as they are first needed")
-    p = sub.add_parser("programs", help="list the program set an engine builds at start-up")
+    p = sub.add_parser("programs", help="list the program set an engine builds at start-up (AUTO: the server's)")
     _engine_flags(p)
     p.add_argument("--build", action="store_true",
                    help="compile it (JAX's cache and the program store are used) and, with --speculative-policy "
@@ -47,12 +47,12 @@ def main(argv=None):
         return 2
 
 
-def _generator(args, max_batch, **kw):
+def _generator(args, max_batch, auto_policy="auto", **kw):
     import jax.numpy as jnp
     from jaxspec import Generator
     from jaxspec.speculative import config_from_flags, verify_budget
     return Generator.from_pretrained(args.model, dtype=getattr(jnp, args.dtype) if args.dtype else None,
-                                     speculative=config_from_flags(args), max_batch=max_batch,
+                                     speculative=config_from_flags(args, auto_policy), max_batch=max_batch,
                                      page_size=args.page_size, max_seq_len=args.max_seq_len, tp_size=args.tp_size,
                                      spec_policy=args.speculative_policy, **verify_budget(args), **kw)
 
@@ -92,7 +92,7 @@ def generate(args) -> int:
                             top_k=args.top_k, seed=args.seed)
     # the program set these prompts can meet (their batch, their sampler) is built before the
     # first token, so no step waits for a compile mid-run
-    gen = _generator(args, min(args.max_batch, len(prompts)), warmup=not args.no_warmup,
+    gen = _generator(args, min(args.max_batch, len(prompts)), "fixed", warmup=not args.no_warmup,
                      warmup_flags=[SamplerFlags.of([params])])
     chat = not args.raw and gen.tokenizer.chat_template is not None
     inputs = [[{"role": "user", "content": p}] if chat else p for p in prompts]

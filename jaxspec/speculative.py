@@ -40,7 +40,7 @@ def add_flags(ap) -> None:
     ap.add_argument("--speculative-policy", choices=["fixed", "auto"],
                     help="EAGLE family and DFLASH: verify the given tree, cut to fit the batch (fixed), or choose "
                          "every call among several tree shapes by the step costs and accept lengths seen (auto; also "
-                         "set by a tree flag's value auto). Default: auto for AUTO's shipped head given no tree "
+                         "set by a tree flag's value auto). Default: auto for the server's AUTO head given no tree "
                          "numbers, else fixed")
     ap.add_argument("--speculative-max-verify-tokens", type=int,
                     help="EAGLE family and DFLASH: tree nodes a verify step may take over its whole batch bucket "
@@ -52,15 +52,16 @@ def _int_or_auto(value: str):
     return value if value == "auto" else int(value)
 
 
-def config_from_flags(args) -> "SpecConfig | None":
-    """The SpecConfig add_flags' flags describe (AUTO resolved), or None for plain decoding."""
+def config_from_flags(args, auto_policy: str = "auto") -> "SpecConfig | None":
+    """The SpecConfig add_flags' flags describe (AUTO resolved: see resolve_auto), or None for plain
+    decoding."""
     tree_flags = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
     if any(getattr(args, f) == "auto" for f in tree_flags):
         args.speculative_policy = "auto"  # the tree flags left as numbers size the prefill's first draft
         for f in tree_flags:
             if getattr(args, f) == "auto":
                 setattr(args, f, None)
-    resolve_auto(args)
+    resolve_auto(args, auto_policy)
     if args.speculative_policy is None:
         args.speculative_policy = "fixed"
     if args.speculative_algorithm.upper() == "NONE":
@@ -81,14 +82,16 @@ def verify_budget(args) -> dict:
     return {} if n is None else dict(spec_max_verify_tokens=n)
 
 
-def resolve_auto(args) -> None:
+def resolve_auto(args, auto_policy: str = "auto") -> None:
     """The command lines' --speculative-algorithm AUTO, resolved in place on their parsed flags:
     EAGLE3 where a trained head ships for the model, else NONE (for a model without one, no
-    drafter is known to pay). Given no tree numbers and no policy, the auto policy chooses its tree
-    every call (6:4:24 sizing the prefill's first draft): served on the H200 (MT-bench, 256 tokens)
-    it ran at 2.48x / 1.20x / 1.11x / 1.12x plain at concurrency 1 / 8 / 32 / 128, the fixed
-    6:4:24 tree at 2.35x / 1.26x / 0.90x / 1.04x (serve-auto-NVIDIA-H200.json). Tree numbers given
-    keep their values, the others 6:4:24's."""
+    drafter is known to pay). Given no tree numbers and no policy, the tree policy is auto_policy
+    (6:4:24 sizing the prefill's first draft, or verified every call under 'fixed'). The server's
+    is 'auto': served on the H200 (MT-bench, 256 tokens) it ran at 2.48x / 1.20x / 1.11x / 1.12x
+    plain at concurrency 1 / 8 / 32 / 128, the fixed 6:4:24 tree at 2.35x / 1.26x / 0.90x / 1.04x
+    (serve-auto-NVIDIA-H200.json). The CLI's one-shot generate keeps 'fixed': its few calls leave
+    auto exploring, and building every shape made its cold start on the CPU 137 s against 58
+    (cli_start-cpu.json). Tree numbers given keep their values, the others 6:4:24's."""
     if args.speculative_algorithm.upper() != "AUTO":
         return
     if args.speculative_draft_model_path is None and shipped_drafter(args.model, "EAGLE3") is None:
@@ -97,7 +100,7 @@ def resolve_auto(args) -> None:
     args.speculative_algorithm = "EAGLE3"
     tree = (("speculative_num_steps", 6), ("speculative_eagle_topk", 4), ("speculative_num_draft_tokens", 24))
     if args.speculative_policy is None and all(getattr(args, flag) is None for flag, _ in tree):
-        args.speculative_policy = "auto"
+        args.speculative_policy = auto_policy
     for flag, value in tree:
         if getattr(args, flag) is None:
             setattr(args, flag, value)

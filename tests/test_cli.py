@@ -23,18 +23,19 @@ def test_auto_picks_the_shipped_eagle3_head_or_no_drafter():
     import argparse
     from jaxspec.speculative import add_flags, resolve_auto
 
-    def resolved(model, **given):
+    def resolved(model, auto_policy="auto", **given):
         ap = argparse.ArgumentParser()
         add_flags(ap)
         args = ap.parse_args([])  # the flags' own defaults
         vars(args).update(model=model, **given)
-        resolve_auto(args)
+        resolve_auto(args, auto_policy)
         return (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
                 args.speculative_num_draft_tokens, args.speculative_policy)
 
     assert resolved("smollm2-135m") == ("EAGLE3", 6, 4, 24, "auto")  # the tree chosen every call
     assert resolved("smollm2-135m", speculative_num_draft_tokens=8) == ("EAGLE3", 6, 4, 8, None)  # fixed
     assert resolved("smollm2-135m", speculative_policy="fixed") == ("EAGLE3", 6, 4, 24, "fixed")
+    assert resolved("smollm2-135m", auto_policy="fixed") == ("EAGLE3", 6, 4, 24, "fixed")  # the CLI's generate
     assert resolved("some/hf-checkpoint")[0] == "NONE"
     assert resolved("smollm2-135m", speculative_algorithm="NGRAM")[0] == "NGRAM"
 
@@ -46,8 +47,8 @@ def test_programs_lists_the_start_up_set():
         assert out.returncode == 0, out.stderr
         return out.stdout.splitlines()
 
-    # AUTO: the shipped EAGLE-3 head under the auto policy, its budget of 4096 nodes a step fitting each of
-    # its 5 shapes at every bucket (6:8:64 at 64 rows): 7 decode steps, 5 prefill shapes with the head
+    # AUTO as the server resolves it: the shipped EAGLE-3 head under the auto policy, 4096 nodes a step fitting
+    # each of its 5 shapes at every bucket (6:8:64 at 64 rows): 7 decode steps, 5 prefill shapes with the head
     # (none by the target alone), 5 x 7 verify steps, greedy and sampled apart
     eagle3 = listed()
     assert eagle3[0] == "82 programs (max batch 64):" and sum("verify_steps" in line for line in eagle3) == 70
