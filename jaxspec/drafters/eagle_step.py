@@ -68,17 +68,22 @@ def nodes_that_fit(num_nodes: int, max_tokens: int, rows: int, min_nodes: int) -
     return nodes if nodes >= min(min_nodes, num_nodes) else 1
 
 
-def catch_up(head, target, dcache: KVCache, feats, next_tokens, page_table, kv_lens, q_lens, attn_impl):
-    """Run the head on pairs (feats[:, i], next_tokens[:, i]) at slots kv_len + i, i < q_len, writing
-    the draft cache; returns the head's outputs [B, T, H] and the cache."""
+def write_pairs(head, target, dcache: KVCache, feats, next_tokens, page_table, kv_lens, q_lens):
+    """The head's K/V of pairs (feats[:, i], next_tokens[:, i]) written at slots kv_len + i,
+    i < q_len: (their queries, the head's residual, the draft cache)."""
     t = next_tokens.shape[1]
     positions = kv_lens[:, None] + jnp.arange(t)[None]
     q, k, v, res = head.qkv(target.embed_tokens(next_tokens), feats, positions)
     page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, dcache.page_size)
-    kp = write_layer(dcache.k, 0, k, page, offset)
-    vp = write_layer(dcache.v, 0, v, page, offset)
-    o = attention.paged_attention(q, kp, vp, 0, page_table, kv_lens, q_lens, None, impl=attn_impl)
-    return head.finish(o, res), KVCache(kp, vp)
+    return q, res, KVCache(write_layer(dcache.k, 0, k, page, offset), write_layer(dcache.v, 0, v, page, offset))
+
+
+def catch_up(head, target, dcache: KVCache, feats, next_tokens, page_table, kv_lens, q_lens, attn_impl):
+    """Run the head on pairs (feats[:, i], next_tokens[:, i]) at slots kv_len + i, i < q_len, writing
+    the draft cache; returns the head's outputs [B, T, H] and the cache."""
+    q, res, dcache = write_pairs(head, target, dcache, feats, next_tokens, page_table, kv_lens, q_lens)
+    o = attention.paged_attention(q, dcache.k, dcache.v, 0, page_table, kv_lens, q_lens, None, impl=attn_impl)
+    return head.finish(o, res), dcache
 
 
 def attend_drafted(q, keys, values, visible, prefix):
@@ -284,11 +289,8 @@ def decode(graphs, attn_impl, state, cache, tokens, page_table, kv_lens, budget,
                                    hidden_layers=head.cfg.feature_layers, attn_impl=attn_impl)
         return target.logits(h), (tcache, cache[1]), head.features(h, layers)
 
-    def keep(cache, feats, nxt, kv, q):
-        _, k, v, _ = head.qkv(target.embed_tokens(nxt), feats, kv[:, None])
-        dcache = cache[1]
-        page, offset = slot_coordinates(page_table, kv, q, 1, dcache.page_size)
-        return cache[0], KVCache(write_layer(dcache.k, 0, k, page, offset), write_layer(dcache.v, 0, v, page, offset))
+    def keep(cache, feats, nxt, kv, q):  # (the queries and residual go unused: XLA drops them)
+        return cache[0], write_pairs(head, target, cache[1], feats, nxt, page_table, kv, q)[2]
     return decode_loop(forward, keep, cache, tokens, kv_lens, budget, stop_ids, num_steps, sb, flags)
 
 

@@ -63,8 +63,9 @@ class Dispatch:
         plain = self.device_drafter and not (self._keeps_heads_at(rows) and all(r.head_len is None for r in reqs))
         if plain:
             self._leave_heads_behind(reqs)
-        for r in reqs if self.device_drafter else ():
-            r.draft = None
+        elif self.device_drafter:  # the heads kept in step, but no draft is made
+            for r in reqs:
+                r.draft = None
         tokens = np.zeros((rows, 1), np.int32)
         kv_lens = np.zeros(rows, np.int32)
         for i, r in enumerate(reqs):
@@ -165,7 +166,7 @@ class Dispatch:
         if not self.device_drafter and self.spec_policy is not None:
             f.match_keys = self._match_keys(reqs)
         if self.device_drafter:
-            f.undrafted = tuple(i for i in range(len(reqs)) if num_nodes[i] == 1)
+            f.undrafted = frozenset(np.flatnonzero(num_nodes[:len(reqs)] == 1).tolist())
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):

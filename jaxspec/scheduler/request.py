@@ -71,7 +71,7 @@ class InFlight:
     host_s: float = 0.0  # host time spent launching
     match_keys: list | None = None  # a host drafter's: the match keys (spec_policy.match_key) its requests drafted at
     next_shape: tuple | None = None  # (tree, nodes) of the call chained on this one
-    undrafted: tuple = ()  # rows whose first step verified the root alone (no draft: after plain decoding)
+    undrafted: frozenset = frozenset()  # rows whose first step verified the root alone (no draft: after plain decoding)
 
 
 class DraftsOnDevice:

@@ -39,7 +39,7 @@ class TreeSizing:
         if spec_policy not in ("fixed", "auto"):
             raise ValueError(f"spec_policy must be 'fixed' or 'auto', got {spec_policy!r}")
         self.auto = bool(auto_trees)  # a host drafter has one tree size a bucket: its policy gates it
-        # auto's plain decoding keeps an EAGLE head in step (eagle_step.decode): a choice among the shapes
+        # auto's plain decoding keeps the drafter in step (eagle_step / dflash_step.decode): one of the shapes
         self.keeps_heads = self.auto and drafter.keeps_head_in_decode
         self._decided = None  # (bucket, choice) the last call's chain check took
         trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
