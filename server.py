@@ -128,6 +128,12 @@ def create_app(engine: Generator | Engine | EngineProcess, model_name: str, max_
         text = "".join(f"# TYPE {k} {'counter' if k.endswith('_total') else 'gauge'}\n{k} {v}\n" for k, v in lines)
         return PlainTextResponse(text)
 
+    @app.get("/server_info")
+    def server_info():
+        """/metrics' values with the scheduler's step counters and what the speculation policy
+        learned and chose per batch bucket (SGLang's /get_server_info): for load benches and tuning."""
+        return JSONResponse(dict(engine.snapshot(detail=True), model=model_name))
+
     def params_of(body: SamplingFields, logprobs: int | None) -> SamplingParams:
         return sampling_params(body, logprobs, model_name, engine.vocab_size)
 

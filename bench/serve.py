@@ -270,7 +270,7 @@ def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client
                         after = server_counters(url)
                         rows.append(dict(algorithm=algo, dataset=ds, load=kind, client_procs=client_procs,
                                          **({"concurrency": p} if kind == "closed" else {"rate": p}), **row,
-                                         **{k: after[k] - before[k] for k in after}))
+                                         **growth(before, after)))
                         print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
                                                 "ttft_p50_s", "itl_p50_s", "itl_token_p50_s", "tpot_p50_s"])
         if served is not None:
@@ -282,11 +282,24 @@ COUNTERS = ("late_compiles", "preemptions", "verify_steps")
 
 
 def server_counters(url) -> dict:
-    """The server's /metrics counters a load point's row reports the growth of: compiles a request
-    waited for and preemptions are stalls its latencies include."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    values = dict(line.split() for line in text.splitlines() if line and not line.startswith("#"))
-    return {k: float(values[f"jaxspec_{k}_total"]) for k in COUNTERS}
+    """The server's /server_info: /metrics' counters, the scheduler's step counters and the
+    speculation policy's state."""
+    return httpx.get(url + "/server_info", timeout=30).json()
+
+
+def growth(before: dict, after: dict) -> dict:
+    """A load point's share of the server's counters: COUNTERS (compiles a request waited for and
+    preemptions are stalls its latencies include); `scheduler`, its step counters and seconds;
+    `chosen`, the speculation policy's calls per batch bucket and shape, and `recent_ms`, the ms a
+    step it saw lately per bucket and shape (p50, p90, max)."""
+    out = {k: after[k] - before[k] for k in COUNTERS}
+    out["scheduler"] = {k: round(v - before["scheduler"].get(k, 0), 4) for k, v in after["scheduler"].items()}
+    if after.get("spec_policy"):
+        was = (before.get("spec_policy") or {}).get("chosen", {})
+        chosen = {r: {k: n - was.get(r, {}).get(k, 0) for k, n in d.items()} for r, d in after["spec_policy"]["chosen"].items()}
+        out["chosen"] = {r: {k: n for k, n in d.items() if n} for r, d in chosen.items() if any(d.values())}
+        out["recent_ms"] = after["spec_policy"]["recent_ms"]
+    return out
 
 
 @contextlib.contextmanager

@@ -97,10 +97,10 @@ class EngineProcess:
     def queue_depth(self) -> int:
         return self.waiting
 
-    def snapshot(self, timeout: float = 10.0) -> dict:
+    def snapshot(self, detail: bool = False, timeout: float = 10.0) -> dict:
         qid = next(self.ids)
         reply = self.replies[qid] = [threading.Event(), None]
-        self._send(("stats", qid))
+        self._send(("stats", qid, detail))
         reply[0].wait(timeout)
         self.replies.pop(qid, None)
         if reply[1] is None:
@@ -221,7 +221,7 @@ def _child(conn, factory, args):
                 elif msg[0] == "abort" and msg[1] in handles:
                     engine.abort(handles[msg[1]])
                 elif msg[0] == "stats":
-                    conn.send(("stats", msg[1], engine.snapshot()))
+                    conn.send(("stats", msg[1], engine.snapshot(msg[2])))
                 elif msg[0] == "shutdown":
                     engine.stopping = True
         except (EOFError, OSError):  # the server went away

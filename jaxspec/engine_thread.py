@@ -47,13 +47,23 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self.sched.waiting)
 
-    def snapshot(self) -> dict:
-        """The counters and gauges /metrics shows."""
+    def snapshot(self, detail: bool = False) -> dict:
+        """The counters and gauges /metrics shows; detail adds the scheduler's step counters and
+        what the speculation policy learned and chose (/server_info)."""
         s, pool = self.sched.stats, self.sched.pool
-        return dict(self.metrics, queue_depth=len(self.sched.waiting), running_requests=len(self.sched.running),
-                    kv_pages_in_use=pool.in_use, kv_pages_total=pool.num_pages - 1, verify_steps=s["verify_steps"],
-                    preemptions=s["preemptions"], late_compiles=len(self.sched.late_compiles),
-                    accept_length=self.sched.mean_accept_length())
+        out = dict(self.metrics, queue_depth=len(self.sched.waiting), running_requests=len(self.sched.running),
+                   kv_pages_in_use=pool.in_use, kv_pages_total=pool.num_pages - 1, verify_steps=s["verify_steps"],
+                   preemptions=s["preemptions"], late_compiles=len(self.sched.late_compiles),
+                   accept_length=self.sched.mean_accept_length())
+        if detail:
+            policy = self.sched.spec_policy
+            for _ in range(8):  # read while the loop's thread may add keys: again if one moved under it
+                try:
+                    out.update(scheduler=dict(s), spec_policy=None if policy is None else policy.summary())
+                    break
+                except RuntimeError:
+                    continue
+        return out
 
     def submit_nowait(self, prompt_ids, params, on_update, on_ready=None) -> "Handle":
         """Queue a request; on_ready(handle) is called from the loop's thread once it is added (or

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig, export_head, load_head
 from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.engine_thread import Engine
 from jaxspec.models.loading import CheckpointError
 
 from conftest import TINY, drafter_cache_after, run_mixed_requests_with_aborts, train_tiny_head
@@ -155,6 +156,9 @@ def test_shapes_switched_between_calls_keep_outputs_plain(tiny, tiny_eagle3):
     accepted = {t.label: max(c) for t, c in gen.scheduler.spec_policy.accepts.items()}
     assert set(accepted) == {t.label for t in trees} and accepted["4:1:5"] >= 3 and accepted["2:4:8"] >= 2
     assert gen.scheduler.late_compiles == []
+    info = json.loads(json.dumps(Engine(gen, start=False).snapshot(detail=True)))  # the server's /server_info
+    assert set(info["spec_policy"]["accept_histogram"]) == set(accepted)
+    assert info["scheduler"]["chained_switches"] == gen.scheduler.stats["chained_switches"] >= 6
 
 
 def test_plain_spells_of_the_auto_policy_keep_the_head_in_step(tiny, tiny_eagle3):

@@ -248,6 +248,16 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     rows = bench.run(lambda algo: contextlib.nullcontext(url), ["x"], {"chat": chats}, [2], [], 8, 4, served=done.append)
     assert len(rows) == 1 and done == [rows] and rows[0]["requests"] == 4
     assert set(bench.COUNTERS) <= set(rows[0]) and rows[0]["late_compiles"] == 0 and rows[0]["preemptions"] == 0
+    assert rows[0]["scheduler"]["steps"] > 0 and rows[0]["scheduler"]["verify_steps"] == 0  # (a plain engine)
+    info = httpx.get(url + "/server_info").json()
+    assert info["model"] == "smollm2-135m" and info["spec_policy"] is None
+    assert info["scheduler"]["steps"] >= rows[0]["scheduler"]["steps"] and info["kv_pages_total"] > 0
+    was = {"late_compiles": 0, "preemptions": 1, "verify_steps": 2, "scheduler": {"steps": 3},
+           "spec_policy": {"chosen": {"8": {"3:1:4": 2}}, "recent_ms": {}}}
+    now = {"late_compiles": 0, "preemptions": 1, "verify_steps": 7, "scheduler": {"steps": 9},
+           "spec_policy": {"chosen": {"8": {"3:1:4": 2, "plain": 3}, "16": {"6:4:24": 1}}, "recent_ms": {"8": {}}}}
+    assert bench.growth(was, now) == {"late_compiles": 0, "preemptions": 0, "verify_steps": 5, "scheduler": {"steps": 6},
+                                      "chosen": {"8": {"plain": 3}, "16": {"6:4:24": 1}}, "recent_ms": {"8": {}}}
     assert wait_idle(url)
 
 
