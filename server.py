@@ -344,6 +344,8 @@ def build_app(argv=None):
     args = ap.parse_args(argv)
     if args.scheduler_delay_factor < 0:
         ap.error(f"--scheduler-delay-factor must be >= 0, got {args.scheduler_delay_factor}")
+    if not 0 < args.mem_fraction_static < 1:
+        ap.error(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
     try:  # bad flags fail here, before the engine process starts
         spec, budget = config_from_flags(args), verify_budget(args)
     except ValueError as e:
@@ -354,6 +356,9 @@ def build_app(argv=None):
               scheduler_delay_factor=args.scheduler_delay_factor,
               warmup=False if args.skip_warmup else "progress")  # before the port opens
     engine = EngineProcess(_generator, args.model, kw)
+    pages = engine.snapshot()["kv_pages_total"]
+    print(f"KV pool: {pages} pages of {args.page_size} tokens ({pages * args.page_size} tokens), "
+          f"{args.max_running_requests} running requests at most", flush=True)
     return create_app(engine, args.served_model_name or args.model, args.max_queued_requests,
                       args.request_timeout or None, args.stream_interval), args
 

@@ -291,8 +291,9 @@ def growth(before: dict, after: dict) -> dict:
     """A load point's share of the server's counters: COUNTERS (compiles a request waited for and
     preemptions are stalls its latencies include); `scheduler`, its step counters and seconds;
     `chosen`, the speculation policy's calls per batch bucket and shape, and `recent_ms`, the ms a
-    step it saw lately per bucket and shape (p50, p90, max)."""
+    step it saw lately per bucket and shape (p50, p90, max); the KV pool's pages."""
     out = {k: after[k] - before[k] for k in COUNTERS}
+    out["kv_pages_total"] = after["kv_pages_total"]  # (a pool too small for the load preempts)
     out["scheduler"] = {k: round(v - before["scheduler"].get(k, 0), 4) for k, v in after["scheduler"].items()}
     if after.get("spec_policy"):
         was = (before.get("spec_policy") or {}).get("chosen", {})

@@ -13,6 +13,8 @@ same tokens takes their place in the index.
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
 
 import numpy as np
 
@@ -135,12 +137,11 @@ def pages_that_fit(cfg, drafter, page_size, dtype, fraction, mesh=None) -> int |
     """KV pages (target and drafter caches) in `fraction` of the first device's free memory, or None
     where the device reports none (the CPU). Each device holds 1/tp of a page under a mesh."""
     import jax
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
     if not 0 < fraction < 1:
         raise ValueError(f"mem_fraction={fraction} must be in (0, 1)")
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    free = device_free_bytes(jax.devices()[0])
+    if free is None:
+        return None
     itemsize = np.dtype(dtype).itemsize
     per_page = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
     if getattr(drafter, "head", None) is not None:
@@ -148,3 +149,40 @@ def pages_that_fit(cfg, drafter, page_size, dtype, fraction, mesh=None) -> int |
         per_page += 2 * layers * page_size * kv_heads * head_dim * itemsize
     tp = 1 if mesh is None else mesh.devices.size
     return int(fraction * free * tp // per_page)
+
+
+def device_free_bytes(device) -> int | None:
+    """Bytes of `device` a KV pool may take: what XLA's allocator may still hand out (bytes_limit
+    less bytes_in_use); or, on a GPU whose allocator names no limit or one under half the GPU, the
+    memory its driver reports free (SGLang sizes its pool from cudaMemGetInfo), within the share of
+    the GPU a JAX client takes. The VMM allocator, which command-buffer updates use
+    (compile_options.py), maps memory as it is asked for: on the H200 a server of 8 rows preempted
+    requests at concurrency 8 (serve-plaindelay-c8-NVIDIA-H200.json), as a pool of the fallback
+    size (1 + 16 pages a row) would. None where neither is known (the CPU)."""
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    gpu = gpu_memory(device) if device.platform == "gpu" else None
+    used = stats.get("bytes_in_use", 0)
+    if limit and (gpu is None or limit >= gpu[0] // 2):
+        return limit - used
+    if gpu is None:
+        return None
+    # no more than the share of the GPU a JAX client takes (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75)
+    share = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    return int(min(gpu[1], share * gpu[0] - used))
+
+
+def gpu_memory(device) -> tuple[int, int] | None:
+    """(total, free) bytes of a GPU as nvidia-smi reports them, or None without it. nvidia-smi
+    numbers GPUs physically: CUDA_VISIBLE_DEVICES (indices or UUIDs) maps the device's ordinal."""
+    ordinal = getattr(device, "local_hardware_id", None)
+    ordinal = device.id if ordinal is None else ordinal
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    which = visible[ordinal] if ordinal < len(visible) else str(ordinal)
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={which}", "--query-gpu=memory.total,memory.free",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        total, free = (int(x) * 2**20 for x in out.stdout.strip().split(","))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return total, free

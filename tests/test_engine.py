@@ -90,6 +90,40 @@ def test_target_only_pages_serve_plain_requests_until_full_pages_replace_them():
     pool.check()
     assert pool.in_use == 0 and pool.full_prefix(pool.match_prefix(toks + [99])) == 3
 
+
+def test_the_pool_is_sized_from_the_allocator_limit_or_the_drivers_free_memory(monkeypatch):
+    """XLA's allocator limit where it names one (a BFC allocator's, most of the GPU); the driver's
+    free memory where it names none or a small one (the VMM allocator maps memory as asked)."""
+    import types
+
+    from jaxspec import paging
+    gib = 2**30
+    dev = lambda stats, platform="gpu": types.SimpleNamespace(platform=platform, id=0, local_hardware_id=0,
+                                                             memory_stats=lambda: stats)
+    nvidia_smi = paging.gpu_memory
+    monkeypatch.setattr(paging, "gpu_memory", lambda d: (140 * gib, 120 * gib))
+    assert paging.device_free_bytes(dev({"bytes_limit": 100 * gib, "bytes_in_use": 10 * gib})) == 90 * gib
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert paging.device_free_bytes(dev({"bytes_limit": 2 * gib, "bytes_in_use": gib})) == 104 * gib
+    assert paging.device_free_bytes(dev(None)) == 105 * gib  # (within the client's 0.75 of the GPU)
+    assert paging.device_free_bytes(dev({"bytes_in_use": 10 * gib})) == 95 * gib
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert paging.device_free_bytes(dev({"bytes_in_use": 10 * gib})) == 120 * gib
+    assert paging.device_free_bytes(dev({}, "cpu")) is None
+    monkeypatch.setattr(paging, "gpu_memory", lambda d: None)  # no nvidia-smi: the allocator's word, or nothing
+    assert paging.device_free_bytes(dev({"bytes_limit": 2 * gib, "bytes_in_use": gib})) == gib
+    assert paging.device_free_bytes(dev({})) is None
+    # nvidia-smi numbers GPUs physically: the device's ordinal through CUDA_VISIBLE_DEVICES
+    calls = []
+    monkeypatch.setattr(paging.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or types.SimpleNamespace(
+        stdout="143771, 140000\n"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    gpu = dev({})
+    gpu.local_hardware_id = 1
+    assert nvidia_smi(gpu) == (143771 * 2**20, 140000 * 2**20) and "--id=5" in calls[-1]
+    monkeypatch.setattr(paging.subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(stdout="No devices were found"))
+    assert nvidia_smi(gpu) is None
+
 def make_gen(model, tok=None, **kw):
     kw.setdefault("max_batch", 8)
     kw.setdefault("max_seq_len", 256)

@@ -252,11 +252,12 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     info = httpx.get(url + "/server_info").json()
     assert info["model"] == "smollm2-135m" and info["spec_policy"] is None
     assert info["scheduler"]["steps"] >= rows[0]["scheduler"]["steps"] and info["kv_pages_total"] > 0
-    was = {"late_compiles": 0, "preemptions": 1, "verify_steps": 2, "scheduler": {"steps": 3},
+    was = {"late_compiles": 0, "preemptions": 1, "verify_steps": 2, "kv_pages_total": 80, "scheduler": {"steps": 3},
            "spec_policy": {"chosen": {"8": {"3:1:4": 2}}, "recent_ms": {}}}
-    now = {"late_compiles": 0, "preemptions": 1, "verify_steps": 7, "scheduler": {"steps": 9},
+    now = {"late_compiles": 0, "preemptions": 1, "verify_steps": 7, "kv_pages_total": 80, "scheduler": {"steps": 9},
            "spec_policy": {"chosen": {"8": {"3:1:4": 2, "plain": 3}, "16": {"6:4:24": 1}}, "recent_ms": {"8": {}}}}
-    assert bench.growth(was, now) == {"late_compiles": 0, "preemptions": 0, "verify_steps": 5, "scheduler": {"steps": 6},
+    assert bench.growth(was, now) == {"late_compiles": 0, "preemptions": 0, "verify_steps": 5, "kv_pages_total": 80,
+                                      "scheduler": {"steps": 6},
                                       "chosen": {"8": {"plain": 3}, "16": {"6:4:24": 1}}, "recent_ms": {"8": {}}}
     assert wait_idle(url)
 
@@ -366,7 +367,8 @@ def test_an_engine_process_that_cannot_start_says_why():
 def test_bad_server_flags_exit_before_the_engine_starts(capsys):
     import server as srv
     for argv, what in ((["--scheduler-delay-factor", "-1"], "--scheduler-delay-factor must be >= 0, got -1.0"),
-                       (["--speculative-max-verify-tokens", "0"], "--speculative-max-verify-tokens must be >= 1")):
+                       (["--speculative-max-verify-tokens", "0"], "--speculative-max-verify-tokens must be >= 1"),
+                       (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1), got 1.5")):
         with pytest.raises(SystemExit):
             srv.build_app(argv + ["--skip-warmup"])
         assert what in capsys.readouterr().err
