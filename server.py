@@ -334,7 +334,8 @@ def build_app(argv=None):
                     help="longest sequence, prompt and output (default: the model's context)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.8,
                     help="share of the device memory free after the weights that the KV pool takes, where the "
-                         "device reports its memory (GPU); --num-pages overrides")
+                         "device reports its memory (GPU), up to twice what the running requests hold at full "
+                         "length; --num-pages overrides")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights and KV (default: bfloat16 on GPU)")
     ap.add_argument("--tp-size", type=int, default=1, help="devices to split the model over (tensor parallel)")

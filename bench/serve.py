@@ -14,7 +14,8 @@ each gap divided among the tokens its chunk brought (SGLang's bench_serving); TP
 TTFT / ITL / ITL-token / TPOT / latency p50 and p99. `--client-procs N` spreads the closed loop's
 clients over N processes. One server per algorithm: server.py in its own process
 with its defaults (the load's client threads hold this process's GIL, not the server's), its
-programs built before the port opens; every load point warmed once untimed.
+programs built before the port opens; every load point warmed once untimed. `--rounds N`: all
+servers up at once, each load point measured N times with the algorithms taking turns.
 `--plot` draws throughput against p50 ITL (closed loop) and against p50 TTFT (open loop).
 """
 from __future__ import annotations
@@ -250,31 +251,48 @@ def server_process(model, algo, max_running, log_path, start_timeout=900, extra_
                 proc.kill()
 
 
-def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client_procs=1, served=None):
-    """Rows for every (algorithm, dataset, load point); serve(algo) is a context manager yielding
-    that algorithm's server's url; served(rows) is called after each algorithm (results written as
-    they come: a run cut short by a time limit keeps the algorithms it finished)."""
+def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client_procs=1, served=None, rounds=1):
+    """Rows for every (algorithm, dataset, load point, round); serve(algo) is a context manager
+    yielding that algorithm's server's url. With rounds > 1 every algorithm's server is up at once
+    and each load point is measured algorithm after algorithm, round after round: the ratios come
+    from measurements taken side by side (plain's own tok/s at concurrency 128 moved 20-27k between
+    runs of the same server: serve-diag-, serve-delay-, serve-plaindelay-). served(rows) is called
+    after each algorithm (with rounds > 1, each load point): a run cut short keeps what it finished."""
     rows = []
-    for algo in algos:
-        with serve(algo) as url:
-            for ds, chats in datasets.items():
-                for kind, points in (("closed", concurrency), ("open", rates)):
-                    for p in points:
-                        n = max(requests, 2 * p) if kind == "closed" else requests
-                        batch = [chats[i % len(chats)] for i in range(n)]
-                        load = (lambda b: closed_loop(url, b, p, max_tokens, client_procs)) if kind == "closed" else (
-                            lambda b: open_loop(url, b, p, max_tokens))
-                        load(batch[:min(len(batch), max(p, 4))] if kind == "closed" else batch[:4])  # warm this shape
-                        before = server_counters(url)
-                        row = load(batch)
-                        after = server_counters(url)
-                        rows.append(dict(algorithm=algo, dataset=ds, load=kind, client_procs=client_procs,
-                                         **({"concurrency": p} if kind == "closed" else {"rate": p}), **row,
-                                         **growth(before, after)))
-                        print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
-                                                "ttft_p50_s", "itl_p50_s", "itl_token_p50_s", "tpot_p50_s"])
-        if served is not None:
-            served(rows)
+    points = [(ds, kind, p) for ds in datasets for kind, ps in (("closed", concurrency), ("open", rates)) for p in ps]
+
+    def measure(algo, url, ds, kind, p, rnd):
+        chats = datasets[ds]
+        n = max(requests, 2 * p) if kind == "closed" else requests
+        batch = [chats[i % len(chats)] for i in range(n)]
+        load = (lambda b: closed_loop(url, b, p, max_tokens, client_procs)) if kind == "closed" else (
+            lambda b: open_loop(url, b, p, max_tokens))
+        load(batch[:min(len(batch), max(p, 4))] if kind == "closed" else batch[:4])  # warm this shape
+        before = server_counters(url)
+        row = load(batch)
+        after = server_counters(url)
+        rows.append(dict(algorithm=algo, dataset=ds, load=kind, client_procs=client_procs,
+                         **({"concurrency": p} if kind == "closed" else {"rate": p}),
+                         **({"round": rnd} if rounds > 1 else {}), **row, **growth(before, after)))
+        print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
+                                "ttft_p50_s", "itl_p50_s", "itl_token_p50_s", "tpot_p50_s"])
+
+    if rounds == 1:
+        for algo in algos:
+            with serve(algo) as url:
+                for point in points:
+                    measure(algo, url, *point, 0)
+            if served is not None:
+                served(rows)
+        return rows
+    with contextlib.ExitStack() as stack:
+        urls = {algo: stack.enter_context(serve(algo)) for algo in algos}
+        for point in points:
+            for rnd in range(rounds):
+                for algo in algos:
+                    measure(algo, urls[algo], *point, rnd)
+            if served is not None:
+                served(rows)
     return rows
 
 
@@ -326,6 +344,10 @@ def main():
     ap.add_argument("--client-procs", type=int, default=1,
                     help="processes the closed loop's clients spread over (each process's GIL caps its clients)")
     ap.add_argument("--server-args", default="", help="more server.py flags, for every server of the run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure each load point this many times, the algorithms' servers up at once and taking "
+                         "turns (ratios side by side); each server's KV pool then takes 0.8 / algorithms of the "
+                         "memory free as it starts, unless --server-args sets --mem-fraction-static")
     ap.add_argument("--tag", default="")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--in-process", action="store_true",
@@ -356,15 +378,19 @@ def main():
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         device_name()
 
+        extra = args.server_args.split()
+        if args.rounds > 1 and "--mem-fraction-static" not in extra:  # the servers share the GPU
+            extra += ["--mem-fraction-static", f"{0.8 / len(args.algos.split(',')):.3f}"]
+
         def serve(algo):
             log = os.path.join(tempfile.gettempdir(), f"jaxspec-serve-{algo.replace(':', '_').replace('/', '_')}.log")
-            return server_process(args.model, algo, max(conc), log, extra_args=args.server_args.split())
+            return server_process(args.model, algo, max(conc), log, extra_args=extra)
 
-    meta = {"max_tokens": args.max_tokens, "server_args": args.server_args}
+    meta = {"max_tokens": args.max_tokens, "server_args": args.server_args, "rounds": args.rounds}
     rows = run(serve, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests, args.client_procs,
-               served=lambda rows: write_results("serve" + args.tag, rows, meta))
+               served=lambda rows: write_results("serve" + args.tag, rows, meta), rounds=args.rounds)
     print()
-    print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s", "requests_per_s",
+    print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "round", "tokens_per_s", "requests_per_s",
                        "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_token_p50_s", "itl_token_p99_s", "tpot_p50_s"])
     if args.plot:
         print(plot(rows, os.path.join(RESULTS, f"serve{args.tag}-{device_name()}.png")))

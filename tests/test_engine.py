@@ -91,12 +91,18 @@ def test_target_only_pages_serve_plain_requests_until_full_pages_replace_them():
     assert pool.in_use == 0 and pool.full_prefix(pool.match_prefix(toks + [99])) == 3
 
 
-def test_the_pool_is_sized_from_the_allocator_limit_or_the_drivers_free_memory(monkeypatch):
+def test_the_pool_is_sized_from_the_allocator_limit_or_the_drivers_free_memory(monkeypatch, tiny):
     """XLA's allocator limit where it names one (a BFC allocator's, most of the GPU); the driver's
-    free memory where it names none or a small one (the VMM allocator maps memory as asked)."""
+    free memory where it names none or a small one (the VMM allocator maps memory as asked); the
+    pool no bigger than twice what its rows hold at full length."""
     import types
 
     from jaxspec import paging
+    from jaxspec.scheduler import core
+    for fits, cap in ((10**6, True), (40, False)):
+        monkeypatch.setattr(core, "pages_that_fit", lambda *a, fits=fits: fits)
+        sched = Generator(tiny, None, max_batch=2, max_seq_len=64, page_size=4, mem_fraction=0.5).scheduler
+        assert sched.pool.num_pages == (1 + 2 * 2 * sched.max_pages_per_seq if cap else fits)
     gib = 2**30
     dev = lambda stats, platform="gpu": types.SimpleNamespace(platform=platform, id=0, local_hardware_id=0,
                                                              memory_stats=lambda: stats)

@@ -249,6 +249,11 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     assert len(rows) == 1 and done == [rows] and rows[0]["requests"] == 4
     assert set(bench.COUNTERS) <= set(rows[0]) and rows[0]["late_compiles"] == 0 and rows[0]["preemptions"] == 0
     assert rows[0]["scheduler"]["steps"] > 0 and rows[0]["scheduler"]["verify_steps"] == 0  # (a plain engine)
+    # rounds: every server up at once, the algorithms taking turns at each load point
+    up = []
+    turns = bench.run(lambda algo: contextlib.nullcontext(up.append(algo) or url), ["x", "y"], {"chat": chats}, [2], [],
+                      8, 4, rounds=2)
+    assert up == ["x", "y"] and [(r["algorithm"], r["round"]) for r in turns] == [("x", 0), ("y", 0), ("x", 1), ("y", 1)]
     info = httpx.get(url + "/server_info").json()
     assert info["model"] == "smollm2-135m" and info["spec_policy"] is None
     assert info["scheduler"]["steps"] >= rows[0]["scheduler"]["steps"] and info["kv_pages_total"] > 0
