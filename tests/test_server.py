@@ -251,8 +251,8 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     assert rows[0]["scheduler"]["steps"] > 0 and rows[0]["scheduler"]["verify_steps"] == 0  # (a plain engine)
     # rounds: every server up at once, the algorithms taking turns at each load point
     up = []
-    turns = bench.run(lambda algo: contextlib.nullcontext(up.append(algo) or url), ["x", "y"], {"chat": chats}, [2], [],
-                      8, 4, rounds=2)
+    turns = bench.run(lambda algo: contextlib.nullcontext(up.append(algo) or url), ["x", "y"], {"chat": chats[:2]}, [1],
+                      [], 2, 2, rounds=2)
     assert up == ["x", "y"] and [(r["algorithm"], r["round"]) for r in turns] == [("x", 0), ("y", 0), ("x", 1), ("y", 1)]
     info = httpx.get(url + "/server_info").json()
     assert info["model"] == "smollm2-135m" and info["spec_policy"] is None
