@@ -13,7 +13,7 @@ from jaxspec.program_store import compile_count
 from jaxspec.sampling import SamplerFlags
 
 
-def test_program_set_is_small_and_listed(tiny):
+def test_program_set_is_small_and_listed(tiny, capsys):
     plain = Generator(tiny, None, max_batch=64, max_seq_len=256)
     # 5 prefill shapes (3 of up to 16 rows, 2 of 64) + a decode step for each of 7 batch buckets; one program
     # serves greedy and sampled batches
@@ -27,8 +27,10 @@ def test_program_set_is_small_and_listed(tiny):
     assert len({progs.entry(*s) for progs, *s in specs}) == 5 + 5 + 7 + 2 * 5
     assert sum(s[1] == "verify_steps" for s in specs) == 2 * 5
     small = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=2, max_seq_len=256)
-    info = small.scheduler.warmup()  # buckets 1 and 2: prefill 3 (rows <= 2), decode 2, verify 2 twice
+    info = small.scheduler.warmup(progress=True)  # buckets 1 and 2: prefill 3 (rows <= 2), decode 2, verify 2 twice
     assert info["programs"] == 3 + 2 + 2 * 2
+    assert info["seconds"] == pytest.approx(info["workers_s"] + info["build_s"] + info["costs_s"])
+    assert f"{info['programs']} programs ready in" in capsys.readouterr().err  # (a server's log says where its start went)
     lines = small.scheduler.programs.listing()
     assert len(lines) == 3 + 2 * 2 and sum(l.startswith("verify_steps") for l in lines) == 4
 

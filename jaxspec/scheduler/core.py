@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 
 import numpy as np
@@ -221,23 +222,34 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
     def warmup(self, flag_sets=None, progress=False) -> dict:
         """Compile the whole program set now (see program_specs); a compile after this is counted
         in late_compiles. Programs the store lacks are first built by worker processes, when
-        there are enough of them (program_workers.py). Returns {programs, seconds}."""
+        there are enough of them (program_workers.py). Returns {programs, seconds, and each
+        phase's seconds}; with progress, also says them on stderr."""
         t0 = time.perf_counter()
         specs = self.program_specs(flag_sets)
         groups = list({id(p): p for p, *_ in specs}.values())
+        missing, workers = {}, 0
         if groups[0].jit and groups[0].store:
             missing = {progs.entry(*spec): (groups.index(progs), *spec)
                        for progs, *spec in specs if not progs.stored(*spec)}
             workers = program_workers.default_workers(len(missing)) if self.build_workers is None else self.build_workers
             if workers and missing:
                 program_workers.build(groups, list(missing.values()), workers)
+        t1 = time.perf_counter()
         for progs in groups:
             progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
         if self.cuts is not None:
             self.cuts.build(self.cut_specs())
+        t2 = time.perf_counter()
         if self.spec_policy is not None and groups[0].jit:
             self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table the policy reads
-        return dict(programs=sum(len(p.table) for p in groups), seconds=time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        out = dict(programs=sum(len(p.table) for p in groups), seconds=t3 - t0, workers_s=t1 - t0, build_s=t2 - t1,
+                   costs_s=t3 - t2)
+        if progress:
+            print(f"{out['programs']} programs ready in {t3 - t0:.1f} s: {len(missing)} missing from the store built "
+                  f"by {workers if missing else 0} worker processes in {t1 - t0:.1f} s, the set built or loaded in "
+                  f"{t2 - t1:.1f} s, step costs in {t3 - t2:.1f} s", file=sys.stderr, flush=True)
+        return out
 
     @property
     def late_compiles(self) -> list:
