@@ -392,9 +392,21 @@ def main():
     print()
     print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "round", "tokens_per_s", "requests_per_s",
                        "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_token_p50_s", "itl_token_p99_s", "tpot_p50_s"])
+    print()
+    print_table(vs_plain(rows), ["algorithm", "dataset", "load", "concurrency", "rate", "round", "vs_plain",
+                                 "ttft_p50_vs_plain", "preemptions", "kv_pages_total"])
     if args.plot:
         print(plot(rows, os.path.join(RESULTS, f"serve{args.tag}-{device_name()}.png")))
     print(write_results("serve" + args.tag, rows, meta))
+
+
+def vs_plain(rows) -> list:
+    """Each non-plain row's output tok/s and TTFT p50 over plain's at the same load point and round
+    (of this run: ratios are taken side by side)."""
+    point = lambda r: (r["dataset"], r["load"], r.get("concurrency"), r.get("rate"), r.get("round"))
+    plain = {point(r): r for r in rows if r["algorithm"] == "plain"}
+    return [dict(r, vs_plain=r["tokens_per_s"] / p["tokens_per_s"], ttft_p50_vs_plain=r["ttft_p50_s"] / p["ttft_p50_s"])
+            for r in rows if r["algorithm"] != "plain" and (p := plain.get(point(r)))]
 
 
 if __name__ == "__main__":

@@ -254,6 +254,10 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     turns = bench.run(lambda algo: contextlib.nullcontext(up.append(algo) or url), ["x", "y"], {"chat": chats[:2]}, [1],
                       [], 2, 2, rounds=2)
     assert up == ["x", "y"] and [(r["algorithm"], r["round"]) for r in turns] == [("x", 0), ("y", 0), ("x", 1), ("y", 1)]
+    ratios = bench.vs_plain([dict(r, algorithm="plain" if r["algorithm"] == "x" else r["algorithm"]) for r in turns])
+    assert [r["round"] for r in ratios] == [0, 1]
+    assert [r["vs_plain"] for r in ratios] == [turns[1]["tokens_per_s"] / turns[0]["tokens_per_s"],
+                                               turns[3]["tokens_per_s"] / turns[2]["tokens_per_s"]]
     info = httpx.get(url + "/server_info").json()
     assert info["model"] == "smollm2-135m" and info["spec_policy"] is None
     assert info["scheduler"]["steps"] >= rows[0]["scheduler"]["steps"] and info["kv_pages_total"] > 0
