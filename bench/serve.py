@@ -257,7 +257,7 @@ def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client
     and each load point is measured algorithm after algorithm, round after round: the ratios come
     from measurements taken side by side (plain's own tok/s at concurrency 128 moved 20-27k between
     runs of the same server: serve-diag-, serve-delay-, serve-plaindelay-). served(rows) is called
-    after each algorithm (with rounds > 1, each load point): a run cut short keeps what it finished."""
+    after each load point: a run cut short keeps what it finished."""
     rows = []
     points = [(ds, kind, p) for ds in datasets for kind, ps in (("closed", concurrency), ("open", rates)) for p in ps]
 
@@ -268,38 +268,32 @@ def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client
         load = (lambda b: closed_loop(url, b, p, max_tokens, client_procs)) if kind == "closed" else (
             lambda b: open_loop(url, b, p, max_tokens))
         load(batch[:min(len(batch), max(p, 4))] if kind == "closed" else batch[:4])  # warm this shape
-        before = server_counters(url)
+        before = server_state(url)
         row = load(batch)
-        after = server_counters(url)
+        after = server_state(url)
         rows.append(dict(algorithm=algo, dataset=ds, load=kind, client_procs=client_procs,
                          **({"concurrency": p} if kind == "closed" else {"rate": p}),
                          **({"round": rnd} if rounds > 1 else {}), **row, **growth(before, after)))
         print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
                                 "ttft_p50_s", "itl_p50_s", "itl_token_p50_s", "tpot_p50_s"])
 
-    if rounds == 1:
-        for algo in algos:
-            with serve(algo) as url:
-                for point in points:
-                    measure(algo, url, *point, 0)
-            if served is not None:
-                served(rows)
-        return rows
-    with contextlib.ExitStack() as stack:
-        urls = {algo: stack.enter_context(serve(algo)) for algo in algos}
-        for point in points:
-            for rnd in range(rounds):
-                for algo in algos:
-                    measure(algo, urls[algo], *point, rnd)
-            if served is not None:
-                served(rows)
+    # one server at a time, or (rounds > 1) all of them at once, taking turns
+    for group in ([algo] for algo in algos) if rounds == 1 else [algos]:
+        with contextlib.ExitStack() as stack:
+            urls = {algo: stack.enter_context(serve(algo)) for algo in group}
+            for point in points:
+                for rnd in range(rounds):
+                    for algo in group:
+                        measure(algo, urls[algo], *point, rnd)
+                if served is not None:
+                    served(rows)
     return rows
 
 
 COUNTERS = ("late_compiles", "preemptions", "verify_steps")
 
 
-def server_counters(url) -> dict:
+def server_state(url) -> dict:
     """The server's /server_info: /metrics' counters, the scheduler's step counters and the
     speculation policy's state."""
     return httpx.get(url + "/server_info", timeout=30).json()

@@ -130,6 +130,7 @@ def test_the_pool_is_sized_from_the_allocator_limit_or_the_drivers_free_memory(m
     monkeypatch.setattr(paging.subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(stdout="No devices were found"))
     assert nvidia_smi(gpu) is None
 
+
 def make_gen(model, tok=None, **kw):
     kw.setdefault("max_batch", 8)
     kw.setdefault("max_seq_len", 256)
