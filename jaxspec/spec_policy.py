@@ -6,13 +6,12 @@ went wrong without it) are in bench/probes/spec_policy_notes.md.
 Costs. At warm-up the engine times every decode and verify program of its set (StepCosts: ms a
 step by kind, batch bucket and tree) and keeps the table beside its programs in the program store:
 a later start of the same engine on the same device reads it back rather than timing again. While
-serving, the policy adds the wall time steps were seen to take (`arrived`: the interval between the
-outputs of two calls at the same bucket, where the later one measured a step: a device drafter's
-call chained on the last, of any shape, and any call of a host drafter, whose calls cannot chain; the
-host's share counts, and a call read late lengthens its interval by what it shortens the next
-one's): the median of a shape's last RECENT_CALLS calls' ms a step (a few stalled calls must not
-price a shape), weighed against PRIOR_CALLS calls of the table's cost, itself scaled by the median
-of how the costs seen compare with the table's (the table runs steady calls with nothing else to do).
+serving, the policy adds the wall time steps were seen to take (`arrived`: a call chained on the
+last, of any shape, and any call of a host drafter, whose calls cannot chain, from the last outputs
+at the same bucket; a device drafter's call not chained from its launch; the host's share counts):
+the median of a shape's last RECENT_CALLS calls' ms a step (a few stalled calls must not price a
+shape), weighed against PRIOR_CALLS calls of the table's cost, scaled by the median of how the costs
+seen compare with the table's (the table runs steady calls with nothing else to do).
 
 Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took
 (sums halved past `kept` row-steps, so that they follow the requests), pooled over batch sizes
@@ -176,11 +175,13 @@ class SpecPolicy:
         self.run = (None, 0)  # (label, how many in a row) of the latest calls' outputs
 
     # -- what was seen ---------------------------------------------------------------------------------
-    def arrived(self, rows: int, label: str | None, now: float, steps: int = 1, measured: bool = True) -> None:
+    def arrived(self, rows: int, label: str | None, now: float, steps: int = 1, measured: bool = True,
+                launched: float | None = None) -> None:
         """A call's outputs arrived at `now`: `steps` steps of `label` (a tree's or PLAIN; None: a
         prefill) at this bucket. measured: the interval since the last outputs at this bucket is
         this call's steps' wall time (the device was busy from one to the next: a device drafter's
-        call chained on the last, a change of shape too)."""
+        call chained on the last, a change of shape too); else, where `launched` is given (a call
+        launched after the last outputs were read), its wall time is from then."""
         last, self._last = self._last, None if label is None else (rows, label, now)
         if label is None:
             self.run = (None, 0)
@@ -188,18 +189,19 @@ class SpecPolicy:
         self.run = (label, self.run[1] + 1 if self.run[0] == label else 1)
         if label == PLAIN:
             self.plain_steps += steps
-            measured = measured and (self.plain or PLAIN_CHOICE in self.trees_at.get(rows, ()))  # what can be chosen
-        # A host drafter's calls are launched after the last outputs arrived (its verify calls never
-        # chain, and a plain call chains only on plain ones), so every call is timed from them: kept
-        # to calls after one of the same kind, its lone probes left its verify cost at what it was
-        # first seen (13-21 ms under bench/spec.py's engines warming up side by side, against 4.7
-        # alone: spec-ngram-new- at a859b2d and 8f16ebb, ngram_step-real-always-), and it decoded plainly.
+            if not (self.plain or PLAIN_CHOICE in self.trees_at.get(rows, ())):
+                return  # plain decoding is not a choice at this bucket: nothing reads its cost
+        # A host drafter's calls (launched after the last outputs arrived) are all timed from them:
+        # kept to calls after one of the same kind, its lone probes left its verify cost at what it
+        # was first seen (13-21 ms with bench/spec.py's engines warming up side by side, against 4.7
+        # alone: spec-ngram-new- at a859b2d and 8f16ebb), and it decoded plainly.
         if measured and last is not None and last[0] == rows and steps >= 1:
             self.timed(rows, label, 1e3 * (now - last[2]), steps)
+        elif launched is not None and steps >= 1:
+            self.timed(rows, label, 1e3 * (now - launched), steps)
 
     def forget_costs(self) -> None:
-        """Drop the step costs seen (the warm-up table stays): they were taken under a load that
-        is gone, such as other engines sharing the host (spec_policy_notes.md)."""
+        """Drop the step costs seen (the table stays): taken under a load now gone (spec_policy_notes.md)."""
         self.observed.clear()
         self.recent.clear()
         self.medians.clear()
@@ -291,8 +293,7 @@ class SpecPolicy:
         n = len(self.recent[(rows, label)]) if seen is not None else 0
         return (n * (seen or 0.0) + PRIOR_CALLS * table * self.scale) / (n + PRIOR_CALLS)
 
-    def knows_plain(self, rows: int) -> bool:
-        """Whether a plain step's cost at this bucket is known (seen, or in the table)."""
+    def knows_plain(self, rows: int) -> bool:  # a plain step's cost at this bucket (seen, or in the table)
         return (rows, PLAIN) in self.observed or self._table(rows, PLAIN) is not None
 
     def _table(self, rows, label):
@@ -348,8 +349,7 @@ class SpecPolicy:
             probe.mult = 1 if pick != probe.before else min(8, 2 * probe.mult)
             probe.start, probe.done = n + self.probe_every * probe.mult, probe.done + 1
         elif probe.start <= n < probe.start + PROBE_CALLS and len(ranked) > 1:
-            # the shapes within 25% of the best in turn (at least the runner-up): they could
-            # overtake it. PROBE_CALLS calls in a row: the costs are seen on chained calls only
+            # the shapes within 25% of the best in turn (at least the runner-up): they could overtake it
             if n == probe.start:
                 probe.before = pick
                 last = {t: self.verified_at.get((rows, t), -1) for t in ranked[1:]}

@@ -265,8 +265,8 @@ def test_outputs_are_plain_decodings_whichever_shape_each_call_takes(tiny):
         assert [c.token_ids for c in out] == plain, params[0].temperature
     assert sched.stats["verify_steps"] > 0 and sched.stats["decode_time"] > 0
     assert {t.label for t in sched.spec_policy.accepts} == {"1:1:2", "3:2:6"}
-    seen = sched.spec_policy.observed  # wall ms a step between consecutive calls of the whole batch
-    assert {k for _, k in seen} <= {"1:1:2", "3:2:6"} and seen and all(ms > 0 and n > 0 for ms, n in seen.values())
+    seen = sched.spec_policy.observed  # wall ms a step: from the last outputs (chained) or the launch
+    assert {k for _, k in seen} == {"1:1:2", "3:2:6", "plain"} and all(ms > 0 and n > 0 for ms, n in seen.values())
     assert sched.pool.in_use == 0 and sched.late_compiles == []
 
 
@@ -428,3 +428,23 @@ def test_plain_decoding_is_a_device_drafters_shape_where_its_heads_are_kept(monk
     for t in range(4):
         host.arrived(64, PLAIN, 0.016 * t, 8)
     assert host.cost(64, PLAIN) == 1.0
+
+
+def test_a_call_not_chained_is_timed_from_its_launch():
+    """A device drafter's call launched after the last outputs were read costs its steps from its
+    launch to its outputs, host work and round trip included; a chained call costs the interval
+    since the last outputs; plain steps where plain decoding is no choice are not timed."""
+    from jaxspec.spec_policy import PLAIN, PLAIN_CHOICE
+    costs = StepCosts({("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 2.0})
+    policy = SpecPolicy(costs, {8: [SMALL, PLAIN_CHOICE]})
+    policy.arrived(8, None, 0.0)  # a prefill: nothing to time from
+    policy.arrived(8, PLAIN, 0.050, 8, measured=False, launched=0.010)  # 40 ms over 8 steps
+    policy.arrived(8, PLAIN, 0.066, 8)  # chained: 16 ms over 8 steps
+    assert list(policy.recent[(8, PLAIN)]) == pytest.approx([5.0, 2.0])
+    policy.arrived(8, "1:1:2", 0.100, 4, measured=False, launched=0.080)
+    assert list(policy.recent[(8, "1:1:2")]) == pytest.approx([5.0])
+    policy.arrived(8, "1:1:2", 0.200, 4, measured=False)  # neither chained nor its launch known: not timed
+    assert len(policy.recent[(8, "1:1:2")]) == 1
+    other = SpecPolicy(costs, {8: [SMALL]})
+    other.arrived(8, PLAIN, 0.050, 8, measured=False, launched=0.010)
+    assert (8, PLAIN) not in other.recent and other.cost(8, PLAIN) == 1.0

@@ -58,7 +58,7 @@ class Dispatch:
         device drafter falls back: its head is left behind; where the auto policy chose plain
         decoding, with the heads kept in step: no draft is made, so their next verify call verifies
         each root alone)."""
-        t0 = time.perf_counter()
+        t0, launched = time.perf_counter(), self._launch_clock()
         rows = bucket(len(reqs), BATCH_BUCKETS)
         plain = self.device_drafter and not (self._keeps_heads_at(rows) and all(r.head_len is None for r in reqs))
         if plain:
@@ -79,13 +79,18 @@ class Dispatch:
         outputs = self._call("decode", plain, args, flags)
         f = InFlight("decode", reqs, outputs, dict(pt=args[1], stop_ids=args[4], num_steps=args[5],
                                                    pages=[len(r.pages) for r in reqs]),
-                     flags, steps=steps, plain=plain, host_s=time.perf_counter() - t0)
+                     flags, steps=steps, plain=plain, host_s=time.perf_counter() - t0, launched=launched)
         overlapped = overlap and self._may_overlap(f)
         self._host_work_while_device_runs(f, chained_next=overlapped)
         if overlapped:
             self.inflight = f  # read back in the next step, after the call that follows it is launched
         else:
             self._collect(f)
+
+    def _launch_clock(self):
+        """The policy's clock as a device drafter's call that is not chained begins: its wall time
+        from here to its outputs is its steps' cost (SpecPolicy.arrived)."""
+        return self.clock() if self.spec_policy is not None and self.device_drafter else None
 
     def _call(self, name, plain, args, flags):
         """Launch a decode or extend program (the target alone on its own cache when plain);
@@ -143,7 +148,7 @@ class Dispatch:
 
     def _run_verify(self, reqs, tree, nodes, rows, steps=1, overlap=True):
         """A verify call of `nodes`-node trees over reqs (a device drafter's programs draft `tree`)."""
-        t0 = time.perf_counter()
+        t0, launched = time.perf_counter(), self._launch_clock()
         n = bucket(nodes, TREE_BUCKETS)
         tokens = np.zeros((rows, n), np.int32)
         parents = np.full((rows, n), -1, np.int32)
@@ -166,6 +171,7 @@ class Dispatch:
         if not self.device_drafter and self.spec_policy is not None:
             f.match_keys = self._match_keys(reqs)
         if self.device_drafter:
+            f.launched = launched
             f.undrafted = frozenset(np.flatnonzero(num_nodes[:len(reqs)] == 1).tolist())
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0

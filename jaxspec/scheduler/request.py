@@ -69,6 +69,7 @@ class InFlight:
     steps: int = 1  # steps in the call
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
+    launched: float | None = None  # the policy's clock as a device drafter's unchained call began its launch
     match_keys: list | None = None  # a host drafter's: the match keys (spec_policy.match_key) its requests drafted at
     next_shape: tuple | None = None  # (tree, nodes) of the call chained on this one
     undrafted: frozenset = frozenset()  # rows whose first step verified the root alone (no draft: after plain decoding)

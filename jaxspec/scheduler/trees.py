@@ -135,16 +135,19 @@ class TreeSizing:
 
     def _arrived(self, f, now: float, steps: int = 1, prefill: bool = False) -> None:
         """Tell the policy that a call's outputs (`steps` steps) arrived at `now`: its step costs.
-        A device drafter's call measures its steps where it was chained on the last call (the
-        device busy from one to the next; a change of shape chains too): an unchained call also
-        paid the host's launch, and counting it would price the shapes that follow a prefill or a
-        change of batch above the others. A host drafter's calls never chain: the host's share is
-        part of every step's cost."""
+        A device drafter's call chained on the last (a change of shape chains too) measures its
+        steps from the last call's outputs (the device busy from one to the next); one not chained
+        from its launch, its host work and round trip included: they are a cost of that call's
+        steps, which a call that emits more tokens spreads thinner (served at concurrency 128, 14 of
+        257 calls chained, and the chained calls alone priced plain decoding as if it never paid
+        them: spec_policy_notes.md). A host drafter's calls never chain: each is timed from the
+        last outputs, the host's share part of every step's cost."""
         if self.spec_policy is None:
             return
         rows = f.outputs[0].shape[0]  # the program's bucket
         label = None if prefill else PLAIN_LABEL if f.kind == "decode" else self._policy_tree(f).label
-        self.spec_policy.arrived(rows, label, now, steps, f.chained or not self.device_drafter)
+        self.spec_policy.arrived(rows, label, now, steps, f.chained or not self.device_drafter,
+                                 None if f.chained else f.launched)
 
     def _match_keys(self, reqs) -> list:
         """Each request's match key (spec_policy.match_key of how many of its latest tokens the
