@@ -8,10 +8,16 @@ step by kind, batch bucket and tree) and keeps the table beside its programs in 
 a later start of the same engine on the same device reads it back rather than timing again. While
 serving, the policy adds the wall time steps were seen to take (`arrived`: a call chained on the
 last, of any shape, and any call of a host drafter, whose calls cannot chain, from the last outputs
-at the same bucket; a device drafter's call not chained from its launch; the host's share counts):
-the median of a shape's last RECENT_CALLS calls' ms a step (a few stalled calls must not price a
-shape), weighed against PRIOR_CALLS calls of the table's cost, scaled by the median of how the costs
-seen compare with the table's (the table runs steady calls with nothing else to do).
+at the same bucket; the host's share counts): the median of a shape's last RECENT_CALLS calls' ms a
+step (a few stalled calls must not price a shape), weighed against PRIOR_CALLS calls of the table's
+cost, scaled by the median of how the costs seen compare with the table's (the table runs steady
+calls with nothing else to do). A device drafter's call that is not chained (after an admission, a
+prefill, a change of batch) also pays its launch and read-back: what it took past its steps' cost
+is a bucket's launch cost, whatever the shape (counted against the shape it fell on, it priced the
+shape a closed batch holds above the others), and a shape's step costs its share of it: the
+bucket's fraction of calls not chained x the launch cost / the steps a call of its kind runs. A
+call that emits more tokens spreads the launch thinner (served at concurrency 128 most calls follow
+an admission and run one step: spec_policy_notes.md).
 
 Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took
 (sums halved past `kept` row-steps, so that they follow the requests), pooled over batch sizes
@@ -65,6 +71,7 @@ from typing import Hashable
 
 import numpy as np
 
+from jaxspec.spec_shapes import PLAIN, PLAIN_CHOICE, HostTree, contains, match_key, nested  # noqa: F401 (re-exported)
 from jaxspec.step_costs import StepCosts, time_call  # noqa: F401  (the policy's cost table, and how it is timed)
 
 EXPLORE_CALLS = 4  # calls each shape runs before any is preferred (one call's accept length is noise)
@@ -79,54 +86,7 @@ HOLD_CALLS = 8  # calls a bucket keeps a shape it moved to
 LEVEL_RATE = 0.5  # weight of a device drafter's call in the requests' level (0: plain averages)
 MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
-MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
-PLAIN = "plain"  # the label plain decoding's costs are kept under
-
-
-class _PlainChoice:
-    """Plain decoding as one of a device drafter's shapes (its heads kept in step)."""
-    label = PLAIN
-
-
-PLAIN_CHOICE = _PlainChoice()
-
-
-@dataclasses.dataclass(frozen=True)
-class HostTree:
-    """A host drafter's draft of up to `num_draft_tokens` nodes: its shape is the match's."""
-    num_draft_tokens: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.num_draft_tokens} nodes"
-
-
-def match_key(match_len: int) -> int:
-    """A host drafter's match length as a key: 0 (none), 1, 2 (2-3), 4 (4-7) or 8 (8 and more):
-    coarse, so that each mean gathers samples fast."""
-    return min(MAX_MATCH_KEY, 1 << (match_len.bit_length() - 1)) if match_len > 0 else 0
-
-
-_SHAPE = ("steps", "topk", "num_draft_tokens")
-
-
-def _is_tree(*shapes) -> bool:
-    """Whether each is an EAGLE-style tree shape (a HostTree has only a node count)."""
-    return all(hasattr(x, a) for x in shapes for a in _SHAPE)
-
-
-def _contains(tree, other) -> bool:
-    """Whether `tree` drafts everything `other` does (as deep, as wide, as many nodes)."""
-    return tree == other or _is_tree(tree, other) and all(getattr(other, a) <= getattr(tree, a) for a in _SHAPE)
-
-
-def _nested(big, small) -> bool:
-    """Whether `big` drafts every node `small` does and more: the same depth and branching (the
-    same candidates, of which each keeps its most probable), more nodes."""
-    return (_is_tree(big, small) and (big.steps, big.topk) == (small.steps, small.topk)
-            and big.num_draft_tokens > small.num_draft_tokens)
-
-
+CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not chained, and in its steps a call
 @dataclasses.dataclass
 class _Probes:
     """A bucket's probes: the next one's first call, the interval's multiplier, probes run, the shape before the last."""
@@ -173,6 +133,9 @@ class SpecPolicy:
         self.plain_steps = 0  # plain steps read back so far
         self._last = None  # (bucket, label, time) of the last outputs that arrived
         self.run = (None, 0)  # (label, how many in a row) of the latest calls' outputs
+        self.launch: dict = {}  # bucket -> the last calls' ms not chained took past their steps' cost
+        self.unchained: dict = {}  # bucket -> moving fraction of a device drafter's calls not chained
+        self.call_steps: dict = {}  # (bucket, plain or not) -> moving steps a call
 
     # -- what was seen ---------------------------------------------------------------------------------
     def arrived(self, rows: int, label: str | None, now: float, steps: int = 1, measured: bool = True,
@@ -195,16 +158,22 @@ class SpecPolicy:
         # kept to calls after one of the same kind, its lone probes left its verify cost at what it
         # was first seen (13-21 ms with bench/spec.py's engines warming up side by side, against 4.7
         # alone: spec-ngram-new- at a859b2d and 8f16ebb), and it decoded plainly.
+        if steps >= 1:
+            u, n = self.unchained.get(rows, 0.0), self.call_steps.get((rows, label == PLAIN), steps)
+            self.unchained[rows] = u + CALL_RATE * ((launched is not None and not measured) - u)
+            self.call_steps[(rows, label == PLAIN)] = n + CALL_RATE * (steps - n)
         if measured and last is not None and last[0] == rows and steps >= 1:
             self.timed(rows, label, 1e3 * (now - last[2]), steps)
-        elif launched is not None and steps >= 1:
-            self.timed(rows, label, 1e3 * (now - launched), steps)
+        elif not measured and launched is not None and steps >= 1 and (ms := self._step_cost(rows, label)):
+            launch = self.launch.setdefault(rows, collections.deque(maxlen=RECENT_CALLS))
+            launch.append(max(0.0, 1e3 * (now - launched) - steps * ms))
 
     def forget_costs(self) -> None:
         """Drop the step costs seen (the table stays): taken under a load now gone (spec_policy_notes.md)."""
         self.observed.clear()
         self.recent.clear()
         self.medians.clear()
+        self.launch.clear()
         self.scale = 1.0
         self._last = None
 
@@ -279,14 +248,21 @@ class SpecPolicy:
         if (tree, key) not in self.emitted:
             return None
         if key is None and tree in self.diffs and self.level_rate:  # a device drafter's: the level and the difference
-            drafts = math.exp(self.level + max(d / n for t, (d, n) in self.diffs.items() if _contains(tree, t)))
+            drafts = math.exp(self.level + max(d / n for t, (d, n) in self.diffs.items() if contains(tree, t)))
             return 1.0 + min(drafts, tree.steps)  # (a step accepts at most one draft a level)
-        e = max(e for (t, k), e in self.emitted.items() if k == key and _contains(tree, t))
+        e = max(e for (t, k), e in self.emitted.items() if k == key and contains(tree, t))
         return e + (min(self.totals[(tree, key)][1], 16) ** -0.5 if self.plain else 0.0)
 
     def cost(self, rows: int, label: str) -> float | None:
-        """ms a step of a tree (or PLAIN) at this bucket: the median seen, weighed against
-        PRIOR_CALLS calls of the table's cost scaled by self.scale; None where neither."""
+        """ms a step of a tree (or PLAIN) at this bucket, its share of the launch cost included."""
+        ms, launch = self._step_cost(rows, label), self.launch.get(rows)
+        if ms is None or not launch:
+            return ms
+        return ms + self.unchained[rows] * float(np.median(launch)) / self.call_steps.get((rows, label == PLAIN), 1.0)
+
+    def _step_cost(self, rows: int, label: str) -> float | None:
+        """ms a step: the median seen, weighed against PRIOR_CALLS calls of the table's cost
+        scaled by self.scale; None where neither."""
         table, seen = self._table(rows, label), self.medians.get((rows, label))
         if table is None:
             return seen
@@ -328,7 +304,7 @@ class SpecPolicy:
         """Among the trees alone (a device drafter), those no nested bigger one replaces: explore,
         then the fastest, held HOLD_CALLS calls, and rivals probed after probe_every calls or more."""
         ms = {t: self.cost(rows, t.label) for t in trees}  # once a call: each sums every cost seen
-        trees = [t for t in trees if not any(_nested(u, t) and ms[u] is not None and ms[t] is not None
+        trees = [t for t in trees if not any(nested(u, t) and ms[u] is not None and ms[t] is not None
                                              and ms[u] <= NESTED_COST * ms[t] for u in trees)] or trees
         pick = next((t for t in trees if self.seen[t] < self.explore and t is not PLAIN_CHOICE), None)  # learn each
         if pick is not None:

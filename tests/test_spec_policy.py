@@ -265,8 +265,8 @@ def test_outputs_are_plain_decodings_whichever_shape_each_call_takes(tiny):
         assert [c.token_ids for c in out] == plain, params[0].temperature
     assert sched.stats["verify_steps"] > 0 and sched.stats["decode_time"] > 0
     assert {t.label for t in sched.spec_policy.accepts} == {"1:1:2", "3:2:6"}
-    seen = sched.spec_policy.observed  # wall ms a step: from the last outputs (chained) or the launch
-    assert {k for _, k in seen} == {"1:1:2", "3:2:6", "plain"} and all(ms > 0 and n > 0 for ms, n in seen.values())
+    seen = sched.spec_policy.observed  # wall ms a step between consecutive calls of the whole batch
+    assert {k for _, k in seen} <= {"1:1:2", "3:2:6"} and seen and sched.spec_policy.launch and all(ms > 0 and n > 0 for ms, n in seen.values())
     assert sched.pool.in_use == 0 and sched.late_compiles == []
 
 
@@ -430,21 +430,27 @@ def test_plain_decoding_is_a_device_drafters_shape_where_its_heads_are_kept(monk
     assert host.cost(64, PLAIN) == 1.0
 
 
-def test_a_call_not_chained_is_timed_from_its_launch():
-    """A device drafter's call launched after the last outputs were read costs its steps from its
-    launch to its outputs, host work and round trip included; a chained call costs the interval
-    since the last outputs; plain steps where plain decoding is no choice are not timed."""
+def test_calls_not_chained_add_their_launch_cost_to_every_shapes_steps():
+    """A device drafter's call launched after the last outputs were read: what it took past its
+    steps' cost is the bucket's launch cost, not its shape's; each shape's step pays the fraction
+    of calls not chained x that cost / the steps a call of its kind runs; chained calls price the
+    steps; plain steps where plain decoding is no choice are not timed."""
     from jaxspec.spec_policy import PLAIN, PLAIN_CHOICE
     costs = StepCosts({("decode", 8, None): 1.0, ("verify", 8, "1:1:2"): 2.0})
     policy = SpecPolicy(costs, {8: [SMALL, PLAIN_CHOICE]})
     policy.arrived(8, None, 0.0)  # a prefill: nothing to time from
-    policy.arrived(8, PLAIN, 0.050, 8, measured=False, launched=0.010)  # 40 ms over 8 steps
-    policy.arrived(8, PLAIN, 0.066, 8)  # chained: 16 ms over 8 steps
-    assert list(policy.recent[(8, PLAIN)]) == pytest.approx([5.0, 2.0])
-    policy.arrived(8, "1:1:2", 0.100, 4, measured=False, launched=0.080)
-    assert list(policy.recent[(8, "1:1:2")]) == pytest.approx([5.0])
-    policy.arrived(8, "1:1:2", 0.200, 4, measured=False)  # neither chained nor its launch known: not timed
-    assert len(policy.recent[(8, "1:1:2")]) == 1
+    policy.arrived(8, "1:1:2", 0.018, 1, measured=False, launched=0.0)  # 18 ms: 2 for the step, 16 to launch
+    assert list(policy.launch[8]) == [pytest.approx(16.0)] and (8, "1:1:2") not in policy.recent
+    assert policy.unchained[8] == pytest.approx(spec_policy.CALL_RATE)
+    # every call so far was one step: the verify step pays 0.1 x 16 ms of launch
+    assert policy.cost(8, "1:1:2") == pytest.approx(2.0 + 1.6) and policy.cost(8, PLAIN) == pytest.approx(1.0 + 1.6)
+    policy.arrived(8, PLAIN, 0.034, 8)  # chained: 16 ms over 8 steps prices plain steps, and calls of 8
+    assert list(policy.recent[(8, PLAIN)]) == pytest.approx([2.0])
+    u = spec_policy.CALL_RATE * (1 - spec_policy.CALL_RATE)
+    assert policy.unchained[8] == pytest.approx(u)
+    assert policy.cost(8, PLAIN) == pytest.approx(policy._step_cost(8, PLAIN) + u * 16 / 8)
+    policy.arrived(8, "1:1:2", 0.1, 4, measured=False)  # neither chained nor its launch known: not timed
+    assert len(policy.launch[8]) == 1
     other = SpecPolicy(costs, {8: [SMALL]})
     other.arrived(8, PLAIN, 0.050, 8, measured=False, launched=0.010)
-    assert (8, PLAIN) not in other.recent and other.cost(8, PLAIN) == 1.0
+    assert 8 not in other.launch and other.cost(8, PLAIN) == 1.0

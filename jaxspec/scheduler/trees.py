@@ -137,11 +137,9 @@ class TreeSizing:
         """Tell the policy that a call's outputs (`steps` steps) arrived at `now`: its step costs.
         A device drafter's call chained on the last (a change of shape chains too) measures its
         steps from the last call's outputs (the device busy from one to the next); one not chained
-        from its launch, its host work and round trip included: they are a cost of that call's
-        steps, which a call that emits more tokens spreads thinner (served at concurrency 128, 14 of
-        257 calls chained, and the chained calls alone priced plain decoding as if it never paid
-        them: spec_policy_notes.md). A host drafter's calls never chain: each is timed from the
-        last outputs, the host's share part of every step's cost."""
+        measures from its launch the bucket's launch cost, which every shape's steps share
+        (SpecPolicy.cost). A host drafter's calls never chain: each is timed from the last
+        outputs, the host's share part of every step's cost."""
         if self.spec_policy is None:
             return
         rows = f.outputs[0].shape[0]  # the program's bucket
