@@ -325,7 +325,9 @@ def build_app(argv=None):
                     help="waiting requests beyond which new ones get 503 + Retry-After")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="new tokens a streamed chunk waits for (its first and last do not): fewer, larger chunks")
-    ap.add_argument("--scheduler-delay-factor", type=float, default=0.0,
+    # 2, not vLLM's 0: one prefill call takes several newcomers and fewer chained decode calls break,
+    # 1.01-1.31x plain's output tok/s at concurrency 32 and 128, for TTFT p50 up to 1.7x, p99 2.4x (serve-pool-*.json)
+    ap.add_argument("--scheduler-delay-factor", type=float, default=2.0,
                     help="vLLM's: a running batch admits waiting requests once the oldest has waited this many "
                          "times the last prefill's time, or they fill its free rows (0: at once)")
     ap.add_argument("--request-timeout", type=float, default=0,

@@ -144,8 +144,8 @@ def open_loop(url, chats, rate, max_tokens, seed=0):
 def algo_parts(algo):
     """(name, tree numbers, scheduler options) of a bench algorithm name: 'eagle3:6:4:24/auto/4096'
     is EAGLE-3 under the auto policy (the tree sizing the prefill's first draft) with a verify
-    budget of 4096 nodes a step (--speculative-max-verify-tokens); '/delay2' adds
-    --scheduler-delay-factor 2. 'default': server.py's own defaults (for SmolLM2 the shipped
+    budget of 4096 nodes a step (--speculative-max-verify-tokens); '/delay0' adds
+    --scheduler-delay-factor 0 (server.py's default is 2). 'default': server.py's own defaults (for SmolLM2 the shipped
     EAGLE-3 head under the auto policy), options after it too."""
     head, *opts = algo.split("/")
     kw = {}

@@ -80,8 +80,8 @@ def drafters() -> str:
 
 
 def policy() -> str:
-    """Fixed trees beside the auto policy's choice among shapes (a run a dataset)."""
-    return _side_by_side(("spec-stale-b1-64", "spec-stale-he-b1-64"), "speculation")
+    """Fixed trees beside the auto policy's choice among shapes (both datasets in one run)."""
+    return _side_by_side(("spec-launch-b1-64",), "speculation")
 
 
 def heads() -> str:
