@@ -24,6 +24,12 @@ def device_name() -> str:
     return getattr(d, "device_kind", d.platform).replace(" ", "-")
 
 
+def results_tag(t: str) -> str:
+    """A --tag: the results file name's suffix, its leading '-' added where left out ('pool' and
+    '-pool' both name serve-pool-*.json; without it the first wrote servepool-*.json)."""
+    return t if not t or t.startswith("-") else "-" + t
+
+
 def write_results(bench: str, rows: list, extra: dict | None = None) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     # the GPU machine gets a copy of the tree without .git: the caller passes the commit in JAXSPEC_COMMIT

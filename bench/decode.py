@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from common import (LLAMA3_8B, SMOLLM2, copy_bandwidth, device_kernels, param_bytes, print_table, random_model,
+from common import (LLAMA3_8B, SMOLLM2, copy_bandwidth, device_kernels, param_bytes, print_table, results_tag, random_model,
                     run_torch_anchor, write_results)
 from jaxspec.kv_cache import KVCache
 from jaxspec.models import ModelConfig
@@ -106,7 +106,7 @@ def main():
                          "pallas (XLA's layers around the attention kernels), fused (the fused layer kernels)")
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--tag", type=results_tag, default="", help="suffix of the results file name")
     args = ap.parse_args()
     anchor = [] if args.no_torch else run_torch_anchor(args.models, args.batches, args.context)
     bw = copy_bandwidth()

@@ -39,7 +39,7 @@ import httpx
 import numpy as np
 
 import server as srv
-from common import RESULTS, device_name, humaneval_prompts, mt_bench_prompts, print_table, write_results
+from common import RESULTS, device_name, humaneval_prompts, mt_bench_prompts, print_table, results_tag, write_results
 
 
 def stream_one(client, url, messages, max_tokens):
@@ -342,7 +342,7 @@ def main():
                     help="measure each load point this many times, the algorithms' servers up at once and taking "
                          "turns (ratios side by side); each server's KV pool then takes 0.8 / algorithms of the "
                          "memory free as it starts, unless --server-args sets --mem-fraction-static")
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--tag", type=results_tag, default="")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--in-process", action="store_true",
                     help="serve from a thread of this process, as before 0b426f6 (its GIL shared with the clients' "

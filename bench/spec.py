@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import humaneval_prompts, mt_bench_prompts, print_table, run_torch_anchor, write_results
+from common import humaneval_prompts, mt_bench_prompts, print_table, results_tag, run_torch_anchor, write_results
 from jaxspec import SamplingParams, SpecConfig
 from jaxspec.speculative import shipped_drafter
 from jaxspec.generator import Generator
@@ -158,7 +158,7 @@ def main():
                     "request, is short of HumanEval's second 64 prompts with their 128 new tokens; rows' `preemptions`)")
     ap.add_argument("--admission", default="waves",
                     help="waves, continuous or both (comma-separated; rows' `admission`): see run()")
-    ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--tag", type=results_tag, default="", help="suffix of the results file name")
     ap.add_argument("--torch-anchor", action="store_true",
                     help="also run bench/torch_anchor.py's plain step (context 256) and give vs_torch")
     ap.add_argument("--spec-max-verify-tokens", type=int, default=None,

@@ -112,7 +112,8 @@ def main():
     if args.child:
         algo, cache, started, mixed = args.child
         return child(args.model, algo, cache, float(started), mixed == "1", args.out)
-    from common import print_table, write_results
+    from common import print_table, results_tag, write_results
+    args.tag = results_tag(args.tag)
     rows = []
     for algo in args.algos.split(","):
         runs = [("cold", w) for w in args.workers.split(",") if "cold" in args.kinds]

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, print_table, random_model, write_results
+from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, print_table, results_tag, random_model, write_results
 from decode import decode_steps, paged_cache
 from jaxspec import sharding
 from jaxspec.models import ModelConfig
@@ -100,7 +100,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="also compare greedy outputs with TP 1's")
     ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
-    ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--tag", type=results_tag, default="", help="suffix of the results file name")
     args = ap.parse_args(argv)
     cfg = ModelConfig(**MODELS[args.model])
     tps, batches = [int(x) for x in args.tp.split(",")], [int(x) for x in args.batches.split(",")]

@@ -23,7 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_results  # noqa: E402
+from common import print_table, results_tag, write_results  # noqa: E402
 
 
 def parse_configs(text: str) -> dict:
@@ -94,7 +94,7 @@ def main():
     ap.add_argument("--configs", required=True, help="name=flags;name=flags")
     ap.add_argument("--minutes", type=float, default=7.0, help="each run's --max-minutes this call")
     ap.add_argument("--sequential", action="store_true", help="one run after another (for clean tokens/s)")
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--tag", type=results_tag, default="")
     args = ap.parse_args()
     configs = parse_configs(args.configs)
     common = shlex.split(args.common)

@@ -233,6 +233,8 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     assert config_from_flags(args).algorithm == "EAGLE3" and args.speculative_policy == "auto"
     assert bench.server_flags("default/delay2") == ["--scheduler-delay-factor", "2.0"]
     assert bench.server_flags("plain/delay0.5")[-2:] == ["--scheduler-delay-factor", "0.5"]
+    from common import results_tag  # --tag pool and --tag=-pool both name serve-pool-*.json
+    assert [results_tag(t) for t in ("pool", "-pool", "")] == ["-pool", "-pool", ""]
     chats = [[{"role": "user", "content": q}] for q in ("Say hi.", "Name a fruit.", "Count to three.", "Spell cat.")]
     one = bench.stream_one(httpx.Client(), url, chats[0], 8)
     assert 0 < one["ttft"] <= one["latency"] and 0 < one["tokens"] <= 8
