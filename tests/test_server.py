@@ -161,6 +161,19 @@ def test_bad_requests_get_4xx_and_server_stays_healthy(server):
     assert ok.choices[0].text
 
 
+def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(server):
+    """A connection idle past httpx's 5 s keep-alive expiry is still open: the server never closes
+    one a client may be sending on (server.KEEP_ALIVE_S)."""
+    import socket
+    from urllib.parse import urlparse
+    u = urlparse(server[0])
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        for wait in (0.0, 5.5):
+            time.sleep(wait)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), f"after {wait} s idle"
+
+
 def test_a_full_queue_answers_503_with_retry_after(server):
     url, app = server
     limit = app.state.max_queued_requests
