@@ -302,8 +302,9 @@ def server_state(url) -> dict:
 def growth(before: dict, after: dict) -> dict:
     """A load point's share of the server's counters: COUNTERS (compiles a request waited for and
     preemptions are stalls its latencies include); `scheduler`, its step counters and seconds;
-    `chosen`, the speculation policy's calls per batch bucket and shape, and `recent_ms`, the ms a
-    step it saw lately per bucket and shape (p50, p90, max); the KV pool's pages."""
+    `chosen`, the speculation policy's calls per batch bucket and shape, `recent_ms`, the ms a step
+    it saw lately per bucket and shape (p50, p90, max), and `launch`, what a call not chained adds per
+    bucket and the share of such calls; the KV pool's pages."""
     out = {k: after[k] - before[k] for k in COUNTERS}
     out["kv_pages_total"] = after["kv_pages_total"]  # (a pool too small for the load preempts)
     out["scheduler"] = {k: round(v - before["scheduler"].get(k, 0), 4) for k, v in after["scheduler"].items()}
@@ -312,6 +313,7 @@ def growth(before: dict, after: dict) -> dict:
         chosen = {r: {k: n - was.get(r, {}).get(k, 0) for k, n in d.items()} for r, d in after["spec_policy"]["chosen"].items()}
         out["chosen"] = {r: {k: n for k, n in d.items() if n} for r, d in chosen.items() if any(d.values())}
         out["recent_ms"] = after["spec_policy"]["recent_ms"]
+        out["launch"] = after["spec_policy"].get("launch", {})  # per bucket: ms a call not chained adds, their share
     return out
 
 

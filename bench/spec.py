@@ -111,7 +111,12 @@ def timed_run(gen, prompts, batch, max_tokens, admission):
                 passes=timed_pass + 1, verify_steps=st["verify_steps"] - s0["verify_steps"],
                 emitted=st["emitted"] - s0["emitted"], steps=st["steps"] - s0["steps"],
                 chained=st["chained_steps"] - s0["chained_steps"], switches=st["chained_switches"] - s0["chained_switches"],
-                host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0)
+                host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0,
+                phases={k: st[k] - s0[k] for k in PHASES})
+
+
+# the scheduler's host seconds per kind of call (launch and read-back, the wait included), and prompt tokens
+PHASES = ("prefill_time", "decode_time", "verify_time", "wait_time", "prefill_tokens")
 
 
 def map_prefix(path, size: int) -> str:
@@ -276,7 +281,8 @@ def main():
                                tokens_per_s=float(np.median(tps)), tokens_per_s_runs=tps, requests=len(ps),
                                tokens=runs[0]["tokens"], compiles_in_timed_run=sum(r["compiles"] for r in runs),
                                timed_passes=sum(r["passes"] for r in runs),
-                               preemptions=sum(r["preemptions"] for r in runs))
+                               preemptions=sum(r["preemptions"] for r in runs),
+                               phases={k: round(sum(r["phases"][k] for r in runs), 4) for k in PHASES})
                     if base is None:
                         base = (tps, [o.token_ids for o in outs], runs)
                     else:
@@ -301,6 +307,7 @@ def main():
                                        auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
                                        auto_observed_ms=summary["observed_ms"],
                                        auto_recent_ms=summary["recent_ms"],  # median, p90, max of the last calls
+                                       auto_launch=summary["launch"],  # calls not chained: their cost, their fraction
                                        step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
                                                                                               key=str)])
                         if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host

@@ -160,7 +160,7 @@ class SpecPolicy:
         # alone: spec-ngram-new- at a859b2d and 8f16ebb), and it decoded plainly.
         if steps >= 1:
             u, n = self.unchained.get(rows, 0.0), self.call_steps.get((rows, label == PLAIN), steps)
-            self.unchained[rows] = u + CALL_RATE * ((launched is not None and not measured) - u)
+            self.unchained[rows] = u + CALL_RATE * ((not measured) - u)  # (a host drafter's calls: all measured)
             self.call_steps[(rows, label == PLAIN)] = n + CALL_RATE * (steps - n)
         if measured and last is not None and last[0] == rows and steps >= 1:
             self.timed(rows, label, 1e3 * (now - last[2]), steps)
@@ -373,4 +373,6 @@ class SpecPolicy:
                     observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in self.observed.items()}),
                     recent_ms=by_bucket({k: [round(float(q), 3) for q in np.percentile(v, (50, 90, 100))]
                                          for k, v in self.recent.items()}),
+                    launch={str(r): dict(ms=round(float(np.median(v)), 3), unchained=round(self.unchained.get(r, 0.0), 3))
+                            for r, v in sorted(self.launch.items()) if v},
                     chosen=by_bucket(self.chosen))

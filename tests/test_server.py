@@ -279,10 +279,12 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     was = {"late_compiles": 0, "preemptions": 1, "verify_steps": 2, "kv_pages_total": 80, "scheduler": {"steps": 3},
            "spec_policy": {"chosen": {"8": {"3:1:4": 2}}, "recent_ms": {}}}
     now = {"late_compiles": 0, "preemptions": 1, "verify_steps": 7, "kv_pages_total": 80, "scheduler": {"steps": 9},
-           "spec_policy": {"chosen": {"8": {"3:1:4": 2, "plain": 3}, "16": {"6:4:24": 1}}, "recent_ms": {"8": {}}}}
+           "spec_policy": {"chosen": {"8": {"3:1:4": 2, "plain": 3}, "16": {"6:4:24": 1}}, "recent_ms": {"8": {}},
+                           "launch": {"8": {"ms": 2.5, "unchained": 0.4}}}}
     assert bench.growth(was, now) == {"late_compiles": 0, "preemptions": 0, "verify_steps": 5, "kv_pages_total": 80,
                                       "scheduler": {"steps": 6},
-                                      "chosen": {"8": {"plain": 3}, "16": {"6:4:24": 1}}, "recent_ms": {"8": {}}}
+                                      "chosen": {"8": {"plain": 3}, "16": {"6:4:24": 1}}, "recent_ms": {"8": {}},
+                                      "launch": {"8": {"ms": 2.5, "unchained": 0.4}}}
     assert wait_idle(url)
 
 

@@ -450,8 +450,10 @@ def test_calls_not_chained_add_their_launch_cost_to_every_shapes_steps():
     u = spec_policy.CALL_RATE * (1 - spec_policy.CALL_RATE)
     assert policy.unchained[8] == pytest.approx(u)
     assert policy.cost(8, PLAIN) == pytest.approx(policy._step_cost(8, PLAIN) + u * 16 / 8)
-    policy.arrived(8, "1:1:2", 0.1, 4, measured=False)  # neither chained nor its launch known: not timed
+    policy.arrived(8, "1:1:2", 0.1, 4, measured=False)  # not chained, its launch unknown: counted, not timed
     assert len(policy.launch[8]) == 1
+    u += spec_policy.CALL_RATE * (1 - u)
+    assert policy.summary()["launch"] == {"8": dict(ms=16.0, unchained=round(u, 3))}
     other = SpecPolicy(costs, {8: [SMALL]})
     other.arrived(8, PLAIN, 0.050, 8, measured=False, launched=0.010)
     assert 8 not in other.launch and other.cost(8, PLAIN) == 1.0
