@@ -38,7 +38,6 @@ from jaxspec.sampling import SamplingParams
 KEEP_ALIVE_S = 30
 
 
-
 class Mailbox:
     """The engine thread's token updates into the event loop. call_soon_threadsafe wakes the loop
     through a self-pipe write each time: at concurrency 32 that is a syscall per request per step.

@@ -87,6 +87,10 @@ def compiled_programs(gen) -> int:
     return sum(len(p.table) for p in gen.scheduler.program_groups) + (len(cuts.table) if cuts else 0)
 
 
+# the scheduler's host seconds per kind of call (launch and read-back, the wait included), and prompt tokens
+PHASES = ("prefill_time", "decode_time", "verify_time", "wait_time", "prefill_tokens")
+
+
 def timed_run(gen, prompts, batch, max_tokens, admission):
     """One timed pass. A compile inside it (drafts, hence shapes, can differ between passes) is a
     stall of seconds: the pass is repeated, at most twice, and the count reported."""
@@ -113,10 +117,6 @@ def timed_run(gen, prompts, batch, max_tokens, admission):
                 chained=st["chained_steps"] - s0["chained_steps"], switches=st["chained_switches"] - s0["chained_switches"],
                 host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0,
                 phases={k: st[k] - s0[k] for k in PHASES})
-
-
-# the scheduler's host seconds per kind of call (launch and read-back, the wait included), and prompt tokens
-PHASES = ("prefill_time", "decode_time", "verify_time", "wait_time", "prefill_tokens")
 
 
 def map_prefix(path, size: int) -> str:

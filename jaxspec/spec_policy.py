@@ -87,6 +87,8 @@ LEVEL_RATE = 0.5  # weight of a device drafter's call in the requests' level (0:
 MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
 CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not chained, and in its steps a call
+
+
 @dataclasses.dataclass
 class _Probes:
     """A bucket's probes: the next one's first call, the interval's multiplier, probes run, the shape before the last."""
@@ -134,6 +136,7 @@ class SpecPolicy:
         self._last = None  # (bucket, label, time) of the last outputs that arrived
         self.run = (None, 0)  # (label, how many in a row) of the latest calls' outputs
         self.launch: dict = {}  # bucket -> the last calls' ms not chained took past their steps' cost
+        self.launch_ms: dict = {}  # bucket -> the median of launch's
         self.unchained: dict = {}  # bucket -> moving fraction of a device drafter's calls not chained
         self.call_steps: dict = {}  # (bucket, plain or not) -> moving steps a call
 
@@ -158,15 +161,17 @@ class SpecPolicy:
         # kept to calls after one of the same kind, its lone probes left its verify cost at what it
         # was first seen (13-21 ms with bench/spec.py's engines warming up side by side, against 4.7
         # alone: spec-ngram-new- at a859b2d and 8f16ebb), and it decoded plainly.
-        if steps >= 1:
-            u, n = self.unchained.get(rows, 0.0), self.call_steps.get((rows, label == PLAIN), steps)
-            self.unchained[rows] = u + CALL_RATE * ((not measured) - u)  # (a host drafter's calls: all measured)
-            self.call_steps[(rows, label == PLAIN)] = n + CALL_RATE * (steps - n)
-        if measured and last is not None and last[0] == rows and steps >= 1:
+        if steps < 1:
+            return
+        u, n = self.unchained.get(rows, 0.0), self.call_steps.get((rows, label == PLAIN), steps)
+        self.unchained[rows] = u + CALL_RATE * ((not measured) - u)  # (a host drafter's calls: all measured)
+        self.call_steps[(rows, label == PLAIN)] = n + CALL_RATE * (steps - n)
+        if measured and last is not None and last[0] == rows:
             self.timed(rows, label, 1e3 * (now - last[2]), steps)
-        elif not measured and launched is not None and steps >= 1 and (ms := self._step_cost(rows, label)):
+        elif not measured and launched is not None and (ms := self._step_cost(rows, label)):
             launch = self.launch.setdefault(rows, collections.deque(maxlen=RECENT_CALLS))
             launch.append(max(0.0, 1e3 * (now - launched) - steps * ms))
+            self.launch_ms[rows] = float(np.median(launch))  # once a call, not at every cost()
 
     def forget_costs(self) -> None:
         """Drop the step costs seen (the table stays): taken under a load now gone (spec_policy_notes.md)."""
@@ -174,6 +179,7 @@ class SpecPolicy:
         self.recent.clear()
         self.medians.clear()
         self.launch.clear()
+        self.launch_ms.clear()
         self.scale = 1.0
         self._last = None
 
@@ -255,10 +261,10 @@ class SpecPolicy:
 
     def cost(self, rows: int, label: str) -> float | None:
         """ms a step of a tree (or PLAIN) at this bucket, its share of the launch cost included."""
-        ms, launch = self._step_cost(rows, label), self.launch.get(rows)
-        if ms is None or not launch:
+        ms, launch = self._step_cost(rows, label), self.launch_ms.get(rows)
+        if ms is None or launch is None:
             return ms
-        return ms + self.unchained[rows] * float(np.median(launch)) / self.call_steps.get((rows, label == PLAIN), 1.0)
+        return ms + self.unchained[rows] * launch / self.call_steps.get((rows, label == PLAIN), 1.0)
 
     def _step_cost(self, rows: int, label: str) -> float | None:
         """ms a step: the median seen, weighed against PRIOR_CALLS calls of the table's cost
@@ -373,6 +379,6 @@ class SpecPolicy:
                     observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in self.observed.items()}),
                     recent_ms=by_bucket({k: [round(float(q), 3) for q in np.percentile(v, (50, 90, 100))]
                                          for k, v in self.recent.items()}),
-                    launch={str(r): dict(ms=round(float(np.median(v)), 3), unchained=round(self.unchained.get(r, 0.0), 3))
-                            for r, v in sorted(self.launch.items()) if v},
+                    launch={str(r): dict(ms=round(ms, 3), unchained=round(self.unchained.get(r, 0.0), 3))
+                            for r, ms in sorted(self.launch_ms.items())},
                     chosen=by_bucket(self.chosen))

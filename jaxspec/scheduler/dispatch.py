@@ -170,8 +170,8 @@ class Dispatch:
                                 budget=budget, stop_ids=stop_ids, steps=steps)
         if not self.device_drafter and self.spec_policy is not None:
             f.match_keys = self._match_keys(reqs)
+        f.launched = launched  # (None but for a device drafter's call)
         if self.device_drafter:
-            f.launched = launched
             f.undrafted = frozenset(np.flatnonzero(num_nodes[:len(reqs)] == 1).tolist())
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0

@@ -144,8 +144,7 @@ class TreeSizing:
             return
         rows = f.outputs[0].shape[0]  # the program's bucket
         label = None if prefill else PLAIN_LABEL if f.kind == "decode" else self._policy_tree(f).label
-        self.spec_policy.arrived(rows, label, now, steps, f.chained or not self.device_drafter,
-                                 None if f.chained else f.launched)
+        self.spec_policy.arrived(rows, label, now, steps, f.chained or not self.device_drafter, f.launched)
 
     def _match_keys(self, reqs) -> list:
         """Each request's match key (spec_policy.match_key of how many of its latest tokens the
