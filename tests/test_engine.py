@@ -9,6 +9,7 @@ import pytest
 from jaxspec import Generator, SamplingParams
 from jaxspec.kv_cache import KVCache
 from jaxspec.paging import OutOfPages, PagePool
+from jaxspec.programs import STOP_ID_SLOTS
 from jaxspec.scheduler import Scheduler
 
 from conftest import SMOL_KW
@@ -214,6 +215,37 @@ def test_overlapped_steps_equal_synchronous(tiny):
     assert reqs[0].finish_reason == "abort" and 0 < len(reqs[0].output_ids) < 24
     sched.pool.check()
     assert sched.pool.in_use == 0
+
+
+def test_requests_ending_on_the_device_do_not_break_the_chain(tiny):
+    """A request that reaches max_tokens rides on as a padding row: the chain of calls goes on
+    until the batch drops to a smaller bucket (8 -> 4 here), where before every end broke it; a
+    stop string (seen by the host alone) still breaks it. Tokens match the synchronous scheduler."""
+    rng = np.random.default_rng(8)
+    prompts = [list(map(int, rng.integers(0, 62, n))) for n in (3, 9, 14, 6, 11, 5, 8, 4)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9, 12, 15, 30, 30, 30, 30)]
+    sync = make_gen(tiny, overlap=False).generate(prompts, params)
+    gen = make_gen(tiny, decode_steps=1)
+    over = gen.generate(prompts, params)
+    assert [c.token_ids for c in over] == [c.token_ids for c in sync]
+    stats = gen.scheduler.stats
+    assert stats["steps"] - stats["chained_steps"] == 2  # the first call, and the one at bucket 4
+    gen.scheduler.pool.check()
+    assert gen.scheduler.pool.in_use == 0
+    # a stop id past the STOP_ID_SLOTS the device checks: the host ends the request while its row
+    # still runs on the device (as a stop string does), and the chain stops there
+    seen = sync[4].token_ids[:12]
+    stop = max(seen[3:])
+    decoys = [t for t in range(stop) if t not in seen][:STOP_ID_SLOTS]
+    assert len(decoys) == STOP_ID_SLOTS
+    params[4] = SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=decoys + [stop])
+    sync = make_gen(tiny, overlap=False).generate(prompts, params)
+    before = stats["steps"] - stats["chained_steps"]
+    over = gen.generate(prompts, params)
+    assert [c.token_ids for c in over] == [c.token_ids for c in sync]
+    assert over[4].finish_reason == "stop" and len(over[4].token_ids) < 12
+    assert stats["steps"] - stats["chained_steps"] - before == 3  # the first call, after the stop, at bucket 4
+    assert gen.scheduler.pool.in_use == 0
 
 
 def test_multi_step_decode_equals_one_step_a_call(tiny):

@@ -33,10 +33,19 @@ class Dispatch:
         stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
         for i, r in enumerate(reqs):
             budget[i] = r.params.max_tokens - len(r.output_ids)
-            p = r.params
-            ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))[:STOP_ID_SLOTS]
+            ids = self._device_stop_ids(r.params)
             stop_ids[i, :len(ids)] = ids
         return budget, stop_ids
+
+    def _device_stop_ids(self, p) -> list:
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))[:STOP_ID_SLOTS]
+
+    def _ended_on_device(self, r) -> bool:
+        """Whether the device stopped this request's row too (or it runs on): its token budget
+        spent, or its last token one of the stop ids the call checks."""
+        return (not r.finished or r.finish_reason == "length"
+                or (r.finish_reason == "stop" and bool(r.output_ids)
+                    and r.output_ids[-1] in self._device_stop_ids(r.params)))
 
     def _run_prefill(self, reqs):
         """One chunk of prefill in the prefill shape that takes the most prompt tokens now (of
@@ -214,27 +223,36 @@ class Dispatch:
     def _reserve_chain(self, f: InFlight) -> bool:
         """Whether the step after f may be launched from f's device outputs; if so, pages for both
         steps' worst case are reserved here."""
-        if not self._may_overlap(f) or any(r.finished for r in f.reqs):
+        # A request that ended on the device (its budget spent, or a stop id) rides on as a padding
+        # row, which writes no K/V (its pages are already free): a request ending in every few calls
+        # would otherwise break the chain each time, and the unchained call that follows costs its
+        # launch and read-back (~5 ms at batch 32 on the H200, serve-head-NVIDIA-H200.json). One that
+        # ended on the host alone (a stop string, an abort) would keep writing: the chain stops.
+        live = [r for r in f.reqs if not r.finished]
+        if not self._may_overlap(f) or not live or not all(map(self._ended_on_device, f.reqs)):
             return False
-        if len(self.running) != len(f.reqs) or self._admission_due():
+        if len(self.running) != len(live) or self._admission_due():
             return False  # the batch changes: admissions, prefill chunks, preemptions
+        if bucket(len(live), BATCH_BUCKETS) != bucket(len(f.reqs), BATCH_BUCKETS):
+            return False  # the batch shrinks to a smaller bucket's programs
         shape = (f.tree, f.nodes) if f.kind == "verify" else PLAIN
         if not f.plain:  # (a plain step chains while the batch decodes plainly)
-            choice = self._choice_for(f.reqs)
+            choice = self._choice_for(live)
             self._decided = (bucket(len(f.reqs), BATCH_BUCKETS), choice)  # step() takes it: one decision a call
             # another tree shape (a probe, a move) chains on this call's drafts, cut on the device;
             # from or to plain decoding (the head left behind, or trees fit again) it does not
             if choice != shape and not (f.kind == "verify" and choice != PLAIN and self.cuts is not None):
                 return False
             shape = choice
-        if f.steps != (self._decode_steps_now(f.reqs) if f.kind == "decode" else self._verify_steps_now(f.reqs)):
+        if f.steps != (self._decode_steps_now(live) if f.kind == "decode" else self._verify_steps_now(live)):
             return False
         # A request may reach max_tokens (or a stop) in call t: call t + 1 then holds its row as
         # padding (its token budget, counted on the device, is spent) and, where no row is left,
         # ends at once (programs.steps_while_alive). Pages for both calls' worst case, every step
         # accepting all it may (capped at a row's page-table width: the budget bounds its writes):
         span = (lambda tree, nodes: f.steps if f.kind == "decode" else self._span(tree, nodes, f.steps))
-        need = [self._pages_needed(r, span(f.tree, f.nodes) + span(*shape) - 1) - len(r.pages) for r in f.reqs]
+        need = [0 if r.finished else self._pages_needed(r, span(f.tree, f.nodes) + span(*shape) - 1) - len(r.pages)
+                for r in f.reqs]
         if sum(max(0, x) for x in need) > self.pool.available:
             return False
         for r, x in zip(f.reqs, need):
