@@ -41,8 +41,8 @@ class Dispatch:
         return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))[:STOP_ID_SLOTS]
 
     def _ended_on_device(self, r) -> bool:
-        """Whether the device stopped this request's row too (or it runs on): its token budget
-        spent, or its last token one of the stop ids the call checks."""
+        """Whether a request that ended has its row stopped on the device too (its token budget
+        spent, or its last token one of the stop ids the call checks); True while it runs."""
         return (not r.finished or r.finish_reason == "length"
                 or (r.finish_reason == "stop" and bool(r.output_ids)
                     and r.output_ids[-1] in self._device_stop_ids(r.params)))
