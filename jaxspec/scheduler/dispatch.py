@@ -233,12 +233,13 @@ class Dispatch:
             return False
         if len(self.running) != len(live) or self._admission_due():
             return False  # the batch changes: admissions, prefill chunks, preemptions
-        if bucket(len(live), BATCH_BUCKETS) != bucket(len(f.reqs), BATCH_BUCKETS):
+        rows = bucket(len(f.reqs), BATCH_BUCKETS)
+        if bucket(len(live), BATCH_BUCKETS) != rows:
             return False  # the batch shrinks to a smaller bucket's programs
         shape = (f.tree, f.nodes) if f.kind == "verify" else PLAIN
         if not f.plain:  # (a plain step chains while the batch decodes plainly)
             choice = self._choice_for(live)
-            self._decided = (bucket(len(f.reqs), BATCH_BUCKETS), choice)  # step() takes it: one decision a call
+            self._decided = (rows, choice)  # step() takes it: one decision a call
             # another tree shape (a probe, a move) chains on this call's drafts, cut on the device;
             # from or to plain decoding (the head left behind, or trees fit again) it does not
             if choice != shape and not (f.kind == "verify" and choice != PLAIN and self.cuts is not None):
