@@ -293,6 +293,33 @@ def test_multi_step_decode_equals_one_step_a_call(tiny):
     assert small.scheduler.stats["preemptions"] > 0 and small.scheduler.pool.in_use == 0
 
 
+def test_a_run_of_tokens_ends_where_emitting_them_one_by_one_ends(tiny):
+    """A verify step's accepted run is emitted at once: it must end at the token, and for the
+    reason, that emitting its tokens one at a time gives (a stop id or EOS before max_tokens,
+    max_tokens before a later stop id, EOS ignored when asked), and call on_update once."""
+    sched = make_gen(tiny).scheduler
+    cases = [(dict(max_tokens=4), [5, 6, 7, 8, 9]),  # length inside the run
+             (dict(max_tokens=4, stop_token_ids=[9]), [5, 6, 7, 8, 9]),  # length before the stop id
+             (dict(max_tokens=4, stop_token_ids=[8]), [5, 6, 7, 8, 9]),  # the stop id on the last token allowed
+             (dict(max_tokens=9, stop_token_ids=[6, 7]), [5, 7, 6, 8]),
+             (dict(max_tokens=9), [5, 63, 6]),  # EOS
+             (dict(max_tokens=9, ignore_eos=True), [5, 63, 6]),
+             (dict(max_tokens=9), [5, 6])]
+    for kw, run in cases:
+        one, whole = (sched.add([1, 2], SamplingParams(**kw)) for _ in range(2))
+        for t in run:
+            if not one.finished:
+                sched._emit(one, [t], None, None)
+        updates = []
+        whole.on_update = lambda r, new: updates.append(list(new))
+        sched._emit(whole, list(run), None, None)
+        assert (whole.output_ids, whole.finish_reason) == (one.output_ids, one.finish_reason), kw
+        assert updates[0] == whole.output_ids, kw
+    ends = [(r.output_ids, r.finish_reason) for r in sched.waiting[-2:]]
+    assert ends[0] == ([5, 6], None)
+    assert [r.finish_reason for r in sched.waiting[::2]] == ["length", "length", "stop", "stop", "stop", None, None]
+
+
 def test_a_newcomer_decodes_in_the_step_that_prefills_it(tiny):
     """A request admitted while others decode joins the batch's decode call in the step of its
     (one-chunk) prefill, not a step later beside a one-step call; its tokens are its own alone."""

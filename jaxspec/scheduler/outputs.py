@@ -55,28 +55,54 @@ class Outputs:
         if toks.ndim == 2:  # verify_tree: one step; as verify_steps' [B, steps, N]
             toks, count = toks[:, None], count[:, None]
             lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
+        steps = count.shape[1]
+        counts, rows = count.tolist(), (toks.tolist() if lp is None and top_i is None else None)
         if self.spec_policy is not None:
             # a root verified alone tells nothing of the shape: its step emits one token whatever it is
-            live = [(i, c) for i, r in enumerate(f.reqs) if not r.finished
-                    for s, c in enumerate(count[i]) if c and not (s == 0 and i in f.undrafted)]
+            live = [(i, c) for i, (r, cs) in enumerate(zip(f.reqs, counts)) if not r.finished
+                    for s, c in enumerate(cs) if c and not (s == 0 and i in f.undrafted)]
             keys = None if f.match_keys is None else [f.match_keys[i] for i, _ in live]
-            self.spec_policy.verified(self._policy_tree(f), [int(c) for _, c in live], keys, count.shape[0])
+            self.spec_policy.verified(self._policy_tree(f), [c for _, c in live], keys, count.shape[0])
             self._arrived(f, arrived, int((count > 0).sum(axis=1).max(initial=0)))
         for i, r in enumerate(f.reqs):
             if shared is not None and not r.finished:
                 r.draft = DraftRow(shared, i)
-            for s in range(count.shape[1]):
-                c = int(count[i, s])
-                if r.finished or c == 0:
+            cs = counts[i]
+            k = cs.index(0) if 0 in cs else steps
+            if r.finished or k == 0:
+                continue
+            if rows is not None:  # the row's steps' tokens at once
+                n0 = len(r.output_ids)
+                r.kv_len += sum(cs[:k])  # (before a stop among them releases the pages: a page is cached by its tokens)
+                self._emit(r, [t for s, c in zip(rows[i][:k], cs) for t in s[:c]], None, None)
+                self._accepted(r, cs[:self._steps_covering(cs, len(r.output_ids) - n0, k)])
+                continue
+            for s in range(k):
+                if r.finished:
                     break
+                c = cs[s]
                 r.kv_len += c
-                r.accept_lengths.append(c)
-                self.stats["verified_rows"] += 1
-                self.stats["accepted"] += c
+                self._accepted(r, [c])
                 self._emit(r, toks[i, s, :c].tolist(), None if lp is None else lp[i, s, :c].tolist(),
                            None if top_i is None else [(top_v[i, s, j], top_i[i, s, j]) for j in range(c)])
         self.stats["verify_steps"] += 1
         self.stats["verify_time"] += f.host_s + time.perf_counter() - t0
+
+    @staticmethod
+    def _steps_covering(counts, emitted, k):
+        """How many of a row's first k steps its `emitted` tokens came from (a stop ends it inside one)."""
+        total = 0
+        for s, c in enumerate(counts[:k]):
+            total += c
+            if total >= emitted:
+                return s + 1
+        return k
+
+    def _accepted(self, req, counts):
+        """A row's verify steps' accept lengths."""
+        req.accept_lengths.extend(counts)
+        self.stats["verified_rows"] += len(counts)
+        self.stats["accepted"] += sum(counts)
 
     def mean_accept_length(self) -> float:
         """Tokens a request emits per verify step, over every request's steps so far (0 before any):
@@ -84,10 +110,28 @@ class Outputs:
         return self.stats["accepted"] / max(self.stats["verified_rows"], 1)
 
     def _emit(self, req, toks, lps, tops):
-        """Append tokens one by one; the first stop condition met ends the request there."""
+        """Append tokens; the first stop condition met ends the request there. Without logprobs or
+        stop strings there is nothing to do token by token: the stop ids are looked for at once."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         p = req.params
+        if p.logprobs is None and not p.stop:
+            stops = req.stop_ids
+            if stops is None:
+                stops = req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
+            room = p.max_tokens - len(req.output_ids)
+            new, reason = (toks, None) if len(toks) < room else (toks[:room], "length")
+            if not stops.isdisjoint(new):
+                n = next(j for j, t in enumerate(new) if t in stops) + 1
+                new, reason = new[:n], "stop"
+            n = len(new)
+            req.output_ids.extend(new)
+            self.stats["emitted"] += n
+            if req.on_update:
+                req.on_update(req, new)
+            if reason:
+                self._finish(req, reason)
+            return
         new = []
         for j, tok in enumerate(toks):
             req.output_ids.append(tok)

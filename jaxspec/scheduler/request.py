@@ -34,6 +34,7 @@ class Request:
     aborted: bool = False
     draft: tuple | None = None  # (tokens, parents) drafted on device for the next step (EAGLE)
     head_len: int | None = None  # EAGLE: the head's cache stops here (decoded plainly since)
+    stop_ids: frozenset | None = None  # the token ids that end it (its stop_token_ids, EOS unless ignored)
 
     @property
     def tokens(self):
