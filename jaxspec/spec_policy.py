@@ -67,6 +67,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from statistics import median  # (numpy's costs 30 us on a few dozen floats, called every call)
 from typing import Hashable
 
 import numpy as np
@@ -171,7 +172,7 @@ class SpecPolicy:
         elif not measured and launched is not None and (ms := self._step_cost(rows, label)):
             launch = self.launch.setdefault(rows, collections.deque(maxlen=RECENT_CALLS))
             launch.append(max(0.0, 1e3 * (now - launched) - steps * ms))
-            self.launch_ms[rows] = float(np.median(launch))  # once a call, not at every cost()
+            self.launch_ms[rows] = median(launch)  # once a call, not at every cost()
 
     def forget_costs(self) -> None:
         """Drop the step costs seen (the table stays): taken under a load now gone (spec_policy_notes.md)."""
@@ -187,9 +188,9 @@ class SpecPolicy:
         """Calls of a tree (or PLAIN) at this bucket took `ms` over `steps` steps."""
         recent = self.recent.setdefault((rows, label), collections.deque(maxlen=RECENT_CALLS))
         recent.append(ms / steps)
-        self.medians[(rows, label)] = float(np.median(recent))
+        self.medians[(rows, label)] = median(recent)
         ratios = [m / t for (r, k), m in self.medians.items() if (t := self._table(r, k))]
-        self.scale = float(np.median(ratios)) if ratios else 1.0
+        self.scale = median(ratios) if ratios else 1.0
         seen = self.observed.setdefault((rows, label), [0.0, 0])
         seen[0] += ms
         seen[1] += steps
