@@ -27,12 +27,13 @@ class Outputs:
         if f.kind == "decode":
             toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
                                                             *f.outputs[3:5]))
+            counts, rows = count.tolist(), toks.tolist()
             for i, r in enumerate(f.reqs):
                 if r.finished:
                     continue
-                c = int(count[i])
+                c = counts[i]
                 r.kv_len += c
-                self._emit(r, toks[i, :c].tolist(), None if lp is None else lp[i, :c].tolist(),
+                self._emit(r, rows[i][:c], None if lp is None else lp[i, :c].tolist(),
                            None if top_i is None else [(top_v[i, j], top_i[i, j]) for j in range(c)])
             self._arrived(f, arrived, int(count.max(initial=0)))
             self.stats["decode_time"] += f.host_s + time.perf_counter() - t0
