@@ -252,8 +252,8 @@ class Dispatch:
         # ends at once (programs.steps_while_alive). Pages for both calls' worst case, every step
         # accepting all it may (capped at a row's page-table width: the budget bounds its writes):
         span = (lambda tree, nodes: f.steps if f.kind == "decode" else self._span(tree, nodes, f.steps))
-        need = [0 if r.finished else self._pages_needed(r, span(f.tree, f.nodes) + span(*shape) - 1) - len(r.pages)
-                for r in f.reqs]
+        extra = span(f.tree, f.nodes) + span(*shape) - 1
+        need = [0 if r.finished else self._pages_needed(r, extra) - len(r.pages) for r in f.reqs]
         if sum(max(0, x) for x in need) > self.pool.available:
             return False
         for r, x in zip(f.reqs, need):
