@@ -33,19 +33,20 @@ class Dispatch:
         stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
         for i, r in enumerate(reqs):
             budget[i] = r.params.max_tokens - len(r.output_ids)
-            ids = self._device_stop_ids(r.params)
+            ids = self._device_stop_ids(r)
             stop_ids[i, :len(ids)] = ids
         return budget, stop_ids
 
-    def _device_stop_ids(self, p) -> list:
-        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))[:STOP_ID_SLOTS]
+    def _device_stop_ids(self, r) -> list:
+        """The stop ids a call checks on the device for this request (the first STOP_ID_SLOTS)."""
+        return sorted(self._stop_ids(r))[:STOP_ID_SLOTS]
 
     def _ended_on_device(self, r) -> bool:
         """Whether a request that ended has its row stopped on the device too (its token budget
         spent, or its last token one of the stop ids the call checks); True while it runs."""
         return (not r.finished or r.finish_reason == "length"
                 or (r.finish_reason == "stop" and bool(r.output_ids)
-                    and r.output_ids[-1] in self._device_stop_ids(r.params)))
+                    and r.output_ids[-1] in self._device_stop_ids(r)))
 
     def _run_prefill(self, reqs):
         """One chunk of prefill in the prefill shape that takes the most prompt tokens now (of

@@ -56,7 +56,6 @@ class Outputs:
         if toks.ndim == 2:  # verify_tree: one step; as verify_steps' [B, steps, N]
             toks, count = toks[:, None], count[:, None]
             lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
-        steps = count.shape[1]
         counts, rows = count.tolist(), (toks.tolist() if lp is None and top_i is None else None)
         if self.spec_policy is not None:
             # a root verified alone tells nothing of the shape: its step emits one token whatever it is
@@ -69,7 +68,7 @@ class Outputs:
             if shared is not None and not r.finished:
                 r.draft = DraftRow(shared, i)
             cs = counts[i]
-            k = cs.index(0) if 0 in cs else steps
+            k = cs.index(0) if 0 in cs else len(cs)
             if r.finished or k == 0:
                 continue
             if rows is not None:  # the row's steps' tokens at once
@@ -116,18 +115,14 @@ class Outputs:
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         p = req.params
+        stops = self._stop_ids(req)
         if p.logprobs is None and not p.stop:
-            stops = req.stop_ids
-            if stops is None:
-                stops = req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
             room = p.max_tokens - len(req.output_ids)
             new, reason = (toks, None) if len(toks) < room else (toks[:room], "length")
             if not stops.isdisjoint(new):
-                n = next(j for j, t in enumerate(new) if t in stops) + 1
-                new, reason = new[:n], "stop"
-            n = len(new)
+                new, reason = new[:next(j for j, t in enumerate(new) if t in stops) + 1], "stop"
             req.output_ids.extend(new)
-            self.stats["emitted"] += n
+            self.stats["emitted"] += len(new)
             if req.on_update:
                 req.on_update(req, new)
             if reason:
@@ -144,7 +139,7 @@ class Outputs:
                     req.top_logprobs.append({int(a): float(b) for a, b in zip(ids[:p.logprobs], v[:p.logprobs])})
             self.stats["emitted"] += 1
             reason = None
-            if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+            if tok in stops:
                 reason = "stop"
             elif p.stop and self._hits_stop_string(req):
                 reason = "stop"
@@ -157,6 +152,13 @@ class Outputs:
                 return
         if req.on_update:
             req.on_update(req, new)
+
+    def _stop_ids(self, req) -> frozenset:
+        """The token ids that end a request: its stop_token_ids, and EOS unless it ignores EOS."""
+        if req.stop_ids is None:
+            p = req.params
+            req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_ids))
+        return req.stop_ids
 
     def _hits_stop_string(self, req):
         """Whether the text the last token completed ends a stop string: only that text and the
