@@ -67,7 +67,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from statistics import median  # (numpy's costs 30 us on a few dozen floats, called every call)
+from statistics import median  # (numpy's has a fixed overhead many times a few dozen floats' sort; this runs every call)
 from typing import Hashable
 
 import numpy as np
