@@ -74,7 +74,7 @@ def summarize(results, wall):
     tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1] or [0.0]
     tokens = sum(r["tokens"] for r in results)
     pct = lambda xs, q: float(np.percentile(xs, q))
-    return dict(requests=len(results), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+    return dict(requests=len(results), tokens=tokens, wall_s=wall, output_tokens_per_s=tokens / wall,
                 requests_per_s=len(results) / wall, ttft_p50_s=pct(ttft, 50), ttft_p99_s=pct(ttft, 99),
                 itl_p50_s=pct(itl, 50), itl_p99_s=pct(itl, 99), itl_token_p50_s=pct(itl_token, 50),
                 itl_token_p99_s=pct(itl_token, 99), tpot_p50_s=pct(tpot, 50), tpot_p99_s=pct(tpot, 99),
@@ -186,7 +186,7 @@ def plot(rows, path):
         for (algo, ds) in dict.fromkeys((r["algorithm"], r["dataset"]) for r in rows):
             pts = [r for r in rows if (r["algorithm"], r["dataset"], r["load"]) == (algo, ds, load)]
             if pts:
-                ax.plot([1e3 * r[lat] for r in pts], [r["tokens_per_s"] for r in pts], "o-", label=f"{algo} {ds}")
+                ax.plot([1e3 * r[lat] for r in pts], [r["output_tokens_per_s"] for r in pts], "o-", label=f"{algo} {ds}")
         ax.set_xlabel(f"{lat[:-6].upper()} p50 (ms)")
         ax.set_ylabel("output tokens/s")
         ax.set_title("closed loop (concurrency sweep)" if load == "closed" else "open loop (Poisson rates)")
@@ -274,7 +274,7 @@ def run(serve, algos, datasets, concurrency, rates, max_tokens, requests, client
         rows.append(dict(algorithm=algo, dataset=ds, load=kind, client_procs=client_procs,
                          **({"concurrency": p} if kind == "closed" else {"rate": p}),
                          **({"round": rnd} if rounds > 1 else {}), **row, **growth(before, after)))
-        print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "tokens_per_s",
+        print_table(rows[-1:], ["algorithm", "dataset", "load", "concurrency", "rate", "output_tokens_per_s",
                                 "ttft_p50_s", "itl_p50_s", "itl_token_p50_s", "tpot_p50_s"])
 
     # one server at a time, or (rounds > 1) all of them at once, taking turns
@@ -386,7 +386,7 @@ def main():
     rows = run(serve, args.algos.split(","), datasets, conc, rates, args.max_tokens, args.requests, args.client_procs,
                served=lambda rows: write_results("serve" + args.tag, rows, meta), rounds=args.rounds)
     print()
-    print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "round", "tokens_per_s", "requests_per_s",
+    print_table(rows, ["algorithm", "dataset", "load", "concurrency", "rate", "round", "output_tokens_per_s", "requests_per_s",
                        "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_token_p50_s", "itl_token_p99_s", "tpot_p50_s"])
     print()
     print_table(vs_plain(rows), ["algorithm", "dataset", "load", "concurrency", "rate", "round", "vs_plain",
@@ -401,7 +401,8 @@ def vs_plain(rows) -> list:
     (of this run: ratios are taken side by side)."""
     point = lambda r: (r["dataset"], r["load"], r.get("concurrency"), r.get("rate"), r.get("round"))
     plain = {point(r): r for r in rows if r["algorithm"] == "plain"}
-    return [dict(r, vs_plain=r["tokens_per_s"] / p["tokens_per_s"], ttft_p50_vs_plain=r["ttft_p50_s"] / p["ttft_p50_s"])
+    return [dict(r, vs_plain=r["output_tokens_per_s"] / p["output_tokens_per_s"],
+                 ttft_p50_vs_plain=r["ttft_p50_s"] / p["ttft_p50_s"])
             for r in rows if r["algorithm"] != "plain" and (p := plain.get(point(r)))]
 
 

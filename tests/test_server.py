@@ -255,7 +255,7 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     assert len(one["itl_token"]) >= len(one["itl"]) and sum(one["itl_token"]) == pytest.approx(sum(one["itl"]))
     for row in (bench.closed_loop(url, chats, 2, 8), bench.open_loop(url, chats, 50.0, 8)):
         assert row["requests"] == 4 and 4 <= row["tokens"] <= 32
-        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
+        assert row["output_tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
         assert row["ttft_p50_s"] <= row["latency_p50_s"] <= row["wall_s"]
         assert 0 < row["tpot_p50_s"] <= row["latency_p50_s"]
     # a run's rows carry the growth of the server's counters over the timed load (its warm-up left out)
@@ -271,8 +271,8 @@ def test_stream_usage_and_the_load_bench_measure_what_the_server_sends(server):
     assert up == ["x", "y"] and [(r["algorithm"], r["round"]) for r in turns] == [("x", 0), ("y", 0), ("x", 1), ("y", 1)]
     ratios = bench.vs_plain([dict(r, algorithm="plain" if r["algorithm"] == "x" else r["algorithm"]) for r in turns])
     assert [r["round"] for r in ratios] == [0, 1]
-    assert [r["vs_plain"] for r in ratios] == [turns[1]["tokens_per_s"] / turns[0]["tokens_per_s"],
-                                               turns[3]["tokens_per_s"] / turns[2]["tokens_per_s"]]
+    assert [r["vs_plain"] for r in ratios] == [turns[1]["output_tokens_per_s"] / turns[0]["output_tokens_per_s"],
+                                               turns[3]["output_tokens_per_s"] / turns[2]["output_tokens_per_s"]]
     info = httpx.get(url + "/server_info").json()
     assert info["model"] == "smollm2-135m" and info["spec_policy"] is None
     assert info["scheduler"]["steps"] >= rows[0]["scheduler"]["steps"] and info["kv_pages_total"] > 0
