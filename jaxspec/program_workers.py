@@ -74,8 +74,8 @@ def _build(recipes, job):
             model, drafter = nnx.merge(graphs[0], abstract), None
         else:
             model = nnx.merge(graphs[0], abstract[0])
-            cls, tree = drafter_of
-            drafter = cls(nnx.merge(graphs[1], abstract[1]), tree)
+            cls, tree, policy_shapes = drafter_of
+            drafter = cls(nnx.merge(graphs[1], abstract[1]), tree).with_policy_shapes(policy_shapes)
         groups.append(Programs(model, attn_impl=attn_impl, drafter=drafter, store=store))
     for i, g in enumerate(groups):
         g.build([spec[1:] for spec in job if spec[0] == i])

@@ -107,8 +107,9 @@ class Programs:
         head = getattr(drafter, "head", None)
         self.tree = getattr(drafter, "tree", None)  # the tree a device drafter's programs draft
         # what the programs' code depends on beyond their argument shapes (an exported entry's name)
+        cuts = drafter.cut_shapes() if head is not None else ()  # (verify_steps counts them: another program)
         self.config_key = (repr(model.cfg), repr(getattr(head, "cfg", None)), repr(getattr(drafter, "tree", None)),
-                           attn_impl)
+                           attn_impl) + ((repr(cuts),) if cuts else ())
         if head is None:
             graphdef, state = nnx.split(model)
             fns = {"extend": functools.partial(_extend, graphdef, attn_impl),
@@ -124,7 +125,7 @@ class Programs:
             self.carried = _CARRIED_DEVICE_DRAFTER
         # what a worker process needs to build these programs (program_workers.py): no weights
         self._recipe = (graphs, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state),
-                        None if head is None else (type(drafter), drafter.tree), attn_impl)
+                        None if head is None else (type(drafter), drafter.tree, drafter.policy_shapes), attn_impl)
         # the weights as a flat list: flattening the module state's tree on every call cost the
         # host ~0.4 ms a call (SmolLM2, H100: host_probe-*.json, before_flat_weights)
         self.state, treedef = jax.tree.flatten(state)

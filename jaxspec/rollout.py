@@ -191,7 +191,7 @@ def _learned_loop(graphs, target, params, drafter_params, prompts, lengths, sb, 
     def body(c):
         cache, tokens, parents, kv, sb, carry, stopped, steps = c
         nodes = jnp.where(carry[3], 0, n)
-        out, count, lp, _, _, _, (tokens, parents, kv, sb), cache = fns["verify"](
+        out, count, lp, _, _, _, (tokens, parents, kv, sb), _, cache = fns["verify"](
             state, cache, tokens, parents, page_table, kv, nodes, sb, flags=flags)
         steps = steps + (nodes > 0)
         carry, stop_now, _ = _emit(carry, out, lp, count, stop_ids, max_new)

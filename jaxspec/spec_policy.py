@@ -35,7 +35,8 @@ difference: a shape accepts a multiple of what another does, whatever the reques
 averages for a shape is each call's log less the level at that call (a moving average, LEVEL_RATE
 a call, of every call's log less its shape's difference). Plain averages (level_rate 0) compare
 shapes on whatever requests each met: at batch 1 the held shape's average is of this request while
-a probed one's is of earlier ones.
+a probed one's is of earlier ones. Once the cuts of its trees have been counted on the same steps
+(shape_links.py), those differences replace the ones measured against the level.
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
 
@@ -72,6 +73,7 @@ from typing import Hashable
 
 import numpy as np
 
+from jaxspec.shape_links import ShapeLinks
 from jaxspec.spec_shapes import PLAIN, PLAIN_CHOICE, HostTree, contains, match_key, nested  # noqa: F401 (re-exported)
 from jaxspec.step_costs import StepCosts, time_call  # noqa: F401  (the policy's cost table, and how it is timed)
 
@@ -119,6 +121,7 @@ class SpecPolicy:
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
         self.level, self.level_rate = None, level_rate  # a device drafter's requests' level (Acceptance)
         self.diffs: dict = {}  # tree -> [row-steps x (log of the call's drafts accepted - level), row-steps]
+        self.links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS)
         self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
@@ -197,15 +200,20 @@ class SpecPolicy:
         if seen[1] > (HOST_KEPT_STEPS if self.plain else KEPT_STEPS):
             seen[0], seen[1] = seen[0] / 2, seen[1] / 2
 
-    def verified(self, tree, emitted: list[int], keys: list | None = None, rows: int | None = None) -> None:
+    def verified(self, tree, emitted: list[int], keys: list | None = None, rows: int | None = None,
+                 cut: tuple | None = None) -> None:
         """A verify call of `tree` at bucket `rows`: the tokens each live row emitted at each of its
-        steps, drafted at keys[i] (a host drafter's match keys; None: a device drafter's one key)."""
+        steps, drafted at keys[i] (a host drafter's match keys; None: a device drafter's one key).
+        cut: (shapes, counts [row-steps, 1 + len(shapes)]): on the same row-steps, what the tree
+        emitted and what each shape's cut of it would have (a device drafter's; see Acceptance)."""
         if not emitted:
             return
         self.accepts[tree].update(emitted)
         self.seen[tree] += 1
         if keys is None:  # one key: the call's sums at once (a device drafter's hundreds of row-steps)
             calls = {None: (sum(emitted), len(emitted))}
+            if cut is not None:
+                self.links.add(tree, *cut)
             self._relate(tree, sum(emitted) / len(emitted), len(emitted))
         else:
             calls = {}
@@ -242,7 +250,8 @@ class SpecPolicy:
             d[0], d[1] = d[0] + n * (x - base), d[1] + n
             if d[1] > self.kept:
                 d[0], d[1] = d[0] / 2, d[1] / 2
-        x -= d[0] / d[1]
+        chained = self.links.diff(tree)
+        x -= d[0] / d[1] if chained is None else chained
         self.level = x if self.level is None else self.level + self.level_rate * (x - self.level)
 
     # -- what to expect --------------------------------------------------------------------------------
@@ -255,7 +264,10 @@ class SpecPolicy:
         if (tree, key) not in self.emitted:
             return None
         if key is None and tree in self.diffs and self.level_rate:  # a device drafter's: the level and the difference
-            drafts = math.exp(self.level + max(d / n for t, (d, n) in self.diffs.items() if contains(tree, t)))
+            diff = self.links.diff(tree)
+            if diff is None:
+                diff = max(d / n for t, (d, n) in self.diffs.items() if contains(tree, t))
+            drafts = math.exp(self.level + diff)
             return 1.0 + min(drafts, tree.steps)  # (a step accepts at most one draft a level)
         e = max(e for (t, k), e in self.emitted.items() if k == key and contains(tree, t))
         return e + (min(self.totals[(tree, key)][1], 16) ** -0.5 if self.plain else 0.0)

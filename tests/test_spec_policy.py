@@ -6,9 +6,10 @@ import pytest
 from flax import nnx
 
 from jaxspec import Generator, SamplingParams
-from jaxspec.drafters.device import cut_drafts
+from jaxspec.drafters.device import cut_counts, cut_drafts
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.pallas.accept import accept_tree_ref
 from jaxspec.scheduler.request import Request
 from jaxspec import spec_policy
 from jaxspec.spec_policy import StepCosts, SpecPolicy
@@ -209,6 +210,30 @@ def test_a_shape_accepts_a_multiple_of_what_another_does():
     assert policy.expected(b) >= 1.0
 
 
+def test_cuts_compare_shapes_on_the_very_same_steps():
+    """The level's comparison of a probe with the shape held before it takes requests as they come:
+    a big tree probed three calls on an easy request, after a small one held on hard ones, looks far
+    better than it is. Its cut counts (what the small tree would have emitted on the same steps) say
+    the difference itself; the level then carries it to the requests of the moment."""
+    small, big = TreeShape(2, 2, 4), TreeShape(3, 2, 6)
+    expect = {}
+    for with_cuts in (False, True):
+        policy = SpecPolicy(StepCosts(), {1: [small, big]})
+        for _ in range(10):
+            policy.verified(small, [2] * 4)  # hard requests: 1 draft a step
+        for _ in range(spec_policy.PROBE_CALLS):  # an easy one: 5 drafts a step, where small's cut accepts 4
+            counts = np.array([[6, 5]] * 4)
+            policy.verified(big, [6] * 4, cut=((small,), counts) if with_cuts else None)
+        for _ in range(10):
+            policy.verified(small, [2] * 4)  # hard again
+        expect[with_cuts] = policy.expected(small), policy.expected(big)
+    assert expect[True][0] == pytest.approx(2.0, abs=0.01)
+    assert expect[True][1] == pytest.approx(1 + 5 / 4, abs=0.01)  # 1.25x the drafts on the same steps
+    assert expect[False][1] == 4.0  # the level's comparison: 5x the drafts, capped at its depth (3)
+    policy.verified(big, [2] * 4, cut=((small,), np.zeros((0, 2))))  # no steps to compare: nothing changes
+    assert policy.links[(small, big)][1] == 4 * spec_policy.PROBE_CALLS
+
+
 def test_the_device_cut_of_drafts_is_the_hosts():
     """cut_drafts (a chained change of shape) gives propose's tree for each row of a batch of random
     parent-first trees, at every node count and depth, padded as the host pads."""
@@ -230,6 +255,42 @@ def test_the_device_cut_of_drafts_is_the_hosts():
             assert got[2][r] == m, (nodes, depth, r)
             assert got[0][r].tolist() == [tokens[r, 0]] + d_tok + [0] * (width - m)
             assert got[1][r].tolist() == [-1] + d_par + [-1] * (width - m)
+
+
+def test_a_cuts_count_is_what_verifying_the_cut_alone_emits():
+    """cut_counts (the policy's statistics of the shapes within a verified tree) against verifying
+    each cut tree itself (cut_drafts, then accept_tree_ref) on the same target tokens: random trees
+    whose drafts often match, rows with fewer nodes, and a row that verified nothing."""
+    rng = np.random.default_rng(1)
+    rows, n = 8, 16
+    parents = np.stack([[-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, n)] for _ in range(rows)])
+    parents = parents.astype(np.int32)
+    target = rng.integers(1, 4, (rows, n)).astype(np.int32)  # few distinct tokens: long accepted paths
+    tokens = np.zeros((rows, n), np.int32)
+    for r in range(rows):  # siblings distinct, as drafters make them
+        for j in range(1, n):
+            used = {int(tokens[r, k]) for k in range(1, j) if parents[r, k] == parents[r, j]}
+            tokens[r, j] = min(set(range(1, 8)) - used)
+    num_nodes = np.array([n, n, 9, n, 12, n, 1, 0], np.int32)
+    path, accepted = accept_tree_ref(tokens, parents, target, num_nodes)
+    count = np.where(num_nodes > 0, accepted + 1, 0).astype(np.int32)
+    cuts = ((1, 3), (2, 4), (3, 8), (6, 6), (9, 16))
+    got = np.asarray(cut_counts(parents, num_nodes, path, count, cuts))
+    assert got.shape == (rows, len(cuts)) and (got[:, -1] == count).all() and got[-1].tolist() == [0] * len(cuts)
+    assert (got[:, 2] > 2).any()  # paths that some cuts keep whole and others cut short
+    for j, (depth, nodes) in enumerate(cuts):
+        live = np.arange(n)[None] < num_nodes[:, None]
+        c_tok, c_par, c_num = cut_drafts(tokens, np.where(live, parents, -1), max_nodes=nodes, max_depth=depth, width=n)
+        c_num = np.minimum(np.asarray(c_num), num_nodes)
+        c_target = np.zeros_like(target)  # the target's token after each node of the cut: its node's in the tree
+        for r in range(rows):
+            depth_of = [0] * n
+            for i in range(1, n):
+                depth_of[i] = depth_of[parents[r, i]] + 1
+            kept = [i for i in range(num_nodes[r]) if depth_of[i] <= depth][:nodes]
+            c_target[r, :len(kept)] = target[r, kept]
+        _, c_acc = accept_tree_ref(np.asarray(c_tok), np.asarray(c_par), c_target, c_num)
+        assert got[:, j].tolist() == np.where(num_nodes > 0, c_acc + 1, 0).tolist(), (depth, nodes)
 
 
 def _plain_and_auto(tiny, seed, n, max_tokens, max_batch, temperatures=(0.0,)):
@@ -268,6 +329,8 @@ def test_outputs_are_plain_decodings_whichever_shape_each_call_takes(tiny):
     seen = sched.spec_policy.observed  # wall ms a step between consecutive calls of the whole batch
     assert {k for _, k in seen} <= {"1:1:2", "3:2:6"} and seen and all(ms > 0 and n > 0 for ms, n in seen.values())
     assert sched.spec_policy.launch  # calls not chained (after each prefill) measured the launch cost
+    link = sched.spec_policy.links[(SMALL, BIG)]  # the big tree's calls counted what its cut to the small one emits
+    assert link[1] > 0 and link[0] <= 0
     assert sched.pool.in_use == 0 and sched.late_compiles == []
 
 

@@ -9,10 +9,12 @@ import functools
 import jax.numpy as jnp
 
 from jaxspec.kv_cache import KVCache
+from jaxspec.pallas.tree_mask import tree_attention_mask
 
 
 class DeviceDrafter:
     draft_slots = 0  # cache slots past the verified tokens that drafting writes (DFLASH's block)
+    policy_shapes: tuple = ()  # the auto policy's shapes (with_policy_shapes): see cut_shapes
 
     def __init__(self, head, tree):
         self.head, self.tree = head, tree
@@ -34,7 +36,8 @@ class DeviceDrafter:
         mod = self.step_module()
         verify = functools.partial(mod.verify, graphs, self.tree, attn_impl)
         fns = {"extend": functools.partial(mod.extend, graphs, self.tree, attn_impl), "verify": verify,
-               "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree)}
+               "verify_steps": functools.partial(eagle_step.verify_steps, verify, self.tree,
+                                                 tuple((s.steps, s.num_draft_tokens) for s in self.cut_shapes()))}
         if self.keeps_head_in_decode:
             fns["decode"] = functools.partial(mod.decode, graphs, attn_impl)
         return fns
@@ -55,6 +58,21 @@ class DeviceDrafter:
         other = copy.copy(self)
         other.tree, other.num_nodes = tree, tree.num_draft_tokens
         return other
+
+    def with_policy_shapes(self, shapes):
+        """This drafter, its verify calls also counting what each of `shapes` that fits in its tree
+        would have emitted (cut_shapes): the auto policy's."""
+        other = copy.copy(self)
+        other.policy_shapes = tuple(shapes)
+        return other
+
+    def cut_shapes(self) -> tuple:
+        """The policy's shapes a cut of this drafter's tree stands for (as deep and as many nodes at
+        most; the tree itself left out: its own count says it), in the columns of verify_steps' cut
+        counts. The policy compares two shapes on the same steps by them (spec_policy.py)."""
+        t = self.tree
+        return tuple(s for s in self.policy_shapes
+                     if s != t and s.steps <= t.steps and s.num_draft_tokens <= t.num_draft_tokens)
 
     def auto_trees(self) -> tuple:
         """The draft shapes spec_policy='auto' chooses among (each one verify program a bucket)."""
@@ -111,3 +129,24 @@ def cut_drafts(tokens, parents, *, max_nodes: int, max_depth: int, width: int):
     out_tokens = jnp.zeros((b, width), tokens.dtype).at[rows, col].set(tokens, mode="drop")
     out_parents = jnp.full((b, width), -1, parents.dtype).at[rows, col].set(new_parents, mode="drop")
     return out_tokens, out_parents, keep.sum(axis=1, dtype=jnp.int32)
+
+
+def cut_counts(parents, num_nodes, path, count, cuts: tuple):
+    """What each cut of a verified tree would have emitted, for the policy's accept statistics:
+    parents [B, N] and num_nodes [B] of the trees verified, path [B, N] and count [B] of what they
+    accepted (verify_and_accept), cuts ((max_depth, max_nodes), ...) as cut_drafts takes them.
+    Returns [B, len(cuts)]: the tokens a row would have emitted had only the cut's nodes been
+    verified (0 for a row that verified nothing). A cut keeps its parents (they come first and are
+    shallower), so its accepted nodes are the accepted path's first ones it keeps; the token after
+    the last of them is the target's own, whichever tree was verified (the same draw: exact for
+    greedy and sampled targets alike)."""
+    _, depth = tree_attention_mask(parents, num_nodes)
+    node = jnp.arange(parents.shape[1])[None]
+    live = node < num_nodes[:, None]
+    on_path = (node >= 1) & (node < count[:, None])  # path[:, 1:count] are the accepted drafts
+    out = []
+    for max_depth, max_nodes in cuts:
+        shallow = live & (depth <= max_depth)
+        keep = shallow & (jnp.cumsum(shallow, axis=1) <= max_nodes)
+        out.append(1 + jnp.sum(on_path & jnp.take_along_axis(keep, path, axis=1), axis=1, dtype=jnp.int32))
+    return jnp.where(count[:, None] > 0, jnp.stack(out, axis=1), 0) if cuts else jnp.zeros((parents.shape[0], 0), jnp.int32)

@@ -129,7 +129,7 @@ def verify(graphs, tree, attn_impl, state, cache, tokens, parents, page_table, k
     tree_out, dcache = draft_block(head, target, dcache, page_table, kv_lens + count, root, count > 0, tree,
                                    attn_impl, coupled(sb, flags, sb.step + count))
     chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
-    return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
+    return out, count, lp, top_v, top_i, tree_out, chained, path, (tcache, dcache)
 
 
 def decode(graphs, attn_impl, state, cache, tokens, page_table, kv_lens, budget, stop_ids, num_steps, sb, flags):

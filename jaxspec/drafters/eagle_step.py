@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxspec import attention, sampling
 from jaxspec.attention import NEG_INF
+from jaxspec.drafters.device import cut_counts
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.pallas.attention_ref import LOG2E
 from jaxspec.pallas.top_k import top_k_log_softmax
@@ -257,7 +258,7 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
     """Verify the drafted tree, accept, compact the target's K/V, catch the head up on the accepted
     tokens and draft the next tree. Returns (emitted tokens [B, N], count [B], logprobs, top-n
     values, top-n ids, (next tree tokens, parents), the next step's (tokens, parents, kv_lens,
-    sampling batch), (target cache, draft cache)). The next step's inputs take the buffers of this
+    sampling batch), the accepted path [B, N], (target cache, draft cache)). The next step's inputs take the buffers of this
     step's (Programs donates them), so a chain of steps keeps its buffers and XLA's recorded
     command buffer needs no update."""
     target, head = nnx.merge(graphs[0], state[0]), nnx.merge(graphs[1], state[1])
@@ -273,7 +274,7 @@ def verify(graphs, tree: TreeShape, attn_impl, state, cache, tokens, parents, pa
     tree_out = draft_tree(head, target, dcache, page_table, kv_lens + count, d_out[rows, last], out[rows, last], tree,
                           coupled(sb, flags, sb.step + count), attn_impl)
     chained = next_inputs(tree_out, tokens.shape[1], kv_lens, count, sb)
-    return out, count, lp, top_v, top_i, tree_out, chained, (tcache, dcache)
+    return out, count, lp, top_v, top_i, tree_out, chained, path, (tcache, dcache)
 
 
 def decode(graphs, attn_impl, state, cache, tokens, page_table, kv_lens, budget, stop_ids, num_steps, sb, flags):
@@ -305,8 +306,8 @@ def next_inputs(tree_out, width, kv_lens, count, sb):
 MAX_VERIFY_STEPS = 8  # a verify_steps call's most steps (its outputs' width); Scheduler(verify_steps=) runs fewer
 
 
-def verify_steps(verify_step, tree: TreeShape, state, cache, tokens, parents, page_table, kv_lens, num_nodes,
-                 budget, stop_ids, num_steps, next_nodes, sb, flags):
+def verify_steps(verify_step, tree: TreeShape, cuts: tuple, state, cache, tokens, parents, page_table, kv_lens,
+                 num_nodes, budget, stop_ids, num_steps, next_nodes, sb, flags):
     """Up to num_steps (<= MAX_VERIFY_STEPS, a device scalar) verify steps in one call, each one
     drafting the next step's tree: the host launches and reads back once per call. verify_step:
     a device drafter's one-step function (`verify` here, or dflash_step.verify) with its graphs,
@@ -314,25 +315,29 @@ def verify_steps(verify_step, tree: TreeShape, state, cache, tokens, parents, pa
 
     The first step verifies the given trees (num_nodes [B]); the later ones their own drafts, of
     next_nodes nodes. Row b stops once it has emitted budget[b] tokens or emitted a token of
-    stop_ids[b] (-1 padded); a stopped row verifies no nodes, so its caches stay put. Returns
-    (emitted tokens [B, M, N], counts [B, M] (0 after a row stopped), logprobs [B, M, N], top-n
-    values and ids [B, M, N, n] or None, the last step's drafted tree, the next call's (tokens,
-    parents, kv lengths, sampling batch, budget) in this call's donated buffers, caches)."""
+    stop_ids[b] (-1 padded); a stopped row verifies no nodes, so its caches stay put. cuts: the
+    (depth, nodes) cuts of each verified tree whose emitted counts the auto policy compares shapes
+    by (device.cut_counts). Returns (emitted tokens [B, M, N], counts [B, M] (0 after a row
+    stopped), logprobs [B, M, N], top-n values and ids [B, M, N, n] or None, the last step's drafted
+    tree, the next call's (tokens, parents, kv lengths, sampling batch, budget) in this call's
+    donated buffers, the cuts' counts [B, M, len(cuts)], caches)."""
     b, n, m, k = tokens.shape[0], tokens.shape[1], MAX_VERIFY_STEPS, flags.top_logprobs
     step = functools.partial(verify_step, state)
     width = min(n, tree.num_draft_tokens)
     tree0 = (jnp.zeros((b, tree.num_draft_tokens), jnp.int32), jnp.full((b, tree.num_draft_tokens), -1, jnp.int32))
     outs = dict(tokens=jnp.zeros((b, m, n), jnp.int32), counts=jnp.zeros((b, m), jnp.int32),
-                lp=jnp.zeros((b, m, n), jnp.float32))
+                lp=jnp.zeros((b, m, n), jnp.float32), cuts=jnp.zeros((b, m, len(cuts)), jnp.int32))
     if k:
         outs.update(top_v=jnp.zeros((b, m, n, k), jnp.float32), top_i=jnp.zeros((b, m, n, k), jnp.int32))
 
     def body(i, c):
         cache, tokens, parents, kv, sb, budget, nodes, outs, _ = c
-        out, count, lp, top_v, top_i, tree_out, chained, cache = step(cache, tokens, parents, page_table, kv, nodes,
-                                                                       sb, flags=flags)
+        out, count, lp, top_v, top_i, tree_out, chained, path, cache = step(cache, tokens, parents, page_table, kv,
+                                                                             nodes, sb, flags=flags)
         outs = dict(outs, tokens=outs["tokens"].at[:, i].set(out), counts=outs["counts"].at[:, i].set(count),
                     lp=outs["lp"].at[:, i].set(lp))
+        if cuts:
+            outs["cuts"] = outs["cuts"].at[:, i].set(cut_counts(parents, nodes, path, count, cuts))
         if k:
             outs.update(top_v=outs["top_v"].at[:, i].set(top_v), top_i=outs["top_i"].at[:, i].set(top_i))
         emitted = jnp.arange(n)[None] < count[:, None]
@@ -347,4 +352,4 @@ def verify_steps(verify_step, tree: TreeShape, state, cache, tokens, parents, pa
         jnp.minimum(num_steps, m), body, init, lambda c: c[6] > 0)
     # a row that stopped (a stop id too) has no budget left: a call chained on this one leaves it out at once
     return (outs["tokens"], outs["counts"], outs["lp"], outs.get("top_v"), outs.get("top_i"), tree_out,
-            (tokens, parents, kv_lens, sb, jnp.where(nodes > 0, budget, 0)), cache)
+            (tokens, parents, kv_lens, sb, jnp.where(nodes > 0, budget, 0)), outs["cuts"], cache)

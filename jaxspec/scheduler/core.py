@@ -75,6 +75,8 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.draft_slots = getattr(drafter, "draft_slots", 0)
         auto_trees = (tuple(spec_trees or drafter.auto_trees())
                       if spec_policy == "auto" and getattr(drafter, "head", None) is not None else None)
+        if auto_trees:  # its verify calls also count what the cuts of their trees would have emitted
+            drafter = drafter.with_policy_shapes(auto_trees)
         nodes = max(t.num_draft_tokens for t in auto_trees) if auto_trees else getattr(drafter, "num_nodes", 1)
         slack = bucket(nodes, TREE_BUCKETS) + self.draft_slots
         self.max_pages_per_seq = -(-(self.max_seq_len + slack) // page_size)

@@ -293,6 +293,7 @@ class Dispatch:
                                     ins["stop_ids"], f.steps, ins["num_steps"], next_nodes)
             if next_nodes is not None:  # (after a cut, the next call verifies whole drafts again)
                 g.inputs["chained_nodes"] = g.inputs["num_nodes"]
+            g.switched = (tree, nodes) != (f.tree, f.nodes)
         self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
         g.host_s, g.chained = time.perf_counter() - t0, True
         return g

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import jax
+import numpy as np
 
 from jaxspec.detokenize import IncrementalText
 from jaxspec.scheduler.request import DraftRow, InFlight, DraftsOnDevice
@@ -51,18 +52,23 @@ class Outputs:
             self._arrived(f, arrived, prefill=True)
             self.stats["prefill_time"] += f.host_s + time.perf_counter() - t0
             return
-        toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
-                                                        *f.outputs[3:5]))
+        cut_shapes = self.cut_shapes.get(f.tree, ()) if self.spec_policy is not None else ()
+        toks, count, lp, top_v, top_i, cut = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
+                                                             *f.outputs[3:5], f.outputs[7] if cut_shapes else None))
         if toks.ndim == 2:  # verify_tree: one step; as verify_steps' [B, steps, N]
             toks, count = toks[:, None], count[:, None]
             lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
         counts, rows = count.tolist(), (toks.tolist() if lp is None and top_i is None else None)
         if self.spec_policy is not None:
             # a root verified alone tells nothing of the shape: its step emits one token whatever it is
-            live = [(i, c) for i, (r, cs) in enumerate(zip(f.reqs, counts)) if not r.finished
+            live = [(i, s, c) for i, (r, cs) in enumerate(zip(f.reqs, counts)) if not r.finished
                     for s, c in enumerate(cs) if c and not (s == 0 and i in f.undrafted)]
-            keys = None if f.match_keys is None else [f.match_keys[i] for i, _ in live]
-            self.spec_policy.verified(self._policy_tree(f), [c for _, c in live], keys, count.shape[0])
+            keys = None if f.match_keys is None else [f.match_keys[i] for i, _, _ in live]
+            if cut_shapes:  # what the cuts of the same trees would have emitted (a switched call's first
+                # step verified the last shape's drafts, cut to this one: it tells nothing of the cuts)
+                same = [(i, s) for i, s, _ in live if not (s == 0 and f.switched)]
+                cut = (cut_shapes, np.concatenate([count[:, :, None], cut], axis=2)[tuple(zip(*same))]) if same else None
+            self.spec_policy.verified(self._policy_tree(f), [c for _, _, c in live], keys, count.shape[0], cut)
             self._arrived(f, arrived, int((count > 0).sum(axis=1).max(initial=0)))
         for i, r in enumerate(f.reqs):
             if shared is not None and not r.finished:

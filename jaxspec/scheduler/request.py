@@ -67,6 +67,7 @@ class InFlight:
     nodes: int = 1  # a verify step's tree nodes (1 for decode)
     tree: object = None  # the TreeShape a device drafter's verify program drafts
     chained: bool = False  # launched from the last call's device outputs, before they were read
+    switched: bool = False  # chained on a call of another shape: its first step verifies that one's drafts, cut
     steps: int = 1  # steps in the call
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)
     host_s: float = 0.0  # host time spent launching
