@@ -11,7 +11,14 @@ many nodes at most; every auto_trees() set is one). A link is the log of the sma
 accepted a row-step less the bigger's, averaged over the row-steps of every call whose tree holds
 both; a shape's difference is the sum of the links from the smallest up to it. A cut of a bigger
 tree stands for the smaller shape's own tree (whose top-k may differ); the engine verifies such a
-cut for a call's first step after a change of shape, too."""
+cut for a call's first step after a change of shape, too.
+
+Measured with the drafted nodes in creation order (depth-major, so that a cut kept the shallow
+nodes, not the best), choosing by the links overrated the biggest tree: auto ran at 0.91x fixed
+6:4:24 at batch 1 on MT-bench (0.87x by the level) but at 0.90-0.95x the best fixed tree at batch
+8 and 64, below what the level gave (spec-policy-cuts- against spec-policy-b1-64-, H200). Drafts
+are now kept best first (eagle_step.select_tree), which that run did not have: spec_policy.USE_LINKS
+stays off until a run with them says."""
 from __future__ import annotations
 
 import numpy as np

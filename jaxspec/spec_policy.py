@@ -35,8 +35,8 @@ difference: a shape accepts a multiple of what another does, whatever the reques
 averages for a shape is each call's log less the level at that call (a moving average, LEVEL_RATE
 a call, of every call's log less its shape's difference). Plain averages (level_rate 0) compare
 shapes on whatever requests each met: at batch 1 the held shape's average is of this request while
-a probed one's is of earlier ones. Once the cuts of its trees have been counted on the same steps
-(shape_links.py), those differences replace the ones measured against the level.
+a probed one's is of earlier ones. Those counted on the same steps by its trees' cuts (shape_links.py)
+replace them where USE_LINKS is set (and are reported beside them).
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
 
@@ -89,6 +89,7 @@ HOLD_CALLS = 8  # calls a bucket keeps a shape it moved to
 LEVEL_RATE = 0.5  # weight of a device drafter's call in the requests' level (0: plain averages)
 MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
+USE_LINKS = False  # shapes compared by their cuts' counts (off until measured: shape_links.py)
 CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not chained, and in its steps a call
 
 
@@ -250,7 +251,7 @@ class SpecPolicy:
             d[0], d[1] = d[0] + n * (x - base), d[1] + n
             if d[1] > self.kept:
                 d[0], d[1] = d[0] / 2, d[1] / 2
-        chained = self.links.diff(tree)
+        chained = self.links.diff(tree) if USE_LINKS else None
         x -= d[0] / d[1] if chained is None else chained
         self.level = x if self.level is None else self.level + self.level_rate * (x - self.level)
 
@@ -264,7 +265,7 @@ class SpecPolicy:
         if (tree, key) not in self.emitted:
             return None
         if key is None and tree in self.diffs and self.level_rate:  # a device drafter's: the level and the difference
-            diff = self.links.diff(tree)
+            diff = self.links.diff(tree) if USE_LINKS else None
             if diff is None:
                 diff = max(d / n for t, (d, n) in self.diffs.items() if contains(tree, t))
             drafts = math.exp(self.level + diff)
@@ -387,7 +388,9 @@ class SpecPolicy:
         accept = {}
         for (t, k), e in self.emitted.items():
             accept[t.label if k is None else f"{t.label} @{k}"] = round(e, 3)
+        linked = {t: d for t in self.links.chain if self.level is not None and (d := self.links.diff(t)) is not None}
         return dict(accept_length=accept, expected={t.label: round(self.expected(t), 3) for t in self.diffs},
+                    linked_expected={t.label: round(1 + min(math.exp(self.level + d), t.steps), 3) for t, d in linked.items()},
                     accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
                     observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in self.observed.items()}),
                     recent_ms=by_bucket({k: [round(float(q), 3) for q in np.percentile(v, (50, 90, 100))]

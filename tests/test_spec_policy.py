@@ -1,6 +1,7 @@
 """Speculation sized by measured costs (spec_policy.py, scheduler/trees.py): the choice among tree
 shapes from a cost table and the accept lengths seen, and outputs unchanged whichever shape each
 call takes."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -8,7 +9,7 @@ from flax import nnx
 from jaxspec import Generator, SamplingParams
 from jaxspec.drafters.device import cut_counts, cut_drafts
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
-from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.drafters.eagle_step import TreeShape, select_tree
 from jaxspec.pallas.accept import accept_tree_ref
 from jaxspec.scheduler.request import Request
 from jaxspec import spec_policy
@@ -210,11 +211,12 @@ def test_a_shape_accepts_a_multiple_of_what_another_does():
     assert policy.expected(b) >= 1.0
 
 
-def test_cuts_compare_shapes_on_the_very_same_steps():
+def test_cuts_compare_shapes_on_the_very_same_steps(monkeypatch):
     """The level's comparison of a probe with the shape held before it takes requests as they come:
     a big tree probed three calls on an easy request, after a small one held on hard ones, looks far
     better than it is. Its cut counts (what the small tree would have emitted on the same steps) say
     the difference itself; the level then carries it to the requests of the moment."""
+    monkeypatch.setattr(spec_policy, "USE_LINKS", True)
     small, big = TreeShape(2, 2, 4), TreeShape(3, 2, 6)
     expect = {}
     for with_cuts in (False, True):
@@ -230,6 +232,7 @@ def test_cuts_compare_shapes_on_the_very_same_steps():
     assert expect[True][0] == pytest.approx(2.0, abs=0.01)
     assert expect[True][1] == pytest.approx(1 + 5 / 4, abs=0.01)  # 1.25x the drafts on the same steps
     assert expect[False][1] == 4.0  # the level's comparison: 5x the drafts, capped at its depth (3)
+    assert policy.summary()["linked_expected"] == {"2:2:4": pytest.approx(2.0, abs=0.01), "3:2:6": pytest.approx(2.25, abs=0.01)}
     policy.verified(big, [2] * 4, cut=((small,), np.zeros((0, 2))))  # no steps to compare: nothing changes
     assert policy.links[(small, big)][1] == 4 * spec_policy.PROBE_CALLS
 
@@ -255,6 +258,15 @@ def test_the_device_cut_of_drafts_is_the_hosts():
             assert got[2][r] == m, (nodes, depth, r)
             assert got[0][r].tolist() == [tokens[r, 0]] + d_tok + [0] * (width - m)
             assert got[1][r].tolist() == [-1] + d_par + [-1] * (width - m)
+
+
+def test_drafted_nodes_come_best_first_so_a_cut_keeps_the_best():
+    """select_tree orders the chosen candidates by score, parents first: cutting the first m nodes
+    (a smaller shape's tree, as cut_drafts and cut_counts take it) keeps the m best."""
+    f = lambda *x: jnp.array([x])
+    cands = ([f(-0.1, -0.5), f(-0.2, -0.9, -0.6, -1.0)], [f(10, 11), f(20, 21, 22, 23)], [f(-1, -1), f(0, 0, 1, 1)])
+    tokens, parents = select_tree(cands, 5)
+    assert tokens.tolist() == [[10, 20, 11, 22]] and parents.tolist() == [[0, 1, 0, 3]]
 
 
 def test_a_cuts_count_is_what_verifying_the_cut_alone_emits():

@@ -197,13 +197,15 @@ def next_round(cands, score, frontier_id, child_lp, child_tok):
 
 
 def select_tree(cands, n: int):
-    """The n - 1 best of cands (first_round's) as drafted nodes 1 .. n-1: tokens and parents' node
-    indices, parents first."""
+    """The n - 1 best of cands (first_round's) as drafted nodes 1 .. n-1, best first: tokens and
+    parents' node indices. A child scores at most its parent (ties go to the lower id, the parent),
+    so parents come first, and any first m nodes are the best m-node tree: the cut of a tree to a
+    smaller shape (device.cut_drafts, cut_counts) is what that shape would select. (In creation
+    order a cut kept the shallow nodes: spec_policy.USE_LINKS.)"""
     all_score, all_tok, all_parent = (jnp.concatenate(c, axis=1) for c in cands)
-    _, sel = jax.lax.top_k(all_score, n - 1)  # ties go to the lower id, i.e. to the parent
-    sel = jnp.sort(sel, axis=1)
+    _, sel = jax.lax.top_k(all_score, n - 1)
     par_c = jnp.take_along_axis(all_parent, sel, axis=1)
-    par_pos = jax.vmap(jnp.searchsorted)(sel, par_c)
+    par_pos = jnp.argmax(sel[:, None, :] == par_c[:, :, None], axis=-1)
     parents = jnp.where(par_c < 0, 0, par_pos + 1).astype(jnp.int32)
     return jnp.take_along_axis(all_tok, sel, axis=1), parents
 
