@@ -1,6 +1,6 @@
 """How much more a device drafter's bigger tree accepts than its smaller ones, measured on the very
 same verify steps: each verify call also returns what the cut of its tree to each smaller shape
-would have emitted (drafters/device.cut_counts), so two shapes are compared without the requests
+would have emitted (verify.cut_counts), so two shapes are compared without the requests
 moving between them. The auto policy (spec_policy.py) takes these differences in place of the ones
 it measures against the requests' level, once they are known: at batch 1 a probe of three calls
 compares a shape with the one held before it across different requests (SmolLM2 + EAGLE-3 on

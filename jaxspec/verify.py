@@ -41,3 +41,24 @@ def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_no
                                             flags.top_logprobs)
     cache = move_slots(cache, page_table, kv_lens, path, count)
     return out, count, lp, top_v, top_i, path, h, layers, cache
+
+
+def cut_counts(parents, num_nodes, path, count, cuts: tuple):
+    """What each cut of a verified tree would have emitted, for the policy's accept statistics:
+    parents [B, N] and num_nodes [B] of the trees verified, path [B, N] and count [B] of what they
+    accepted (verify_and_accept), cuts ((max_depth, max_nodes), ...) as cut_drafts takes them.
+    Returns [B, len(cuts)]: the tokens a row would have emitted had only the cut's nodes been
+    verified (0 for a row that verified nothing). A cut keeps its parents (they come first and are
+    shallower), so its accepted nodes are the accepted path's first ones it keeps; the token after
+    the last of them is the target's own, whichever tree was verified (the same draw: exact for
+    greedy and sampled targets alike)."""
+    _, depth = tree_attention_mask(parents, num_nodes)
+    node = jnp.arange(parents.shape[1])[None]
+    live = node < num_nodes[:, None]
+    on_path = (node >= 1) & (node < count[:, None])  # path[:, 1:count] are the accepted drafts
+    out = []
+    for max_depth, max_nodes in cuts:
+        shallow = live & (depth <= max_depth)
+        keep = shallow & (jnp.cumsum(shallow, axis=1) <= max_nodes)
+        out.append(1 + jnp.sum(on_path & jnp.take_along_axis(keep, path, axis=1), axis=1, dtype=jnp.int32))
+    return jnp.where(count[:, None] > 0, jnp.stack(out, axis=1), 0) if cuts else jnp.zeros((parents.shape[0], 0), jnp.int32)

@@ -7,13 +7,14 @@ import pytest
 from flax import nnx
 
 from jaxspec import Generator, SamplingParams
-from jaxspec.drafters.device import cut_counts, cut_drafts
+from jaxspec.drafters.device import cut_drafts
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape, select_tree
 from jaxspec.pallas.accept import accept_tree_ref
 from jaxspec.scheduler.request import Request
 from jaxspec import spec_policy
 from jaxspec.spec_policy import StepCosts, SpecPolicy
+from jaxspec.verify import cut_counts
 
 from conftest import TINY
 

@@ -25,12 +25,11 @@ from flax import nnx
 
 from jaxspec import attention, sampling
 from jaxspec.attention import NEG_INF
-from jaxspec.drafters.device import cut_counts
 from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
 from jaxspec.pallas.attention_ref import LOG2E
 from jaxspec.pallas.top_k import top_k_log_softmax
 from jaxspec.programs import decode_loop, steps_while_alive
-from jaxspec.verify import verify_and_accept
+from jaxspec.verify import cut_counts, verify_and_accept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +199,7 @@ def select_tree(cands, n: int):
     """The n - 1 best of cands (first_round's) as drafted nodes 1 .. n-1, best first: tokens and
     parents' node indices. A child scores at most its parent (ties go to the lower id, the parent),
     so parents come first, and any first m nodes are the best m-node tree: the cut of a tree to a
-    smaller shape (device.cut_drafts, cut_counts) is what that shape would select. (In creation
+    smaller shape (device.cut_drafts, verify.cut_counts) is what that shape would select. (In creation
     order a cut kept the shallow nodes: spec_policy.USE_LINKS.)"""
     all_score, all_tok, all_parent = (jnp.concatenate(c, axis=1) for c in cands)
     _, sel = jax.lax.top_k(all_score, n - 1)
@@ -319,7 +318,7 @@ def verify_steps(verify_step, tree: TreeShape, cuts: tuple, state, cache, tokens
     next_nodes nodes. Row b stops once it has emitted budget[b] tokens or emitted a token of
     stop_ids[b] (-1 padded); a stopped row verifies no nodes, so its caches stay put. cuts: the
     (depth, nodes) cuts of each verified tree whose emitted counts the auto policy compares shapes
-    by (device.cut_counts). Returns (emitted tokens [B, M, N], counts [B, M] (0 after a row
+    by (verify.cut_counts). Returns (emitted tokens [B, M, N], counts [B, M] (0 after a row
     stopped), logprobs [B, M, N], top-n values and ids [B, M, N, n] or None, the last step's drafted
     tree, the next call's (tokens, parents, kv lengths, sampling batch, budget) in this call's
     donated buffers, the cuts' counts [B, M, len(cuts)], caches)."""
