@@ -18,7 +18,7 @@ nodes, not the best), choosing by the links overrated the biggest tree: auto ran
 6:4:24 at batch 1 on MT-bench (0.87x by the level) but at 0.90-0.95x the best fixed tree at batch
 8 and 64, below what the level gave (spec-policy-cuts- against spec-policy-b1-64-, H200). Drafts
 are now kept best first (eagle_step.select_tree), which that run did not have: spec_policy.USE_LINKS
-stays off until a run with them says."""
+stays off until a run with them says (bench/spec.py's /auto-links against /auto)."""
 from __future__ import annotations
 
 import numpy as np

@@ -36,7 +36,7 @@ averages for a shape is each call's log less the level at that call (a moving av
 a call, of every call's log less its shape's difference). Plain averages (level_rate 0) compare
 shapes on whatever requests each met: at batch 1 the held shape's average is of this request while
 a probed one's is of earlier ones. Those counted on the same steps by its trees' cuts (shape_links.py)
-replace them where USE_LINKS is set (and are reported beside them).
+replace them where use_links is set (and are reported beside them).
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
 
@@ -122,7 +122,7 @@ class SpecPolicy:
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
         self.level, self.level_rate = None, level_rate  # a device drafter's requests' level (Acceptance)
         self.diffs: dict = {}  # tree -> [row-steps x (log of the call's drafts accepted - level), row-steps]
-        self.links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS)
+        self.links, self.use_links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS), USE_LINKS
         self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
@@ -251,7 +251,7 @@ class SpecPolicy:
             d[0], d[1] = d[0] + n * (x - base), d[1] + n
             if d[1] > self.kept:
                 d[0], d[1] = d[0] / 2, d[1] / 2
-        chained = self.links.diff(tree) if USE_LINKS else None
+        chained = self.links.diff(tree) if self.use_links else None
         x -= d[0] / d[1] if chained is None else chained
         self.level = x if self.level is None else self.level + self.level_rate * (x - self.level)
 
@@ -265,7 +265,7 @@ class SpecPolicy:
         if (tree, key) not in self.emitted:
             return None
         if key is None and tree in self.diffs and self.level_rate:  # a device drafter's: the level and the difference
-            diff = self.links.diff(tree) if USE_LINKS else None
+            diff = self.links.diff(tree) if self.use_links else None
             if diff is None:
                 diff = max(d / n for t, (d, n) in self.diffs.items() if contains(tree, t))
             drafts = math.exp(self.level + diff)
