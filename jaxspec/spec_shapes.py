@@ -4,6 +4,7 @@ drafts compare."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
 PLAIN = "plain"  # the label plain decoding's costs are kept under
@@ -41,11 +42,13 @@ def is_tree(*shapes) -> bool:
     return all(hasattr(x, a) for x in shapes for a in _SHAPE)
 
 
+@functools.cache  # the policy asks about the same few pairs many times a call (bench/probes/policy_cost.py)
 def contains(tree, other) -> bool:
     """Whether `tree` drafts everything `other` does (as deep, as wide, as many nodes)."""
     return tree == other or is_tree(tree, other) and all(getattr(other, a) <= getattr(tree, a) for a in _SHAPE)
 
 
+@functools.cache
 def nested(big, small) -> bool:
     """Whether `big` drafts every node `small` does and more: the same depth and branching (the
     same candidates, of which each keeps its most probable), more nodes."""
