@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxspec import sampling
 from jaxspec.kv_cache import move_slots
 from jaxspec.pallas.accept import accept_tree
-from jaxspec.pallas.tree_mask import tree_attention_mask
+from jaxspec.pallas.tree_mask import capped_depths, tree_attention_mask
 
 
 def verify_and_accept(model, cache, tokens, parents, page_table, kv_lens, num_nodes, sb, flags, attn_impl,
@@ -52,7 +52,9 @@ def cut_counts(parents, num_nodes, path, count, cuts: tuple):
     shallower), so its accepted nodes are the accepted path's first ones it keeps; the token after
     the last of them is the target's own, whichever tree was verified (the same draw: exact for
     greedy and sampled targets alike)."""
-    _, depth = tree_attention_mask(parents, num_nodes)
+    if not cuts:
+        return jnp.zeros((parents.shape[0], 0), jnp.int32)
+    depth = capped_depths(parents, max(d for d, _ in cuts))
     node = jnp.arange(parents.shape[1])[None]
     live = node < num_nodes[:, None]
     on_path = (node >= 1) & (node < count[:, None])  # path[:, 1:count] are the accepted drafts
@@ -61,4 +63,4 @@ def cut_counts(parents, num_nodes, path, count, cuts: tuple):
         shallow = live & (depth <= max_depth)
         keep = shallow & (jnp.cumsum(shallow, axis=1) <= max_nodes)
         out.append(1 + jnp.sum(on_path & jnp.take_along_axis(keep, path, axis=1), axis=1, dtype=jnp.int32))
-    return jnp.where(count[:, None] > 0, jnp.stack(out, axis=1), 0) if cuts else jnp.zeros((parents.shape[0], 0), jnp.int32)
+    return jnp.where(count[:, None] > 0, jnp.stack(out, axis=1), 0)

@@ -9,6 +9,7 @@ import functools
 import jax.numpy as jnp
 
 from jaxspec.kv_cache import KVCache
+from jaxspec.pallas.tree_mask import capped_depths
 
 
 class DeviceDrafter:
@@ -113,11 +114,7 @@ def cut_drafts(tokens, parents, *, max_nodes: int, max_depth: int, width: int):
     b, n = tokens.shape
     node = jnp.arange(n)[None]
     up = jnp.where(node > 0, parents, 0)
-    # after k rounds a node's depth reads min(its depth, k): max_depth + 1 rounds tell the too deep
-    depth = jnp.zeros((b, n), jnp.int32)
-    for _ in range(max_depth + 1):
-        depth = jnp.where(node > 0, jnp.take_along_axis(depth, up, axis=1) + 1, 0)
-    shallow = depth <= max_depth
+    shallow = capped_depths(parents, max_depth) <= max_depth
     rank = jnp.cumsum(shallow, axis=1)  # a kept node's new index + 1
     # A too deep node's children are too deep, and once max_nodes are kept no later node is: a
     # kept node's parent (an earlier node) is kept, so the rank renumbers parents too.
@@ -128,4 +125,3 @@ def cut_drafts(tokens, parents, *, max_nodes: int, max_depth: int, width: int):
     out_tokens = jnp.zeros((b, width), tokens.dtype).at[rows, col].set(tokens, mode="drop")
     out_parents = jnp.full((b, width), -1, parents.dtype).at[rows, col].set(new_parents, mode="drop")
     return out_tokens, out_parents, keep.sum(axis=1, dtype=jnp.int32)
-

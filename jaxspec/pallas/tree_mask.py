@@ -29,6 +29,18 @@ def tree_attention_mask(parents, num_nodes):
     return reach, jnp.where(valid, depth, 0)
 
 
+def capped_depths(parents, cap: int):
+    """Each node's depth below node 0, read as cap + 1 where deeper (parents [B, N], parent-first):
+    cap + 1 rounds of row gathers, where tree_attention_mask's exact depths take log2(N) rounds over
+    [B, N, N] (what cutting a tree to a depth needs, every verify step of the auto policy)."""
+    node = jnp.arange(parents.shape[1])[None]
+    up = jnp.where(node > 0, parents, 0)
+    depth = jnp.zeros(parents.shape, jnp.int32)
+    for _ in range(cap + 1):  # after k rounds a node reads min(its depth, k)
+        depth = jnp.where(node > 0, jnp.take_along_axis(depth, up, axis=1) + 1, 0)
+    return depth
+
+
 def chain_parents(batch, n):
     """Parents of a chain (each node's parent is the previous one)."""
     return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (batch, n))

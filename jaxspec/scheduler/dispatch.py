@@ -280,8 +280,8 @@ class Dispatch:
         else:
             tokens, parents, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
             tree, nodes = f.next_shape
-            next_nodes = ins["next_nodes"]
-            if (tree, nodes) != (f.tree, f.nodes):  # the drafts cut to the next program's nodes and depth
+            next_nodes, switched = ins["next_nodes"], (tree, nodes) != (f.tree, f.nodes)
+            if switched:  # the drafts cut to the next program's nodes and depth
                 tokens, parents, num_nodes = self.cuts(*f.outputs[5], tree, nodes)
                 next_nodes = None
                 self.stats["chained_switches"] += 1
@@ -293,7 +293,7 @@ class Dispatch:
                                     ins["stop_ids"], f.steps, ins["num_steps"], next_nodes)
             if next_nodes is not None:  # (after a cut, the next call verifies whole drafts again)
                 g.inputs["chained_nodes"] = g.inputs["num_nodes"]
-            g.switched = (tree, nodes) != (f.tree, f.nodes)
+            g.switched = switched
         self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
         g.host_s, g.chained = time.perf_counter() - t0, True
         return g
