@@ -9,7 +9,8 @@
         N of them, from the start of each pass; a suffix @pallas / @mosaic / @ref picks the attention;
         a last /auto chooses the tree every call among the drafter's shapes by measured costs:
         spec_policy.py, rows' `policy`, `auto_choices`, `step_costs`; /auto-avg compares the shapes'
-        plain averages, level_rate 0; /auto-links by their cuts' counts on the same steps, shape_links.py)
+        plain averages, level_rate 0; /auto-level against the level alone, not by their cuts' counts on
+        the same steps, shape_links.py)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -184,7 +185,7 @@ def main():
         a, _, vsteps = a.partition("+v")  # "eagle3:6:4:24+v8": 8 verify steps a call (Scheduler verify_steps)
         a, _, probe = a.partition("/probe")  # "ngram:8/probe32": a host drafter's spec_probe_every
         a, plain_avg = (a[:-len("-avg")], True) if a.endswith("/auto-avg") else (a, False)  # level_rate 0
-        a, links = (a[:-len("-links")], True) if a.endswith("/auto-links") else (a, False)  # shape_links.py
+        a, links = (a[:-len("-level")], False) if a.endswith("/auto-level") else (a, None)  # shape_links.py
         a, auto = (a[:-len("/auto")], True) if a.endswith("/auto") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
@@ -221,8 +222,8 @@ def main():
                                         warmup=not args.lazy, warmup_flags=[SamplerFlags.of([greedy(1)])], **kw)
         if plain_avg:  # the policy comparing shapes by plain averages, not against the requests' level
             gens[(name, label)].scheduler.spec_policy.level_rate = 0.0
-        if links:  # the policy comparing shapes by their cuts' counts on the same steps
-            gens[(name, label)].scheduler.spec_policy.use_links = True
+        if links is not None:  # the policy comparing shapes by the level alone, not their cuts' counts
+            gens[(name, label)].scheduler.spec_policy.use_links = links
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":

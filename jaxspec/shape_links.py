@@ -14,11 +14,12 @@ tree stands for the smaller shape's own tree (whose top-k may differ); the engin
 cut for a call's first step after a change of shape, too.
 
 Measured with the drafted nodes in creation order (depth-major, so that a cut kept the shallow
-nodes, not the best), choosing by the links overrated the biggest tree: auto ran at 0.91x fixed
-6:4:24 at batch 1 on MT-bench (0.87x by the level) but at 0.90-0.95x the best fixed tree at batch
-8 and 64, below what the level gave (spec-policy-cuts- against spec-policy-b1-64-, H200). Drafts
-are now kept best first (eagle_step.select_tree), which that run did not have: spec_policy.USE_LINKS
-stays off until a run with them says (bench/spec.py's /auto-links against /auto)."""
+nodes, not the best), choosing by the links overrated the biggest tree (spec-policy-cuts-). With
+drafts kept best first (eagle_step.select_tree), the same run against the level (spec-policy-links-,
+H200, b1 / 8 / 64) had the links ahead at batch 1 (0.99x / 1.04x the best fixed tree on MT-bench /
+HumanEval, against the level's 0.96x / 1.02x), as far or ahead at batch 8 (0.97x / 1.00x against
+0.97x / 0.97x), 0.86x / 0.92x against 0.88x / 0.89x at 64: spec_policy.USE_LINKS is on
+(bench/spec.py's /auto-level turns it off)."""
 from __future__ import annotations
 
 import numpy as np

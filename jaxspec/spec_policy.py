@@ -36,7 +36,7 @@ averages for a shape is each call's log less the level at that call (a moving av
 a call, of every call's log less its shape's difference). Plain averages (level_rate 0) compare
 shapes on whatever requests each met: at batch 1 the held shape's average is of this request while
 a probed one's is of earlier ones. Those counted on the same steps by its trees' cuts (shape_links.py)
-replace them where use_links is set (and are reported beside them).
+replace them once known, unless use_links is unset (they are reported beside them either way).
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
 
@@ -89,7 +89,7 @@ HOLD_CALLS = 8  # calls a bucket keeps a shape it moved to
 LEVEL_RATE = 0.5  # weight of a device drafter's call in the requests' level (0: plain averages)
 MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
-USE_LINKS = False  # shapes compared by their cuts' counts (off until measured: shape_links.py)
+USE_LINKS = True  # shapes compared by their cuts' counts where known (shape_links.py; spec-policy-links-)
 CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not chained, and in its steps a call
 
 

@@ -212,12 +212,11 @@ def test_a_shape_accepts_a_multiple_of_what_another_does():
     assert policy.expected(b) >= 1.0
 
 
-def test_cuts_compare_shapes_on_the_very_same_steps(monkeypatch):
+def test_cuts_compare_shapes_on_the_very_same_steps():
     """The level's comparison of a probe with the shape held before it takes requests as they come:
     a big tree probed three calls on an easy request, after a small one held on hard ones, looks far
     better than it is. Its cut counts (what the small tree would have emitted on the same steps) say
     the difference itself; the level then carries it to the requests of the moment."""
-    monkeypatch.setattr(spec_policy, "USE_LINKS", True)
     small, big = TreeShape(2, 2, 4), TreeShape(3, 2, 6)
     expect = {}
     for with_cuts in (False, True):

@@ -200,7 +200,7 @@ def select_tree(cands, n: int):
     parents' node indices. A child scores at most its parent (ties go to the lower id, the parent),
     so parents come first, and any first m nodes are the best m-node tree: the cut of a tree to a
     smaller shape (device.cut_drafts, verify.cut_counts) is what that shape would select. (In creation
-    order a cut kept the shallow nodes: spec_policy.USE_LINKS.)"""
+    order a cut kept the shallow nodes: shape_links.py.)"""
     all_score, all_tok, all_parent = (jnp.concatenate(c, axis=1) for c in cands)
     _, sel = jax.lax.top_k(all_score, n - 1)
     par_c = jnp.take_along_axis(all_parent, sel, axis=1)
