@@ -198,9 +198,10 @@ def main():
             spec = SpecConfig("NGRAM", num_draft_tokens=nums[0] if nums else 8)
         elif name == "naive_eagle":
             spec = SpecConfig("NAIVE_EAGLE", draft_model_path=args.draft_model, num_steps=nums[0] if nums else 1)
-        elif name == "dflash":
-            spec = (SpecConfig("DFLASH", draft_model_path=args.dflash_model, num_draft_tokens=nums[0] if nums else None)
-                    if len(nums) < 3 else SpecConfig("DFLASH", draft_model_path=args.dflash_model, num_steps=nums[0],
+        elif name == "dflash":  # "dflash:16=runs/df/drafter": that drafter, not --dflash-model
+            path = head_dir or args.dflash_model
+            spec = (SpecConfig("DFLASH", draft_model_path=path, num_draft_tokens=nums[0] if nums else None)
+                    if len(nums) < 3 else SpecConfig("DFLASH", draft_model_path=path, num_steps=nums[0],
                                                      eagle_topk=nums[1], num_draft_tokens=nums[2]))
         else:
             spec = SpecConfig(name.upper(), draft_model_path=head_dir or (args.eagle_model if name == "eagle"
