@@ -13,11 +13,8 @@ step (a few stalled calls must not price a shape), weighed against PRIOR_CALLS c
 cost, scaled by the median of how the costs seen compare with the table's (the table runs steady
 calls with nothing else to do). A device drafter's call that is not chained (after an admission, a
 prefill, a change of batch) also pays its launch and read-back: what it took past its steps' cost
-is a bucket's launch cost, whatever the shape (counted against the shape it fell on, it priced the
-shape a closed batch holds above the others), and a shape's step costs its share of it: the
-bucket's fraction of calls not chained x the launch cost / the steps a call of its kind runs. A
-call that emits more tokens spreads the launch thinner (served at concurrency 128 most calls follow
-an admission and run one step: spec_policy_notes.md).
+is a bucket's launch cost, whatever the shape, and a shape's step costs its share of it: the
+bucket's fraction of calls not chained x the launch cost / the steps a call of its kind runs.
 
 Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took
 (sums halved past `kept` row-steps, so that they follow the requests), pooled over batch sizes
@@ -32,8 +29,10 @@ A host drafter's expectation is optimistic by one standard error while its sampl
 A device drafter's shapes are compared on the same requests, by the drafts a row-step accepts
 (its tokens past the one every step emits), whose log is the requests' level plus the shape's
 difference: a shape accepts a multiple of what another does, whatever the requests. What it
-averages for a shape is each call's log less the level at that call (a moving average, LEVEL_RATE
-a call, of every call's log less its shape's difference). Plain averages (level_rate 0) compare
+averages for a shape is each call's log less the level at that call; the level is the log of a
+moving average (LEVEL_RATE per LEVEL_ROW_STEPS row-steps) of every call's drafts over its shape's
+multiple: one of logs, LEVEL_RATE a call, sank on the calls that accept nothing, which a block
+drafter has often at batch 1 (spec_policy_notes.md). Plain averages (level_rate 0) compare
 shapes on whatever requests each met: at batch 1 the held shape's average is of this request while
 a probed one's is of earlier ones. Those counted on the same steps by its trees' cuts (shape_links.py)
 replace them once known, unless use_links is unset (they are reported beside them either way).
@@ -86,7 +85,7 @@ KEPT_STEPS = 512  # a (bucket, shape)'s seen steps beyond which its sums are hal
 HOST_KEPT_STEPS = 64  # a host drafter's: its verify calls are rare, each one step
 KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
 HOLD_CALLS = 8  # calls a bucket keeps a shape it moved to
-LEVEL_RATE = 0.5  # weight of a device drafter's call in the requests' level (0: plain averages)
+LEVEL_RATE, LEVEL_ROW_STEPS = 0.5, 8  # weight of 8 of a device drafter's row-steps in the requests' level (0: plain averages)
 MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
 USE_LINKS = True  # shapes compared by their cuts' counts where known (shape_links.py; spec-policy-links-)
@@ -120,7 +119,7 @@ class SpecPolicy:
         self.min_accept = min_accept
         self.emitted: dict = {}  # (tree, key) -> average tokens a live row emits per verify step
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
-        self.level, self.level_rate = None, level_rate  # a device drafter's requests' level (Acceptance)
+        self.level, self.drafts, self.level_rate = None, None, level_rate  # a device drafter's requests' level (Acceptance)
         self.diffs: dict = {}  # tree -> [row-steps x (log of the call's drafts accepted - level), row-steps]
         self.links, self.use_links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS), USE_LINKS
         self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
@@ -237,10 +236,9 @@ class SpecPolicy:
                 self.backoff[k] = 1 if pays else min(8, 2 * self.backoff.get(k, 1))
 
     def _relate(self, tree, mean: float, n: int) -> None:
-        """A device drafter's call of `tree`: its mean over n row-steps against the requests' level.
-        A shape's difference is taken from the first PROBE_CALLS calls of each run of it, against the
-        level where the run began (the requests the last shape met); within a run the level follows
-        the calls: a shape held alone would otherwise share every move of the requests with it."""
+        """A device drafter's call of `tree` (mean over n row-steps) against the requests' level. A shape's
+        difference is from the first PROBE_CALLS calls of each run of it, against the level where the run
+        began; within a run the level follows the calls (a shape held alone would share every move of the requests)."""
         x = math.log(max(mean - 1.0, MIN_DRAFTS))
         last, calls, base = self._compared
         if tree != last:
@@ -252,8 +250,10 @@ class SpecPolicy:
             if d[1] > self.kept:
                 d[0], d[1] = d[0] / 2, d[1] / 2
         chained = self.links.diff(tree) if self.use_links else None
-        x -= d[0] / d[1] if chained is None else chained
-        self.level = x if self.level is None else self.level + self.level_rate * (x - self.level)
+        y = max(mean - 1.0, 0.0) * math.exp(-(d[0] / d[1] if chained is None else chained))
+        w = 1.0 - (1.0 - self.level_rate) ** (n / LEVEL_ROW_STEPS)
+        self.drafts = y if self.drafts is None else self.drafts + w * (y - self.drafts)  # (drafts, not their logs: see above)
+        self.level = math.log(max(self.drafts, MIN_DRAFTS))
 
     # -- what to expect --------------------------------------------------------------------------------
     def expected(self, tree, key: Hashable = None) -> float | None:
