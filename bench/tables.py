@@ -75,13 +75,13 @@ def _side_by_side(names, first: str, device: str = "NVIDIA-H200") -> str:
 
 
 def drafters() -> str:
-    """The retrained DFLASH drafter (chain and tree) beside EAGLE-3 (a run a dataset)."""
-    return _side_by_side(("spec-dflash", "spec-dflash-humaneval"), "drafter", DEVICE)
+    """The shipped DFLASH drafter (its chain, and the auto policy over its shapes) beside EAGLE-3, one run."""
+    return _side_by_side(("spec-dflash-b1-64",), "drafter")
 
 
 def policy() -> str:
     """Fixed trees beside the auto policy's choice among shapes (both datasets in one run)."""
-    return _side_by_side(("spec-launch-b1-64",), "speculation")
+    return _side_by_side(("spec-policy-links",), "speculation")
 
 
 def heads() -> str:
