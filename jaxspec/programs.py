@@ -107,7 +107,8 @@ class Programs:
         head = getattr(drafter, "head", None)
         self.tree = getattr(drafter, "tree", None)  # the tree a device drafter's programs draft
         # what the programs' code depends on beyond their argument shapes (an exported entry's name)
-        cuts = drafter.cut_shapes() if head is not None else ()  # (verify_steps counts them: another program)
+        # the shapes whose emitted counts verify_steps also returns, in its columns (another program)
+        self.cut_shapes = cuts = drafter.cut_shapes() if head is not None else ()
         self.config_key = (repr(model.cfg), repr(getattr(head, "cfg", None)), repr(getattr(drafter, "tree", None)),
                            attn_impl) + ((repr(cuts),) if cuts else ())
         if head is None:

@@ -119,7 +119,7 @@ class SpecPolicy:
         self.min_accept = min_accept
         self.emitted: dict = {}  # (tree, key) -> average tokens a live row emits per verify step
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
-        self.level, self.drafts, self.level_rate = None, None, level_rate  # a device drafter's requests' level (Acceptance)
+        self.drafts, self.level_rate = None, level_rate  # a device drafter's requests' drafts a row-step (level: Acceptance)
         self.diffs: dict = {}  # tree -> [row-steps x (log of the call's drafts accepted - level), row-steps]
         self.links, self.use_links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS), USE_LINKS
         self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
@@ -250,10 +250,10 @@ class SpecPolicy:
             if d[1] > self.kept:
                 d[0], d[1] = d[0] / 2, d[1] / 2
         chained = self.links.diff(tree) if self.use_links else None
-        y = max(mean - 1.0, 0.0) * math.exp(-(d[0] / d[1] if chained is None else chained))
-        w = 1.0 - (1.0 - self.level_rate) ** (n / LEVEL_ROW_STEPS)
-        self.drafts = y if self.drafts is None else self.drafts + w * (y - self.drafts)  # (drafts, not their logs: see above)
-        self.level = math.log(max(self.drafts, MIN_DRAFTS))
+        y = max(mean - 1.0, 0.0) * math.exp(-(d[0] / d[1] if chained is None else chained))  # drafts, not logs: see above
+        self.drafts = y if self.drafts is None else y + (1 - self.level_rate) ** (n / LEVEL_ROW_STEPS) * (self.drafts - y)
+
+    level = property(lambda self: None if self.drafts is None else math.log(max(self.drafts, MIN_DRAFTS)))  # (Acceptance)
 
     # -- what to expect --------------------------------------------------------------------------------
     def expected(self, tree, key: Hashable = None) -> float | None:

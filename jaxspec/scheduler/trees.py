@@ -46,7 +46,7 @@ class TreeSizing:
         self.tree_programs = {t: self.programs if t == drafter.tree else
                               Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in trees}
         # the shapes whose emitted counts a verify call of each tree also returns (the policy's)
-        self.cut_shapes = {t: drafter.with_tree(t).cut_shapes() for t in trees}
+        self.cut_shapes = {t: p.cut_shapes for t, p in self.tree_programs.items()}
         # a change of shape chains on the last call's drafts through a cut (not under a mesh: the
         # cut's executables are built for one device's arrays)
         self.cuts = DraftCuts(programs_kw["jit"]) if self.auto and programs_kw["mesh"] is None else None
