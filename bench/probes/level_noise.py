@@ -1,0 +1,57 @@
+"""The auto policy alone (no engine) fed a block drafter's batch-1 calls: a chain of 16 at a given
+verify cost against plain decoding's, each call `steps` steps, each step emitting 1 + a geometric
+number of drafts (mean 1 / p tokens). Counts the calls the policy gave to plain decoding and its
+expected tokens a step, against the true mean: how far calls that accept no draft move its level.
+CPU only: nothing runs on a device.
+
+    python bench/probes/level_noise.py [--steps 1,2,4] [--verify-ms 1.24,1.5] [--tag -before]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np
+
+from common import print_table, results_tag, write_results
+from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.spec_policy import PLAIN_CHOICE, SpecPolicy, StepCosts
+
+
+def run(steps: int, verify_ms: float, p: float, calls: int, plain_ms: float = 1.2) -> dict:
+    chain = TreeShape(15, 1, 16)
+    policy = SpecPolicy(StepCosts({("decode", 1, None): plain_ms, ("verify", 1, "15:1:16"): verify_ms}),
+                        {1: [chain, PLAIN_CHOICE]})
+    rng = np.random.default_rng(0)
+    plain, expected = 0, []
+    for _ in range(calls):
+        if policy.choose(1) is None:
+            plain += 1
+        else:
+            policy.verified(chain, list(rng.geometric(p, size=steps)), cut=((), np.zeros((steps, 1))))
+        expected.append(policy.expected(chain))
+    seen = [e for e in expected if e is not None]
+    return dict(steps_a_call=steps, verify_ms=verify_ms, plain_ms=plain_ms, true_tokens_a_step=1 / p, calls=calls,
+                plain_calls=plain, expected_mean=float(np.mean(seen)), expected_min=float(np.min(seen)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", default="1,2,4")
+    ap.add_argument("--verify-ms", default="1.24,1.5")
+    ap.add_argument("--p", type=float, default=0.5)
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--tag", type=results_tag, default="")
+    args = ap.parse_args()
+    rows = [run(s, v, args.p, args.calls) for v in map(float, args.verify_ms.split(","))
+            for s in map(int, args.steps.split(","))]
+    print_table(rows, list(rows[0]))
+    write_results("level_noise" + args.tag, rows)
+
+
+if __name__ == "__main__":
+    main()
