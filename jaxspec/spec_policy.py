@@ -28,20 +28,16 @@ one did: on few calls, an unlucky first average would keep a good shape from bei
 A host drafter's expectation is optimistic by one standard error while its samples are few.
 A device drafter's shapes are compared on the same requests, by the drafts a row-step accepts
 (its tokens past the one every step emits), whose log is the requests' level plus the shape's
-difference: a shape accepts a multiple of what another does, whatever the requests. What it
-averages for a shape is each call's log less the level at that call; the level is the log of a
-moving average (LEVEL_RATE per LEVEL_ROW_STEPS row-steps) of every call's drafts over its shape's
-multiple: one of logs, LEVEL_RATE a call, sank on the calls that accept nothing, which a block
-drafter has often at batch 1 (spec_policy_notes.md). Plain averages (level_rate 0) compare
-shapes on whatever requests each met: at batch 1 the held shape's average is of this request while
-a probed one's is of earlier ones. Those counted on the same steps by its trees' cuts (shape_links.py)
-replace them once known, unless use_links is unset (they are reported beside them either way).
+difference: a shape accepts a multiple of what another does, whatever the requests. It averages
+each call's log less the level at that call; the level is the log of a moving average (LEVEL_RATE
+per LEVEL_ROW_STEPS row-steps) of every call's drafts over its shape's multiple (one of logs sank
+on the calls that accept nothing: spec_policy_notes.md). Plain averages (level_rate 0) compare
+shapes on whatever requests each met. Differences counted on the same steps by its trees' cuts
+(shape_links.py) replace them once known, unless use_links is unset.
 
-The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms,
-
-    mean over its requests of expected(tree, key) / cost(rows, tree),
-
-where plain decoding emits one token per plain step. Every shape a bucket has runs `explore` calls
+The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms, the
+mean over its requests of expected(tree, key) / cost(rows, tree), where plain decoding emits one
+token per plain step. Every shape a bucket has runs `explore` calls
 (4 for a device drafter; a host drafter tries each match key once) before any is preferred. A
 shape whose nodes a bigger one of the same depth and branching drafts too is left out where that
 one costs at most NESTED_COST as much a step: it accepts at least as much on every step. A bucket
@@ -50,9 +46,10 @@ would trade places call after call). After probe_every calls another shape runs 
 (the contenders in turn) so that the averages follow the requests and the costs; the interval
 doubles (up to 8x) after each probe that leaves the bucket on its shape and falls back when the
 bucket moves. A shape the bucket has not verified for STALE_PROBES probe intervals is probed first,
-whatever it is expected to emit: a shape judged on a few early calls could otherwise never be
-verified again. A device drafter's change of shape chains on the last call's drafts, cut on the
-device (scheduler/trees.py).
+whatever it is expected to emit (a shape judged on a few early calls could otherwise never be
+verified again), unless nothing of it goes stale: plain decoding (one token a step), or a cut of the
+held tree, whose link the held tree's calls count. A device drafter's change of shape chains on the
+last call's drafts, cut on the device (scheduler/trees.py).
 
 For a host drafter plain decoding is a choice a tree must look min_gain faster than (above 1: the
 estimate is noisy, and every switch costs an unchained step); a match key that does not pay is
@@ -114,9 +111,8 @@ class SpecPolicy:
         acceptance sums are halved; min_accept: plain step / verify step assumed until a host
         drafter's verify step is timed; level_rate: see Acceptance."""
         self.costs, self.trees_at, self.plain = costs, trees_at, plain
-        self.min_gain, self.probe_every, self.kept = min_gain, probe_every, kept
+        self.min_gain, self.probe_every, self.kept, self.min_accept = min_gain, probe_every, kept, min_accept
         self.explore = EXPLORE_CALLS if explore is None else explore
-        self.min_accept = min_accept
         self.emitted: dict = {}  # (tree, key) -> average tokens a live row emits per verify step
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
         self.drafts, self.level_rate = None, level_rate  # a device drafter's requests' drafts a row-step (level: Acceptance)
@@ -144,7 +140,6 @@ class SpecPolicy:
         self.unchained: dict = {}  # bucket -> moving fraction of a device drafter's calls not chained
         self.call_steps: dict = {}  # (bucket, plain or not) -> moving steps a call
 
-    # -- what was seen ---------------------------------------------------------------------------------
     def arrived(self, rows: int, label: str | None, now: float, steps: int = 1, measured: bool = True,
                 launched: float | None = None) -> None:
         """A call's outputs arrived at `now`: `steps` steps of `label` (a tree's or PLAIN; None: a
@@ -255,7 +250,6 @@ class SpecPolicy:
 
     level = property(lambda self: None if self.drafts is None else math.log(max(self.drafts, MIN_DRAFTS)))  # (Acceptance)
 
-    # -- what to expect --------------------------------------------------------------------------------
     def expected(self, tree, key: Hashable = None) -> float | None:
         """Tokens a row drafting at `key` is expected to emit per verify step of `tree`: the most
         that it or any shape it contains averaged (a host drafter's optimistic by one standard
@@ -309,7 +303,6 @@ class SpecPolicy:
         tp, tv = self.cost(rows, PLAIN), self.cost(rows, tree.label)
         return tp / tv if tp and tv else 1.0 / self.min_accept
 
-    # -- the choice ------------------------------------------------------------------------------------
     def choose(self, rows: int, keys: list | None = None):
         """The tree a call at this bucket verifies, or None: plain decoding (where the bucket has no
         tree; with a host drafter, where no tree pays). keys: a host drafter's requests' match keys."""
@@ -345,16 +338,22 @@ class SpecPolicy:
             probe.mult = 1 if pick != probe.before else min(8, 2 * probe.mult)
             probe.start, probe.done = n + self.probe_every * probe.mult, probe.done + 1
         elif probe.start <= n < probe.start + PROBE_CALLS and len(ranked) > 1:
-            # the shapes within 25% of the best in turn (at least the runner-up): they could overtake it
+            # the shapes within 25% of the best in turn (else the runner-up, unless its expectation is counted)
             if n == probe.start:
                 probe.before = pick
                 last = {t: self.verified_at.get((rows, t), -1) for t in ranked[1:]}
-                stale = [t for t in ranked[1:] if n - last[t] > STALE_PROBES * self.probe_every]
-                rivals = [t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick]] or ranked[1:2]
+                stale = [t for t in ranked[1:] if n - last[t] > STALE_PROBES * self.probe_every and not self._counted(t, pick)]
+                rivals = ([t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick]]
+                          or [t for t in ranked[1:2] if not self._counted(t, pick)] or [pick])
                 probe.shape = min(stale, key=last.get) if stale else rivals[probe.done % len(rivals)]
             pick = probe.shape
         self.verified_at[(rows, pick)] = n
         return pick
+
+    def _counted(self, tree, held) -> bool:
+        """Whether `held`'s own calls keep what `tree` is expected to emit current: plain decoding, or a cut of it (links)."""
+        chain = self.links.chain if self.use_links and self.level_rate else []
+        return tree is PLAIN_CHOICE or tree in chain and held in chain and chain.index(tree) < chain.index(held)
 
     def _gate(self, rows, trees, keys):
         """A tree, or plain decoding where none looks min_gain faster (a host drafter)."""
