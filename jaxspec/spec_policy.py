@@ -47,9 +47,10 @@ would trade places call after call). After probe_every calls another shape runs 
 doubles (up to 8x) after each probe that leaves the bucket on its shape and falls back when the
 bucket moves. A shape the bucket has not verified for STALE_PROBES probe intervals is probed first,
 whatever it is expected to emit (a shape judged on a few early calls could otherwise never be
-verified again), unless nothing of it goes stale: plain decoding (one token a step), or a cut of the
-held tree, whose link the held tree's calls count. A device drafter's change of shape chains on the
-last call's drafts, cut on the device (scheduler/trees.py).
+verified again), unless nothing of it goes stale: a cut of the held tree, whose link the held tree's
+calls count. Plain decoding is never probed: it emits one token a step, at the table's cost scaled.
+A device drafter's change of shape chains on the last call's drafts, cut on the device
+(scheduler/trees.py).
 
 For a host drafter plain decoding is a choice a tree must look min_gain faster than (above 1: the
 estimate is noisy, and every switch costs an unchained step); a match key that does not pay is
@@ -343,7 +344,7 @@ class SpecPolicy:
                 probe.before = pick
                 last = {t: self.verified_at.get((rows, t), -1) for t in ranked[1:]}
                 stale = [t for t in ranked[1:] if n - last[t] > STALE_PROBES * self.probe_every and not self._counted(t, pick)]
-                rivals = ([t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick]]
+                rivals = ([t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick] and t is not PLAIN_CHOICE]
                           or [t for t in ranked[1:2] if not self._counted(t, pick)] or [pick])
                 probe.shape = min(stale, key=last.get) if stale else rivals[probe.done % len(rivals)]
             pick = probe.shape
