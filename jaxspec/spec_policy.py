@@ -26,31 +26,32 @@ last token alone matches rarely more than the bonus token, and code alternates t
 contains another's shape (as deep, as wide, as many nodes) is expected to accept at least what that
 one did: on few calls, an unlucky first average would keep a good shape from being chosen again.
 A host drafter's expectation is optimistic by one standard error while its samples are few.
-A device drafter's shapes are compared on the same requests, by the drafts a row-step accepts
-(its tokens past the one every step emits), whose log is the requests' level plus the shape's
-difference: a shape accepts a multiple of what another does, whatever the requests. It averages
-each call's log less the level at that call; the level is the log of a moving average (LEVEL_RATE
-per LEVEL_ROW_STEPS row-steps) of every call's drafts over its shape's multiple (one of logs sank
-on the calls that accept nothing: spec_policy_notes.md). Plain averages (level_rate 0) compare
+A device drafter's shapes are compared on the same requests, by the drafts a row-step accepts (its
+tokens past the one every step emits), whose log is the requests' level plus the shape's difference:
+a shape accepts a multiple of what another does, whatever the requests. It averages each call's log
+less the level at that call; the level is the log of a moving average (LEVEL_RATE per
+LEVEL_ROW_STEPS row-steps) of every call's drafts over its shape's multiple (one of logs sank on the
+calls that accept nothing: spec_policy_notes.md); over plain steps, where nothing is verified, it
+moves back toward the drafts' long-run mean at that rate. Plain averages (level_rate 0) compare
 shapes on whatever requests each met. Differences counted on the same steps by its trees' cuts
 (shape_links.py) replace them once known, unless use_links is unset.
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms, the
 mean over its requests of expected(tree, key) / cost(rows, tree), where plain decoding emits one
-token per plain step. Every shape a bucket has runs `explore` calls
-(4 for a device drafter; a host drafter tries each match key once) before any is preferred. A
-shape whose nodes a bigger one of the same depth and branching drafts too is left out where that
-one costs at most NESTED_COST as much a step: it accepts at least as much on every step. A bucket
-that moved to a shape keeps it for HOLD_CALLS calls, then takes the fastest again (near-tied shapes
-would trade places call after call). After probe_every calls another shape runs PROBE_CALLS calls
-(the contenders in turn) so that the averages follow the requests and the costs; the interval
-doubles (up to 8x) after each probe that leaves the bucket on its shape and falls back when the
-bucket moves. A shape the bucket has not verified for STALE_PROBES probe intervals is probed first,
-whatever it is expected to emit (a shape judged on a few early calls could otherwise never be
-verified again), unless nothing of it goes stale: a cut of the held tree, whose link the held tree's
-calls count. Plain decoding is never probed: it emits one token a step, at the table's cost scaled.
-A device drafter's change of shape chains on the last call's drafts, cut on the device
-(scheduler/trees.py).
+token per plain step. Every shape a bucket has runs `explore` calls (4 for a device drafter; a host
+drafter tries each match key once) before any is preferred. A shape whose nodes a bigger one of the
+same depth and branching drafts too is left out where that one costs at most NESTED_COST as much a
+step: it accepts at least as much on every step. A bucket that moved to a tree keeps it for
+HOLD_CALLS calls, then takes the fastest again (near-tied shapes would trade places call after
+call); plain decoding is left as soon as a tree looks faster. After probe_every calls another shape
+runs PROBE_CALLS calls (the contenders in turn) so that the averages follow the requests and the
+costs; the interval doubles (up to 8x) after each probe that leaves the bucket on its shape and
+falls back when the bucket moves. A shape the bucket has not verified for STALE_PROBES probe
+intervals is probed first, whatever it is expected to emit (a shape judged on a few early calls
+could otherwise never be verified again), unless nothing of it goes stale: a cut of the held tree,
+whose link the held tree's calls count. Plain decoding is never probed: it emits one token a step,
+at the table's cost scaled. A device drafter's change of shape chains on the last call's drafts, cut
+on the device (scheduler/trees.py).
 
 For a host drafter plain decoding is a choice a tree must look min_gain faster than (above 1: the
 estimate is noisy, and every switch costs an unchained step); a match key that does not pay is
@@ -68,9 +69,8 @@ import math
 from statistics import median  # (numpy's has a fixed overhead many times a few dozen floats' sort; this runs every call)
 from typing import Hashable
 
-import numpy as np
-
 from jaxspec.shape_links import ShapeLinks
+from jaxspec.spec_policy_summary import summary
 from jaxspec.spec_shapes import PLAIN, PLAIN_CHOICE, HostTree, contains, match_key, nested  # noqa: F401 (re-exported)
 from jaxspec.step_costs import StepCosts, time_call  # noqa: F401  (the policy's cost table, and how it is timed)
 
@@ -117,6 +117,7 @@ class SpecPolicy:
         self.emitted: dict = {}  # (tree, key) -> average tokens a live row emits per verify step
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
         self.drafts, self.level_rate = None, level_rate  # a device drafter's requests' drafts a row-step (level: Acceptance)
+        self.long = [0.0, 0]  # the drafts its level averaged, over the last `kept` row-steps: [sum, row-steps]
         self.diffs: dict = {}  # tree -> [row-steps x (log of the call's drafts accepted - level), row-steps]
         self.links, self.use_links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS), USE_LINKS
         self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
@@ -157,6 +158,9 @@ class SpecPolicy:
             self.plain_steps += steps
             if not (self.plain or PLAIN_CHOICE in self.trees_at.get(rows, ())):
                 return  # plain decoding is not a choice at this bucket: nothing reads its cost
+            if self.drafts is not None and self.long[1]:  # nothing verified: the level returns toward its long-run mean
+                mean = self.long[0] / self.long[1]
+                self.drafts = mean + (1 - self.level_rate) ** (rows * steps / LEVEL_ROW_STEPS) * (self.drafts - mean)
         # A host drafter's calls (launched after the last outputs arrived) are all timed from them:
         # kept to calls after one of the same kind, its lone probes left its verify cost at what it
         # was first seen (13-21 ms with bench/spec.py's engines warming up side by side, against 4.7
@@ -248,6 +252,9 @@ class SpecPolicy:
         chained = self.links.diff(tree) if self.use_links else None
         y = max(mean - 1.0, 0.0) * math.exp(-(d[0] / d[1] if chained is None else chained))  # drafts, not logs: see above
         self.drafts = y if self.drafts is None else y + (1 - self.level_rate) ** (n / LEVEL_ROW_STEPS) * (self.drafts - y)
+        self.long = [self.long[0] + n * y, self.long[1] + n]
+        if self.long[1] > self.kept:
+            self.long = [self.long[0] / 2, self.long[1] / 2]
 
     level = property(lambda self: None if self.drafts is None else math.log(max(self.drafts, MIN_DRAFTS)))  # (Acceptance)
 
@@ -328,7 +335,7 @@ class SpecPolicy:
         ranked = sorted(trees, key=rate.get, reverse=True)
         pick = ranked[0]
         held, since = self.held.get(rows, (None, 0))
-        if held in trees and pick != held and n - since < HOLD_CALLS:
+        if held in trees and held is not PLAIN_CHOICE and pick != held and n - since < HOLD_CALLS:
             pick = held  # near-tied shapes would trade places call after call
         probe = self.probes.setdefault(rows, _Probes(self.probe_every))
         if pick != held:
@@ -381,20 +388,4 @@ class SpecPolicy:
         return tree if due else None
 
     def summary(self) -> dict:
-        """What the policy learned and did: per tree its accept length and the histogram of tokens
-        a row-step emitted, per bucket the costs seen and how many calls took each tree."""
-        by_bucket = lambda d: {str(r): {k: v for (r2, k), v in sorted(d.items()) if r2 == r}
-                               for r in sorted({r for r, _ in d})}
-        accept = {}
-        for (t, k), e in self.emitted.items():
-            accept[t.label if k is None else f"{t.label} @{k}"] = round(e, 3)
-        linked = {t: d for t in self.links.chain if self.level is not None and (d := self.links.diff(t)) is not None}
-        return dict(accept_length=accept, expected={t.label: round(self.expected(t), 3) for t in self.diffs},
-                    linked_expected={t.label: round(1 + min(math.exp(self.level + d), t.steps), 3) for t, d in linked.items()},
-                    accept_histogram={t.label: dict(sorted(c.items())) for t, c in self.accepts.items()},
-                    observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in self.observed.items()}),
-                    recent_ms=by_bucket({k: [round(float(q), 3) for q in np.percentile(v, (50, 90, 100))]
-                                         for k, v in self.recent.items()}),
-                    launch={str(r): dict(ms=round(ms, 3), unchained=round(self.unchained.get(r, 0.0), 3))
-                            for r, ms in sorted(self.launch_ms.items())},
-                    chosen=by_bucket(self.chosen))
+        return summary(self)

@@ -589,3 +589,32 @@ def test_calls_that_accept_nothing_do_not_sink_the_level():
     assert np.mean(expected[50:]) == pytest.approx(2.0, abs=0.15)  # an average of logs said 1.3-1.7
     # 2 tokens in 1.5 ms against 1 in 1.2: plain decoding only as the probes' calls (the old level: 128 of 400)
     assert plain <= 400 * spec_policy.PROBE_CALLS / policy.probe_every, plain
+
+
+def test_a_plain_spell_ends_as_the_level_returns_toward_its_mean():
+    """Nothing is verified over a device drafter's plain steps, so a level that a stretch of calls
+    accepting nothing took below plain decoding's break-even stayed there until a probe of the
+    tree: DFLASH's chain (1.23 ms a step against plain's 1.20 at HumanEval batch 1) took 8 plain
+    calls a round at 0.89x the fixed chain (spec-dflash-noplainprobe-NVIDIA-H200.json). Over plain
+    steps the level moves back toward its long-run mean, and plain decoding is not held."""
+    from jaxspec.spec_policy import PLAIN, PLAIN_CHOICE
+    chain = TreeShape(15, 1, 16)
+    # (1.3 ms a step: the engine's chain also pays a larger share of the launches, its calls being shorter)
+    policy = SpecPolicy(StepCosts({("decode", 1, None): 1.2, ("verify", 1, "15:1:16"): 1.3}), {1: [chain, PLAIN_CHOICE]})
+    no_cut = ((), np.zeros((4, 1)))
+    for _ in range(60):  # a call of 4 steps, each one draft accepted
+        assert policy.choose(1) is chain
+        policy.verified(chain, [2] * 4, cut=no_cut)
+    hard = 0
+    while policy.choose(1) is chain and hard < 100:  # a stretch that accepts nothing
+        policy.verified(chain, [1] * 4, cut=no_cut)
+        hard += 1
+    assert 4 <= hard <= 20 and policy.expected(chain) < 1.3 / 1.2  # plain decoding looked faster
+    spell, now = 1, 0.0
+    while spell < 100:
+        now += 8 * 1.2e-3
+        policy.arrived(1, PLAIN, now, 8)  # a plain call of 8 steps
+        if policy.choose(1) is not None:
+            break
+        spell += 1
+    assert spell == 1 and policy.expected(chain) > 1.3  # half way back to the long-run 2 tokens a step
