@@ -70,7 +70,7 @@ from statistics import median  # (numpy's has a fixed overhead many times a few 
 from typing import Hashable
 
 from jaxspec.shape_links import ShapeLinks
-from jaxspec.spec_policy_summary import summary
+from jaxspec import spec_policy_summary
 from jaxspec.spec_shapes import PLAIN, PLAIN_CHOICE, HostTree, contains, match_key, nested  # noqa: F401 (re-exported)
 from jaxspec.step_costs import StepCosts, time_call  # noqa: F401  (the policy's cost table, and how it is timed)
 
@@ -387,5 +387,5 @@ class SpecPolicy:
         due = any(k and self.plain_steps - self.last_verified.get(k, 0) >= wait * self.backoff.get(k, 1) for k in keys)
         return tree if due else None
 
-    def summary(self) -> dict:
-        return summary(self)
+    def summary(self) -> dict:  # (what it learned and did: /server_info, the benches' rows)
+        return spec_policy_summary.summary(self)
