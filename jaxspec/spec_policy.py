@@ -90,6 +90,15 @@ USE_LINKS = True  # shapes compared by their cuts' counts where known (shape_lin
 CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not chained, and in its steps a call
 
 
+def _add(sums: list, x: float, n: float, kept: float) -> list:
+    """sums [x, n] += (x, n), both halved past `kept` n: a moving average's sums, older calls fading."""
+    sums[0] += x
+    sums[1] += n
+    if sums[1] > kept:
+        sums[0], sums[1] = sums[0] / 2, sums[1] / 2
+    return sums
+
+
 @dataclasses.dataclass
 class _Probes:
     """A bucket's probes: the next one's first call, the interval's multiplier, probes run, the shape before the last."""
@@ -158,7 +167,8 @@ class SpecPolicy:
             self.plain_steps += steps
             if not (self.plain or PLAIN_CHOICE in self.trees_at.get(rows, ())):
                 return  # plain decoding is not a choice at this bucket: nothing reads its cost
-            if self.drafts is not None and self.long[1]:  # nothing verified: the level returns toward its long-run mean
+            # nothing verified: the level returns toward its long-run mean (over the bucket's row-steps)
+            if self.drafts is not None and self.long[1]:
                 mean = self.long[0] / self.long[1]
                 self.drafts = mean + (1 - self.level_rate) ** (rows * steps / LEVEL_ROW_STEPS) * (self.drafts - mean)
         # A host drafter's calls (launched after the last outputs arrived) are all timed from them:
@@ -194,11 +204,7 @@ class SpecPolicy:
         self.medians[(rows, label)] = median(recent)
         ratios = [m / t for (r, k), m in self.medians.items() if (t := self._table(r, k))]
         self.scale = median(ratios) if ratios else 1.0
-        seen = self.observed.setdefault((rows, label), [0.0, 0])
-        seen[0] += ms
-        seen[1] += steps
-        if seen[1] > (HOST_KEPT_STEPS if self.plain else KEPT_STEPS):
-            seen[0], seen[1] = seen[0] / 2, seen[1] / 2
+        _add(self.observed.setdefault((rows, label), [0.0, 0]), ms, steps, HOST_KEPT_STEPS if self.plain else KEPT_STEPS)
 
     def verified(self, tree, emitted: list[int], keys: list | None = None, rows: int | None = None,
                  cut: tuple | None = None) -> None:
@@ -222,11 +228,7 @@ class SpecPolicy:
                     t, n = calls.get(k, (0, 0))
                     calls[k] = (t + c, n + 1)
         for k, (t, n) in calls.items():
-            total = self.totals.setdefault((tree, k), [0, 0])
-            total[0] += t
-            total[1] += n
-            if total[1] > self.kept:
-                total[0], total[1] = total[0] / 2, total[1] / 2
+            total = _add(self.totals.setdefault((tree, k), [0, 0]), t, n, self.kept)
             self.emitted[(tree, k)] = total[0] / total[1]
             self.last_verified[k] = self.plain_steps
         if self.plain:  # a key whose verify did not pay is probed less often, one that did as before
@@ -246,15 +248,11 @@ class SpecPolicy:
         self._compared = (tree, calls + 1, base)
         d = self.diffs.setdefault(tree, [0.0, 0])
         if calls < PROBE_CALLS or not d[1]:
-            d[0], d[1] = d[0] + n * (x - base), d[1] + n
-            if d[1] > self.kept:
-                d[0], d[1] = d[0] / 2, d[1] / 2
+            _add(d, n * (x - base), n, self.kept)
         chained = self.links.diff(tree) if self.use_links else None
         y = max(mean - 1.0, 0.0) * math.exp(-(d[0] / d[1] if chained is None else chained))  # drafts, not logs: see above
         self.drafts = y if self.drafts is None else y + (1 - self.level_rate) ** (n / LEVEL_ROW_STEPS) * (self.drafts - y)
-        self.long = [self.long[0] + n * y, self.long[1] + n]
-        if self.long[1] > self.kept:
-            self.long = [self.long[0] / 2, self.long[1] / 2]
+        _add(self.long, n * y, n, self.kept)
 
     level = property(lambda self: None if self.drafts is None else math.log(max(self.drafts, MIN_DRAFTS)))  # (Acceptance)
 
@@ -349,19 +347,20 @@ class SpecPolicy:
             # the shapes within 25% of the best in turn (else the runner-up, unless its expectation is counted)
             if n == probe.start:
                 probe.before = pick
-                last = {t: self.verified_at.get((rows, t), -1) for t in ranked[1:]}
-                stale = [t for t in ranked[1:] if n - last[t] > STALE_PROBES * self.probe_every and not self._counted(t, pick)]
-                rivals = ([t for t in ranked[1:] if rate[t] >= 0.75 * rate[pick] and t is not PLAIN_CHOICE]
-                          or [t for t in ranked[1:2] if not self._counted(t, pick)] or [pick])
+                others = [t for t in ranked[1:] if t is not PLAIN_CHOICE]  # (plain decoding is never probed)
+                last = {t: self.verified_at.get((rows, t), -1) for t in others}
+                stale = [t for t in others if n - last[t] > STALE_PROBES * self.probe_every and not self._counted(t, pick)]
+                rivals = ([t for t in others if rate[t] >= 0.75 * rate[pick]]
+                          or [t for t in ranked[1:2] if t in others and not self._counted(t, pick)] or [pick])
                 probe.shape = min(stale, key=last.get) if stale else rivals[probe.done % len(rivals)]
             pick = probe.shape
         self.verified_at[(rows, pick)] = n
         return pick
 
     def _counted(self, tree, held) -> bool:
-        """Whether `held`'s own calls keep what `tree` is expected to emit current: plain decoding, or a cut of it (links)."""
+        """Whether `held`'s own calls keep what `tree` is expected to emit current: a cut of it (links)."""
         chain = self.links.chain if self.use_links and self.level_rate else []
-        return tree is PLAIN_CHOICE or tree in chain and held in chain and chain.index(tree) < chain.index(held)
+        return tree in chain and held in chain and chain.index(tree) < chain.index(held)
 
     def _gate(self, rows, trees, keys):
         """A tree, or plain decoding where none looks min_gain faster (a host drafter)."""

@@ -23,13 +23,18 @@ import numpy as np
 
 from common import print_table, results_tag, write_results
 from jaxspec.drafters.eagle_step import TreeShape
-from jaxspec.spec_policy import PLAIN_CHOICE, SpecPolicy, StepCosts
+from jaxspec.spec_policy import PLAIN, PLAIN_CHOICE, SpecPolicy, StepCosts
+
+CHAIN = TreeShape(15, 1, 16)
+
+
+def chain_policy(verify_ms: float, plain_ms: float) -> SpecPolicy:
+    return SpecPolicy(StepCosts({("decode", 1, None): plain_ms, ("verify", 1, CHAIN.label): verify_ms}),
+                      {1: [CHAIN, PLAIN_CHOICE]})
 
 
 def run(steps: int, verify_ms: float, p: float, calls: int, plain_ms: float = 1.2) -> dict:
-    chain = TreeShape(15, 1, 16)
-    policy = SpecPolicy(StepCosts({("decode", 1, None): plain_ms, ("verify", 1, "15:1:16"): verify_ms}),
-                        {1: [chain, PLAIN_CHOICE]})
+    chain, policy = CHAIN, chain_policy(verify_ms, plain_ms)
     rng = np.random.default_rng(0)
     plain, expected = 0, []
     for _ in range(calls):
@@ -45,7 +50,6 @@ def run(steps: int, verify_ms: float, p: float, calls: int, plain_ms: float = 1.
 
 def run_text(steps: int, verify_ms: float, p: float, hard: float, hard_tokens: int, tokens: int,
              plain_ms: float = 1.2, seed: int = 0) -> dict:
-    from jaxspec.spec_policy import PLAIN
     rng = np.random.default_rng(seed)
     easy = []  # per token: whether a step starting there can accept drafts
     while len(easy) < tokens + 64:
@@ -64,9 +68,7 @@ def run_text(steps: int, verify_ms: float, p: float, hard: float, hard_tokens: i
             x, ms = x + step(x), ms + verify_ms
         return x / ms
 
-    chain = TreeShape(15, 1, 16)
-    policy = SpecPolicy(StepCosts({("decode", 1, None): plain_ms, ("verify", 1, "15:1:16"): verify_ms}),
-                        {1: [chain, PLAIN_CHOICE]})
+    chain, policy = CHAIN, chain_policy(verify_ms, plain_ms)
     x, ms, plain, after_plain = 0, 0.0, 0, False
     while x < tokens:
         if policy.choose(1) is None:
