@@ -81,7 +81,7 @@ def drafters() -> str:
 
 def policy() -> str:
     """Fixed trees beside the auto policy's choice among shapes (both datasets in one run)."""
-    return _side_by_side(("spec-policy-probes",), "speculation")
+    return _side_by_side(("spec-policy-spells",), "speculation")
 
 
 def heads() -> str:
