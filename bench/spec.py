@@ -10,7 +10,7 @@
         a last /auto chooses the tree every call among the drafter's shapes by measured costs:
         spec_policy.py, rows' `policy`, `auto_choices`, `step_costs`; /auto-avg compares the shapes'
         plain averages, level_rate 0; /auto-level against the level alone, not by their cuts' counts on
-        the same steps, shape_links.py)
+        the same steps, shape_links.py; /auto-open without the closed batch's rule, closed_wave.py)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -186,6 +186,7 @@ def main():
         a, _, probe = a.partition("/probe")  # "ngram:8/probe32": a host drafter's spec_probe_every
         a, plain_avg = (a[:-len("-avg")], True) if a.endswith("/auto-avg") else (a, False)  # level_rate 0
         a, links = (a[:-len("-level")], False) if a.endswith("/auto-level") else (a, None)  # shape_links.py
+        a, per_step = (a[:-len("-open")], True) if a.endswith("/auto-open") else (a, False)  # closed_wave.py off
         a, auto = (a[:-len("/auto")], True) if a.endswith("/auto") else (a, False)  # spec_policy.py
         a, _, attn_impl = a.partition("@")  # "eagle3:5:8:16@pallas": that attention (default auto)
         a, _, map_size = a.partition("/map")  # "eagle:6:4:24/map4096": the first 4096 ids of --token-map
@@ -223,6 +224,8 @@ def main():
                                         warmup=not args.lazy, warmup_flags=[SamplerFlags.of([greedy(1)])], **kw)
         if plain_avg:  # the policy comparing shapes by plain averages, not against the requests' level
             gens[(name, label)].scheduler.spec_policy.level_rate = 0.0
+        if per_step:  # a closed batch ranked by tokens a ms of a step like any other (closed_wave.py)
+            gens[(name, label)].scheduler.closed_batch_rule = False
         if links is not None:  # the policy comparing shapes by the level alone, not their cuts' counts
             gens[(name, label)].scheduler.spec_policy.use_links = links
     rows = []

@@ -68,7 +68,12 @@ class Outputs:
                 # step verified the last shape's drafts, cut to this one: it tells nothing of the cuts)
                 same = [(i, s) for i, s, _ in live if not (s == 0 and f.switched)]
                 cut = (cut_shapes, np.concatenate([count[:, :, None], cut], axis=2)[tuple(zip(*same))]) if same else None
-            self.spec_policy.verified(self._policy_tree(f), [c for _, _, c in live], keys, count.shape[0], cut)
+            tree = self._policy_tree(f)
+            if self.device_drafter and (e := self.spec_policy.expected(tree)) is not None:
+                for i, _, c in live:  # each row's drafts against the policy's expectation (closed_wave.row_factors)
+                    f.reqs[i].drafts[0] += c - 1
+                    f.reqs[i].drafts[1] += e - 1
+            self.spec_policy.verified(tree, [c for _, _, c in live], keys, count.shape[0], cut)
             self._arrived(f, arrived, int((count > 0).sum(axis=1).max(initial=0)))
         for i, r in enumerate(f.reqs):
             if shared is not None and not r.finished:

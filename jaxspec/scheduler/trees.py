@@ -19,7 +19,7 @@ import os
 import jax
 import numpy as np
 
-from jaxspec import program_store
+from jaxspec import closed_wave, program_store
 from jaxspec.drafters.device import cut_drafts
 from jaxspec.drafters.eagle_step import nodes_that_fit
 from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket
@@ -42,6 +42,7 @@ class TreeSizing:
         # auto's plain decoding keeps the drafter in step (eagle_step / dflash_step.decode): one of the shapes
         self.keeps_heads = self.auto and drafter.keeps_head_in_decode
         self._decided = None  # (bucket, choice) the last call's chain check took
+        self.closed_batch_rule = True  # nobody waiting: the tree only where the batch ends sooner (closed_wave.py)
         trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
         self.tree_programs = {t: self.programs if t == drafter.tree else
                               Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in trees}
@@ -121,6 +122,12 @@ class TreeSizing:
             return shapes[0]
         tree = self.spec_policy.choose(rows, None if self.device_drafter else self._match_keys(reqs))
         if tree is None:
+            return PLAIN
+        if (self.closed_batch_rule and self.device_drafter and not self.waiting and len(reqs) > 1
+                and PLAIN_CHOICE in self.spec_policy.trees_at[rows]
+                and closed_wave.plain_finishes_first(self.spec_policy, rows, tree, reqs)):
+            self.spec_policy.chosen[(rows, tree.label)] -= 1  # (what the calls ran, in the policy's summary)
+            self.spec_policy.chosen[(rows, PLAIN_LABEL)] += 1
             return PLAIN
         return (tree if self.device_drafter else None), tree.num_draft_tokens
 

@@ -1,0 +1,74 @@
+"""A closed batch (nobody waiting) ends when its slowest rows do: the auto policy's tree is run
+only where the rows, each at its own rate, finish sooner under it than decoding plainly
+(closed_wave.py)."""
+import numpy as np
+
+from jaxspec import SamplingParams, closed_wave
+from jaxspec.drafters.eagle_step import TreeShape
+from jaxspec.scheduler.request import Request
+from jaxspec.scheduler.trees import PLAIN
+from jaxspec.spec_policy import PLAIN_CHOICE, SpecPolicy, StepCosts
+
+from test_spec_policy import SMALL, _plain_and_auto
+
+
+def test_a_wave_runs_each_step_at_the_bucket_of_the_rows_left():
+    cost = {4: 3.0, 2: 2.0, 1: 1.0}.get
+    assert closed_wave.wave_ms([4, 2, 2], cost) == 2 * 3.0 + 2 * 1.0  # three rows (bucket 4), then one
+    assert closed_wave.wave_ms([3, 3], cost) == 3 * 2.0
+    assert closed_wave.wave_ms([2.5, 1.0], cost) == 1.0 * 2.0 + 1.5 * 1.0
+
+
+def _requests(accepted, expected, max_tokens=100):
+    reqs = []
+    for i, (a, e) in enumerate(zip(accepted, expected)):
+        r = Request(i, [1, 2, 3], SamplingParams(max_tokens=max_tokens), seed=i)
+        r.drafts = [a, e]
+        reqs.append(r)
+    return reqs
+
+
+def test_a_row_that_accepts_far_less_than_the_rest_makes_the_batch_decode_plainly():
+    """Per step the tree emits 1.8 tokens for 1.5 ms against plain's 1 for 1 ms (the policy's
+    choice); a row accepting a tenth of the drafts the others do would need 93 of the tree's
+    steps, 139 ms, against 100 plain steps, 100 ms: plain decoding ends the batch first."""
+    costs = StepCosts({(k, b, t): c for b in (1, 2, 4) for k, t, c in (("decode", None, 1.0), ("verify", SMALL.label, 1.5))})
+    policy = SpecPolicy(costs, {b: [SMALL, PLAIN_CHOICE] for b in (1, 2, 4)}, level_rate=0)
+    policy.verified(SMALL, [2, 2, 2, 2, 1])
+    assert policy.expected(SMALL) == 1.8 and policy.choose(4) == SMALL
+    even = _requests([80, 80, 80, 80], [80, 80, 80, 80])
+    assert not closed_wave.plain_finishes_first(policy, 4, SMALL, even)  # 56 tree steps, 83 ms
+    slow = _requests([80, 80, 80, 8], [80, 80, 80, 80])
+    assert closed_wave.plain_finishes_first(policy, 4, SMALL, slow)
+    assert closed_wave.row_factors(slow)[3] < 0.3
+    # a row with little history counts as the others: one unlucky step does not decide
+    assert not closed_wave.plain_finishes_first(policy, 4, SMALL, _requests([80, 80, 80, 0], [80, 80, 80, 1.6]))
+    # rows near their ends: few tokens left each, the tree's steps cost more than they save
+    assert not closed_wave.plain_finishes_first(policy, 4, TreeShape(3, 2, 6), even)  # never seen: no expectation
+
+
+def test_a_closed_batch_decodes_plainly_where_its_slowest_row_would_end_later(tiny, monkeypatch):
+    """The engine: with one row's factor far below the others', every call of a closed batch
+    decodes plainly (the drafter kept in step) although the policy ranks a tree first, and the
+    outputs are plain decoding's; with a request waiting, the policy's tree is run."""
+    prompts, params, plain, gen = _plain_and_auto(tiny, 2, 4, 24, 4)
+    sched = gen.scheduler
+    ms = sched.spec_costs.ms
+    ms.update({k: 2.0 if k[0] == "verify" else 1.0 for k in ms})
+    sched.spec_policy.timed = lambda *a: None  # the table alone prices the shapes
+    monkeypatch.setattr(sched.spec_policy, "expected", lambda tree, key=None: 3.0)  # 1.5 tokens a ms: trees first
+    monkeypatch.setattr(closed_wave, "row_factors", lambda reqs: np.array([1.0] * (len(reqs) - 1) + [0.01]))
+    verify0, decode0 = sched.stats["verify_steps"], sched.stats["decode_time"]
+    assert [c.token_ids for c in gen.generate(prompts, params)] == plain
+    assert sched.stats["verify_steps"] == verify0 and sched.stats["decode_time"] > decode0
+    plain_calls = sum(n for (rows, label), n in sched.spec_policy.chosen.items() if label == "plain")
+    assert plain_calls > 0
+    reqs = [sched.add(p, pa) for p, pa in zip(prompts, params)]
+    sched.step()  # prefill
+    sched.waiting.append(reqs[0])  # (a stand-in: only its presence is read)
+    assert sched._choice_for(reqs[1:])[0] is not None
+    sched.waiting.pop()
+    assert sched._choice_for(reqs[1:]) == PLAIN
+    while sched.has_work:
+        sched.step()
+    assert sched.pool.in_use == 0 and sched.late_compiles == []
