@@ -163,15 +163,15 @@ def policies(args):
         ts = [t for t in traces if t["dataset"] == ds and t["tree"] == tree]
         mean_accept = float(np.mean([a for t in ts for a in t["accept_lengths"]]))
         times = {}
-        for rule in ("plain", "fixed", "per_step", "closed"):
+        for rule, prior in [("plain", None), ("fixed", None), ("per_step", None)] + [("closed", p) for p in args.priors]:
             total, chosen = 0.0, collections.Counter()
             for w in sorted({t["wave"] for t in ts}):
                 wave = [(t["tokens"], accept_at(t["accept_lengths"])) for t in ts if t["wave"] == w]
                 ms_w, c = run_wave(wave, lambda b: ms[("verify", b, label)], lambda b: ms[("decode", b, None)],
-                                   mean_accept, rule, args.max_tokens)
+                                   mean_accept, rule, args.max_tokens, prior=prior)
                 total, chosen = total + ms_w, chosen + c
             times[rule] = total
-            out.append(dict(dataset=ds, tree=tree, rule=rule, wave_ms=round(total, 1),
+            out.append(dict(dataset=ds, tree=tree, rule=rule, prior=prior, wave_ms=round(total, 1),
                             vs_plain=round(times["plain"] / total, 3), spec_calls=chosen["spec"],
                             plain_calls=chosen["plain"]))
     print_table(out, list(out[0]))
@@ -196,6 +196,8 @@ def main():
     p.add_argument("--costs", required=True)
     p.add_argument("--traces", default=(glob.glob("bench/results/wave_tail-traces-*.json") or [None])[0])
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--priors", type=lambda x: [float(v) for v in x.split(",")], default=[ROW_PRIOR_DRAFTS],
+                   help="closed rule's expected drafts at factor 1 added to each row's (closed_wave.ROW_PRIOR_DRAFTS)")
     args = ap.parse_args()
     dict(collect=collect, simulate=simulate, policies=policies)[args.cmd](args)
 
