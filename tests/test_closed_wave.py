@@ -31,7 +31,8 @@ def _requests(accepted, expected, max_tokens=100):
 def test_a_row_that_accepts_far_less_than_the_rest_makes_the_batch_decode_plainly():
     """Per step the tree emits 1.8 tokens for 1.5 ms against plain's 1 for 1 ms (the policy's
     choice); a row accepting a tenth of the drafts the others do would need 93 of the tree's
-    steps, 139 ms, against 100 plain steps, 100 ms: plain decoding ends the batch first."""
+    steps, 139 ms, against 100 plain steps, 100 ms: plain decoding ends the batch first (unless
+    the batch verifies now and moving costs a launch of 50 ms)."""
     costs = StepCosts({(k, b, t): c for b in (1, 2, 4) for k, t, c in (("decode", None, 1.0), ("verify", SMALL.label, 1.5))})
     policy = SpecPolicy(costs, {b: [SMALL, PLAIN_CHOICE] for b in (1, 2, 4)}, level_rate=0)
     policy.verified(SMALL, [2, 2, 2, 2, 1])
@@ -41,6 +42,12 @@ def test_a_row_that_accepts_far_less_than_the_rest_makes_the_batch_decode_plainl
     slow = _requests([80, 80, 80, 8], [80, 80, 80, 80])
     assert closed_wave.plain_finishes_first(policy, 4, SMALL, slow)
     assert closed_wave.row_factors(slow)[3] < 0.3
+    # a change of mode pays a launch (the bucket's, as seen): near-tied estimates keep the batch where it is
+    policy.launch_ms[4], policy.unchained[4], policy.run = 50.0, 0.0, (SMALL.label, 3)  # (every call chained)
+    assert not closed_wave.plain_finishes_first(policy, 4, SMALL, slow)  # 100 + 50 ms against 139
+    policy.run = ("plain", 3)
+    assert closed_wave.plain_finishes_first(policy, 4, SMALL, slow)
+    policy.launch_ms.clear()
     # a row with little history counts as the others: one unlucky step does not decide
     assert not closed_wave.plain_finishes_first(policy, 4, SMALL, _requests([80, 80, 80, 0], [80, 80, 80, 1.6]))
     # rows near their ends: few tokens left each, the tree's steps cost more than they save

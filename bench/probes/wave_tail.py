@@ -119,12 +119,17 @@ def accept_at(trace: list[int]):
     return lambda p: trace[min(int(np.searchsorted(starts, p, side="right")) - 1, len(trace) - 1)]
 
 
-def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps=4, prior=ROW_PRIOR_DRAFTS, oracle=None):
-    """A closed wave under `rule` (plain, fixed, per_step, closed): ms until its last row ends.
-    rows: [(tokens, accept_at)]; shape_ms / plain_ms: bucket -> ms a step."""
+def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps=4, prior=ROW_PRIOR_DRAFTS,
+             oracle=None, switch_ms=None):
+    """A closed wave under `rule` (plain, fixed, per_step, closed, closed_switch): ms until its last
+    row ends, and the calls of each kind. rows: [(tokens, accept_at)]; shape_ms / plain_ms /
+    switch_ms: bucket -> ms a step, or a change between plain and the tree (an unchained call's
+    launch; a move to the tree also verifies the roots alone first: a tree step that emits one
+    token a row). closed_switch: the closed rule with a change's cost added to the side it moves to."""
     n = len(rows)
     pos, drafts, expect = np.zeros(n), np.zeros(n), np.zeros(n)
-    total, choices = 0.0, collections.Counter()
+    total, choices, last = 0.0, collections.Counter(), None
+    switch_ms = switch_ms or (lambda b: 0.0)
     while True:
         alive = [i for i in range(n) if pos[i] < rows[i][0]]
         if not alive:
@@ -137,17 +142,24 @@ def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps
         else:  # closed: the wave's remaining time, each row at its own rate
             f = (drafts[alive] + prior) / (expect[alive] + prior) if oracle is None else oracle[alive]
             left = max_tokens - pos[alive]
-            t_spec = wave_ms(left / (1 + f * (mean_accept - 1)), shape_ms)
-            spec = t_spec < wave_ms(left, plain_ms)
+            t_spec, t_plain = wave_ms(left / (1 + f * (mean_accept - 1)), shape_ms), wave_ms(left, plain_ms)
+            if rule == "closed_switch" and last is not None:
+                t_spec += (switch_ms(b) + shape_ms(b)) if not last else 0.0
+                t_plain += switch_ms(b) if last else 0.0
+            spec = t_spec < t_plain
         choices["spec" if spec else "plain"] += 1
-        for _ in range(call_steps if spec else 2 * call_steps):
+        roots_alone = last is False and spec
+        if last is not None and spec != last:
+            total += switch_ms(b)
+        last = spec
+        for step in range(call_steps if spec else 2 * call_steps):
             alive = [i for i in range(n) if pos[i] < rows[i][0]]
             if not alive:
                 break
             total += (shape_ms if spec else plain_ms)(bucket_of(len(alive), BATCH_BUCKETS))
             for i in alive:
-                c = rows[i][1](pos[i]) if spec else 1
-                if spec:
+                c = rows[i][1](pos[i]) if spec and not (roots_alone and step == 0) else 1
+                if spec and not (roots_alone and step == 0):
                     drafts[i] += c - 1
                     expect[i] += mean_accept - 1
                 pos[i] = min(pos[i] + c, rows[i][0])
@@ -155,6 +167,12 @@ def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps
 
 def policies(args):
     tables = cost_tables(args.costs)
+    tables_launch = {}  # family -> bucket -> the auto policy's launch cost seen (ms, median over its rows)
+    for path in args.costs.split(","):
+        auto = [r for r in json.load(open(path))["rows"] if r.get("auto_launch")]
+        tables_launch[auto[0]["algorithm"]] = {int(b): float(np.median([r["auto_launch"][b]["ms"] for r in auto
+                                                                         if b in r["auto_launch"]]))
+                                               for b in auto[0]["auto_launch"]}
     traces = json.load(open(args.traces))["rows"]
     out = []
     for (ds, tree) in sorted({(t["dataset"], t["tree"]) for t in traces}):
@@ -163,17 +181,22 @@ def policies(args):
         ts = [t for t in traces if t["dataset"] == ds and t["tree"] == tree]
         mean_accept = float(np.mean([a for t in ts for a in t["accept_lengths"]]))
         times = {}
-        for rule, prior in [("plain", None), ("fixed", None), ("per_step", None)] + [("closed", p) for p in args.priors]:
-            total, chosen = 0.0, collections.Counter()
-            for w in sorted({t["wave"] for t in ts}):
-                wave = [(t["tokens"], accept_at(t["accept_lengths"])) for t in ts if t["wave"] == w]
-                ms_w, c = run_wave(wave, lambda b: ms[("verify", b, label)], lambda b: ms[("decode", b, None)],
-                                   mean_accept, rule, args.max_tokens, prior=prior)
-                total, chosen = total + ms_w, chosen + c
-            times[rule] = total
-            out.append(dict(dataset=ds, tree=tree, rule=rule, prior=prior, wave_ms=round(total, 1),
-                            vs_plain=round(times["plain"] / total, 3), spec_calls=chosen["spec"],
-                            plain_calls=chosen["plain"]))
+        launch = tables_launch[tree.split(":")[0]]
+        rules = [("plain", None), ("fixed", None), ("per_step", None)] + [("closed", p) for p in args.priors]
+        for switch_cost in (False, True):
+            times = {}
+            for rule, prior in rules + [("closed_switch", ROW_PRIOR_DRAFTS)] * switch_cost:
+                total, chosen = 0.0, collections.Counter()
+                for w in sorted({t["wave"] for t in ts}):
+                    wave = [(t["tokens"], accept_at(t["accept_lengths"])) for t in ts if t["wave"] == w]
+                    ms_w, c = run_wave(wave, lambda b: ms[("verify", b, label)], lambda b: ms[("decode", b, None)],
+                                       mean_accept, rule, args.max_tokens, prior=prior,
+                                       switch_ms=lambda b: launch.get(b, 5.0) if switch_cost else 0.0)
+                    total, chosen = total + ms_w, chosen + c
+                times[rule] = total
+                out.append(dict(dataset=ds, tree=tree, rule=rule, prior=prior, switch_cost=switch_cost,
+                                wave_ms=round(total, 1), vs_plain=round(times["plain"] / total, 3),
+                                spec_calls=chosen["spec"], plain_calls=chosen["plain"]))
     print_table(out, list(out[0]))
     print(write_results("wave_tail-policies", out, dict(costs=args.costs, traces=os.path.relpath(args.traces))))
 
