@@ -33,11 +33,14 @@ ROW_PRIOR_DRAFTS = 16.0  # (wave_tail.py's replay: 4, 8 and 16 kept the trees' g
 def wave_ms(steps, cost_at) -> float:
     """ms until the last row ends: rows needing `steps` steps each, a step at the bucket of the
     rows still running costing cost_at(bucket) ms."""
-    left = np.sort(np.asarray(steps, dtype=float))[::-1]
-    total, done = 0.0, 0.0
+    left = np.sort(np.asarray(steps, dtype=float))[::-1].tolist()
+    total, done, costs = 0.0, 0.0, {}  # (one cost_at a bucket: this runs every call of a closed batch)
     for alive in range(len(left), 0, -1):  # left[alive - 1]: when the alive-th longest row ends
         if left[alive - 1] > done:
-            total += (left[alive - 1] - done) * cost_at(bucket(alive, BATCH_BUCKETS))
+            b = bucket(alive, BATCH_BUCKETS)
+            if b not in costs:
+                costs[b] = cost_at(b)
+            total += (left[alive - 1] - done) * costs[b]
             done = left[alive - 1]
     return total
 
