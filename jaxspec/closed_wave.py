@@ -18,7 +18,7 @@ finish, at the policy's costs (the bucket's where a smaller one has no cost yet)
 the tree and plain decoding does not chain on the last call: the side it moves to pays the bucket's
 launch cost (and a move to the tree a step that verifies the roots alone), so that near-tied
 estimates do not flip the batch call after call (replayed with those costs, the DFLASH chain's
-MT-bench wave ran 0.972x plain with them and 0.961x without: wave_tail-policies-).
+MT-bench wave ran 0.972x plain with them and 0.957x without: wave_tail-policies-).
 """
 from __future__ import annotations
 

@@ -87,14 +87,19 @@ def cost_tables(paths: str) -> dict:
     return out
 
 
-def simulate(args):
+def traced(args):
+    """Per (dataset, traced tree): the tree's name in the cost table, its family's step costs and
+    measured speedups, and the traces."""
     tables = cost_tables(args.costs)
     traces = json.load(open(args.traces))["rows"]
-    out = []
-    for (ds, tree) in sorted({(t["dataset"], t["tree"]) for t in traces}):
+    for ds, tree in sorted({(t["dataset"], t["tree"]) for t in traces}):
         ms, measured = tables[tree.split(":")[0]]
-        label = cost_label(tree)
-        ts = [t for t in traces if t["dataset"] == ds and t["tree"] == tree]
+        yield ds, tree, cost_label(tree), ms, measured, [t for t in traces if t["dataset"] == ds and t["tree"] == tree]
+
+
+def simulate(args):
+    out = []
+    for ds, tree, label, ms, measured, ts in traced(args):
         plain_ms = spec_ms = 0.0
         for w in sorted({t["wave"] for t in ts}):
             wave = [t for t in ts if t["wave"] == w]
@@ -138,7 +143,7 @@ def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps
         if rule in ("plain", "fixed"):
             spec = rule == "fixed"
         elif rule == "per_step":
-            spec = mean_accept / shape_ms(b) > 1 / plain_ms(b)
+            spec = bool(mean_accept / shape_ms(b) > 1 / plain_ms(b))
         else:  # closed: the wave's remaining time, each row at its own rate
             f = (drafts[alive] + prior) / (expect[alive] + prior) if oracle is None else oracle[alive]
             left = max_tokens - pos[alive]
@@ -146,7 +151,7 @@ def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps
             if rule == "closed_switch" and last is not None:
                 t_spec += (switch_ms(b) + shape_ms(b)) if not last else 0.0
                 t_plain += switch_ms(b) if last else 0.0
-            spec = t_spec < t_plain
+            spec = bool(t_spec < t_plain)  # (a numpy bool is not False: roots_alone below)
         choices["spec" if spec else "plain"] += 1
         roots_alone = last is False and spec
         if last is not None and spec != last:
@@ -166,21 +171,15 @@ def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps
 
 
 def policies(args):
-    tables = cost_tables(args.costs)
     tables_launch = {}  # family -> bucket -> the auto policy's launch cost seen (ms, median over its rows)
     for path in args.costs.split(","):
         auto = [r for r in json.load(open(path))["rows"] if r.get("auto_launch")]
         tables_launch[auto[0]["algorithm"]] = {int(b): float(np.median([r["auto_launch"][b]["ms"] for r in auto
                                                                          if b in r["auto_launch"]]))
                                                for b in auto[0]["auto_launch"]}
-    traces = json.load(open(args.traces))["rows"]
     out = []
-    for (ds, tree) in sorted({(t["dataset"], t["tree"]) for t in traces}):
-        ms, measured = tables[tree.split(":")[0]]
-        label = cost_label(tree)
-        ts = [t for t in traces if t["dataset"] == ds and t["tree"] == tree]
+    for ds, tree, label, ms, _, ts in traced(args):
         mean_accept = float(np.mean([a for t in ts for a in t["accept_lengths"]]))
-        times = {}
         launch = tables_launch[tree.split(":")[0]]
         rules = [("plain", None), ("fixed", None), ("per_step", None)] + [("closed", p) for p in args.priors]
         for switch_cost in (False, True):
