@@ -162,7 +162,8 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.eos_ids = set(cfg.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0,
-                          behind_plain_steps=0, verified_rows=0, accepted=0, chained_switches=0)
+                          behind_plain_steps=0, verified_rows=0, accepted=0, chained_switches=0,
+                          closed_plain_calls=0)
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
 

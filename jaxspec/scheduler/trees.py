@@ -128,6 +128,7 @@ class TreeSizing:
                 and closed_wave.plain_finishes_first(self.spec_policy, rows, tree, reqs)):
             self.spec_policy.chosen[(rows, tree.label)] -= 1  # (what the calls ran, in the policy's summary)
             self.spec_policy.chosen[(rows, PLAIN_LABEL)] += 1
+            self.stats["closed_plain_calls"] += 1
             return PLAIN
         return (tree if self.device_drafter else None), tree.num_draft_tokens
 
