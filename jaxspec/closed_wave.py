@@ -1,5 +1,6 @@
-"""The auto policy's tree against plain decoding when no request waits: the batch is closed, and
-it ends when its slowest request does.
+"""The auto policy's tree against plain decoding for a closed batch: the requests of one
+Generator.generate call (bench/spec.py's waves, an evaluation loop) with nobody waiting, whose
+caller has its answer when the slowest request ends.
 
 The policy (spec_policy.py) ranks shapes by tokens a row emits per ms of a step, averaged over the
 rows: the right measure while freed rows are refilled from a queue. With nobody waiting, a row that
@@ -8,7 +9,7 @@ time. bench/probes/wave_tail.py replays the H200's per-request accept lengths at
 trees, MT-bench and HumanEval) against the step-cost table: that replay gives 0.72-1.10x plain for
 the wave where the per-step estimate gives 0.83-1.43x, and the bench measured 0.73-1.07x.
 
-So, a batch of several rows with none waiting: the tree the policy chose is run only if the batch's
+So, such a batch of several rows: the tree the policy chose is run only if the batch's
 rows finish sooner under it than under plain decoding, each row at its own rate. A row's rate under
 the tree is 1 + its factor x the drafts the policy expects of the tree, its factor its drafts
 accepted over those expected on its verified steps so far (ROW_PRIOR_DRAFTS expected drafts at
@@ -19,6 +20,9 @@ the tree and plain decoding does not chain on the last call: the side it moves t
 launch cost (and a move to the tree a step that verifies the roots alone), so that near-tied
 estimates do not flip the batch call after call (replayed with those costs, the DFLASH chain's
 MT-bench wave ran 0.972x plain with them and 0.957x without: wave_tail-policies-).
+
+A server's requests are not closed batches (each client waits for its own; they carry no group):
+there the per-step rate, which every request's own time follows, decides alone.
 """
 from __future__ import annotations
 

@@ -134,10 +134,11 @@ class Generator:
         if len(plist) != len(batch):
             raise ValueError(f"{len(plist)} sampling params for {len(batch)} prompts")
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
-        reqs = []
+        reqs, group = [], object()  # (a closed batch: the auto policy weighs when its last request ends)
         try:
             for ids, p in zip(encoded, plist):
                 reqs.append(self.scheduler.add(ids, dataclasses.replace(p)))
+                reqs[-1].group = group
         except Exception:
             for r in reqs:
                 self.scheduler.abort(r)

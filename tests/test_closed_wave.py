@@ -1,6 +1,6 @@
-"""A closed batch (nobody waiting) ends when its slowest rows do: the auto policy's tree is run
-only where the rows, each at its own rate, finish sooner under it than decoding plainly
-(closed_wave.py)."""
+"""A closed batch (one generate call's, nobody waiting) ends when its slowest rows do: the auto
+policy's tree is run only where the rows, each at its own rate, finish sooner under it than
+decoding plainly (closed_wave.py)."""
 import numpy as np
 
 from jaxspec import SamplingParams, closed_wave
@@ -55,9 +55,10 @@ def test_a_row_that_accepts_far_less_than_the_rest_makes_the_batch_decode_plainl
 
 
 def test_a_closed_batch_decodes_plainly_where_its_slowest_row_would_end_later(tiny, monkeypatch):
-    """The engine: with one row's factor far below the others', every call of a closed batch
-    decodes plainly (the drafter kept in step) although the policy ranks a tree first, and the
-    outputs are plain decoding's; with a request waiting, the policy's tree is run."""
+    """The engine: with one row's factor far below the others', every call of a generate call's
+    batch decodes plainly (the drafter kept in step) although the policy ranks a tree first, and
+    the outputs are plain decoding's; with a request waiting, or requests added one by one (a
+    server's), the policy's tree is run."""
     prompts, params, plain, gen = _plain_and_auto(tiny, 2, 4, 24, 4)
     sched = gen.scheduler
     ms = sched.spec_costs.ms
@@ -70,12 +71,15 @@ def test_a_closed_batch_decodes_plainly_where_its_slowest_row_would_end_later(ti
     assert sched.stats["verify_steps"] == verify0 and sched.stats["decode_time"] > decode0
     plain_calls = sum(n for (rows, label), n in sched.spec_policy.chosen.items() if label == "plain")
     assert plain_calls >= sched.stats["closed_plain_calls"] > 0
-    reqs = [sched.add(p, pa) for p, pa in zip(prompts, params)]
+    reqs = [sched.add(p, pa) for p, pa in zip(prompts, params)]  # (as a server adds them: no group)
     sched.step()  # prefill
+    assert sched._choice_for(reqs[1:])[0] is not None  # each client waits for its own: the per-step rate decides
+    for r in reqs:
+        r.group = reqs  # one generate call's
+    assert sched._choice_for(reqs[1:]) == PLAIN
     sched.waiting.append(reqs[0])  # (a stand-in: only its presence is read)
     assert sched._choice_for(reqs[1:])[0] is not None
     sched.waiting.pop()
-    assert sched._choice_for(reqs[1:]) == PLAIN
     while sched.has_work:
         sched.step()
     assert sched.pool.in_use == 0 and sched.late_compiles == []

@@ -32,6 +32,7 @@ class Request:
     finish_time: float | None = None
     accept_lengths: list = dataclasses.field(default_factory=list)
     drafts: list = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # accepted, expected by the auto policy (closed_wave)
+    group: object = None  # the requests of one Generator.generate call, whose caller waits for them all (closed_wave)
     aborted: bool = False
     draft: tuple | None = None  # (tokens, parents) drafted on device for the next step (EAGLE)
     head_len: int | None = None  # EAGLE: the head's cache stops here (decoded plainly since)

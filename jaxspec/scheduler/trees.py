@@ -42,7 +42,7 @@ class TreeSizing:
         # auto's plain decoding keeps the drafter in step (eagle_step / dflash_step.decode): one of the shapes
         self.keeps_heads = self.auto and drafter.keeps_head_in_decode
         self._decided = None  # (bucket, choice) the last call's chain check took
-        self.closed_batch_rule = True  # nobody waiting: the tree only where the batch ends sooner (closed_wave.py)
+        self.closed_batch_rule = True  # one generate call's batch, nobody waiting: the tree where it ends sooner (closed_wave)
         trees = (auto_trees if self.auto else (drafter.tree,)) if self.device_drafter else ()
         self.tree_programs = {t: self.programs if t == drafter.tree else
                               Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in trees}
@@ -124,6 +124,7 @@ class TreeSizing:
         if tree is None:
             return PLAIN
         if (self.closed_batch_rule and self.device_drafter and not self.waiting and len(reqs) > 1
+                and reqs[0].group is not None and all(r.group is reqs[0].group for r in reqs)
                 and PLAIN_CHOICE in self.spec_policy.trees_at[rows]
                 and closed_wave.plain_finishes_first(self.spec_policy, rows, tree, reqs)):
             self.spec_policy.chosen[(rows, tree.label)] -= 1  # (what the calls ran, in the policy's summary)
