@@ -116,6 +116,7 @@ def timed_run(gen, prompts, batch, max_tokens, admission):
                 passes=timed_pass + 1, verify_steps=st["verify_steps"] - s0["verify_steps"],
                 emitted=st["emitted"] - s0["emitted"], steps=st["steps"] - s0["steps"],
                 chained=st["chained_steps"] - s0["chained_steps"], switches=st["chained_switches"] - s0["chained_switches"],
+                closed_plain=st["closed_plain_calls"] - s0["closed_plain_calls"],
                 host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0,
                 phases={k: st[k] - s0[k] for k in PHASES})
 
@@ -303,7 +304,8 @@ def main():
                                    identical_to_plain=[o.token_ids for o in outs] == base[1],
                                    verify_steps=vs, emitted=sum(r["emitted"] for r in runs),
                                    calls=sum(r["steps"] for r in runs), chained_calls=sum(r["chained"] for r in runs),
-                                   chained_switches=sum(r["switches"] for r in runs))
+                                   chained_switches=sum(r["switches"] for r in runs),
+                                   closed_plain_calls=sum(r["closed_plain"] for r in runs))  # closed_wave.py's
                         policy = gen.scheduler.spec_policy
                         if policy is not None:  # what the auto policy learned, and chose at this batch
                             summary = policy.summary()
