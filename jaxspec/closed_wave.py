@@ -55,18 +55,33 @@ def row_factors(reqs) -> np.ndarray:
     return (seen[:, 0] + ROW_PRIOR_DRAFTS) / (seen[:, 1] + ROW_PRIOR_DRAFTS)
 
 
+def closed(reqs) -> bool:
+    """Whether decoding requests form a closed batch: several, all of one generate call."""
+    return len(reqs) > 1 and reqs[0].group is not None and all(r.group is reqs[0].group for r in reqs)
+
+
+def plain_ends_first(left, factors, expected: float, tree_ms, plain_ms, last: str | None = None,
+                     switch: float = 0.0) -> bool:
+    """Whether rows with `left` tokens to go end sooner decoding plainly than verifying a tree that
+    emits 1 + factor x (expected - 1) tokens a step for each; tree_ms / plain_ms: bucket -> ms a
+    step. last ('plain', 'tree' or None): what the batch ran last; a change pays `switch` ms (and a
+    move to the tree a step that verifies the roots alone)."""
+    left = np.asarray(left, dtype=float)
+    t_tree = wave_ms(left / (1.0 + np.asarray(factors) * (expected - 1.0)), tree_ms)
+    t_plain = wave_ms(left, plain_ms)
+    if last == "plain":
+        t_tree += switch + tree_ms(bucket(len(left), BATCH_BUCKETS))
+    elif last == "tree":
+        t_plain += switch
+    return t_plain < t_tree
+
+
 def plain_finishes_first(policy, rows: int, tree, reqs) -> bool:
     """Whether the closed batch `reqs` (bucket `rows`) ends sooner decoding plainly than verifying `tree`."""
     expected, here_tree, here_plain = policy.expected(tree), policy.cost(rows, tree.label), policy.cost(rows, PLAIN)
     if expected is None or here_tree is None or here_plain is None:
         return False
-    left = np.array([max(r.params.max_tokens - len(r.output_ids), 1) for r in reqs], dtype=float)
-    rate = 1.0 + row_factors(reqs) * (expected - 1.0)
-    t_tree = wave_ms(left / rate, lambda b: policy.cost(b, tree.label) or here_tree)
-    t_plain = wave_ms(left, lambda b: policy.cost(b, PLAIN) or here_plain)
-    last, switch = policy.run[0], policy.launch_ms.get(rows, 0.0)  # a change does not chain: it pays a launch
-    if last == PLAIN:
-        t_tree += switch + here_tree  # (and the tree's first step verifies the roots alone)
-    elif last is not None:
-        t_plain += switch
-    return t_plain < t_tree
+    last = policy.run[0]  # a change does not chain on the last call: it pays a launch
+    return plain_ends_first([max(r.params.max_tokens - len(r.output_ids), 1) for r in reqs], row_factors(reqs), expected,
+                            lambda b: policy.cost(b, tree.label) or here_tree, lambda b: policy.cost(b, PLAIN) or here_plain,
+                            None if last is None else "plain" if last == PLAIN else "tree", policy.launch_ms.get(rows, 0.0))

@@ -319,6 +319,11 @@ class SpecPolicy:
         self.chosen[(rows, PLAIN if pick is None else pick.label)] += 1
         return None if pick is PLAIN_CHOICE else pick
 
+    def overruled(self, rows: int, tree) -> None:
+        """The call `choose` gave `tree` decodes plainly instead (closed_wave.py): counted as it ran."""
+        self.chosen[(rows, tree.label)] -= 1
+        self.chosen[(rows, PLAIN)] += 1
+
     def _rank(self, rows, trees):
         """Among the trees alone (a device drafter), those no nested bigger one replaces: explore,
         then the fastest, held HOLD_CALLS calls, and rivals probed after probe_every calls or more."""

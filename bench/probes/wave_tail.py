@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, write_results  # noqa: E402
-from jaxspec.closed_wave import ROW_PRIOR_DRAFTS, wave_ms  # noqa: E402
+from jaxspec.closed_wave import ROW_PRIOR_DRAFTS, plain_ends_first, wave_ms  # noqa: E402
 from jaxspec.programs import BATCH_BUCKETS, bucket as bucket_of  # noqa: E402
 
 def spec_of(label: str, dflash_model: str | None):
@@ -144,14 +144,10 @@ def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps
             spec = rule == "fixed"
         elif rule == "per_step":
             spec = bool(mean_accept / shape_ms(b) > 1 / plain_ms(b))
-        else:  # closed: the wave's remaining time, each row at its own rate
+        else:  # closed: the wave's remaining time, each row at its own rate (closed_wave.py's rule)
             f = (drafts[alive] + prior) / (expect[alive] + prior) if oracle is None else oracle[alive]
-            left = max_tokens - pos[alive]
-            t_spec, t_plain = wave_ms(left / (1 + f * (mean_accept - 1)), shape_ms), wave_ms(left, plain_ms)
-            if rule == "closed_switch" and last is not None:
-                t_spec += (switch_ms(b) + shape_ms(b)) if not last else 0.0
-                t_plain += switch_ms(b) if last else 0.0
-            spec = bool(t_spec < t_plain)  # (a numpy bool is not False: roots_alone below)
+            was = None if rule != "closed_switch" or last is None else "tree" if last else "plain"
+            spec = not plain_ends_first(max_tokens - pos[alive], f, mean_accept, shape_ms, plain_ms, was, switch_ms(b))
         choices["spec" if spec else "plain"] += 1
         roots_alone = last is False and spec
         if last is not None and spec != last:

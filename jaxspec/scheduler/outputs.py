@@ -69,7 +69,7 @@ class Outputs:
                 same = [(i, s) for i, s, _ in live if not (s == 0 and f.switched)]
                 cut = (cut_shapes, np.concatenate([count[:, :, None], cut], axis=2)[tuple(zip(*same))]) if same else None
             tree = self._policy_tree(f)
-            if self.device_drafter and (e := self.spec_policy.expected(tree)) is not None:
+            if self.device_drafter and self.closed_batch_rule and (e := self.spec_policy.expected(tree)) is not None:
                 for i, _, c in live:  # each row's drafts against the policy's expectation (closed_wave.row_factors)
                     f.reqs[i].drafts[0] += c - 1
                     f.reqs[i].drafts[1] += e - 1

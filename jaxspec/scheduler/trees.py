@@ -123,12 +123,10 @@ class TreeSizing:
         tree = self.spec_policy.choose(rows, None if self.device_drafter else self._match_keys(reqs))
         if tree is None:
             return PLAIN
-        if (self.closed_batch_rule and self.device_drafter and not self.waiting and len(reqs) > 1
-                and reqs[0].group is not None and all(r.group is reqs[0].group for r in reqs)
+        if (self.closed_batch_rule and self.device_drafter and not self.waiting and closed_wave.closed(reqs)
                 and PLAIN_CHOICE in self.spec_policy.trees_at[rows]
                 and closed_wave.plain_finishes_first(self.spec_policy, rows, tree, reqs)):
-            self.spec_policy.chosen[(rows, tree.label)] -= 1  # (what the calls ran, in the policy's summary)
-            self.spec_policy.chosen[(rows, PLAIN_LABEL)] += 1
+            self.spec_policy.overruled(rows, tree)
             self.stats["closed_plain_calls"] += 1
             return PLAIN
         return (tree if self.device_drafter else None), tree.num_draft_tokens
