@@ -41,12 +41,16 @@ class StepCosts:
         return "\n".join(lines)
 
 
-def time_call(call, reps: int = 3) -> float:
-    """Median ms of call() (its outputs waited for), after one untimed call."""
+def time_call(call, reps: int = 3, calls: int = 1) -> float:
+    """Median ms of a call (its outputs waited for), after one untimed call: `reps` times `calls`
+    calls launched back to back, each run's time over its calls. Launched back to back, as a steady
+    batch's chained calls are, each call's launch and read-back hide behind the last one's steps;
+    one at a time they add to every call, by as much as its steps take at batch 1 and unevenly
+    from program to program (spec_policy_notes.md)."""
     jax.block_until_ready(call())
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(1e3 * (time.perf_counter() - t0))
+        jax.block_until_ready([call() for _ in range(calls)])
+        times.append(1e3 * (time.perf_counter() - t0) / calls)
     return sorted(times)[len(times) // 2]

@@ -440,11 +440,13 @@ def test_step_costs_time_calls_whose_rows_run_every_step(tiny, monkeypatch):
     from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
     from jaxspec.programs import MAX_DECODE_STEPS
     _, _, _, gen = _plain_and_auto(tiny, 3, 1, 4, 2)
-    sched, seen = gen.scheduler, []
-    monkeypatch.setattr(trees, "time_call", lambda call, reps=3: seen.append(np.asarray(call()[1])) or 1.0)
+    sched, seen, chained = gen.scheduler, [], []
+    monkeypatch.setattr(trees, "time_call", lambda call, reps=3, calls=1: (
+        chained.append(calls), seen.append(np.asarray(call()[1])))[-1] or 1.0)
     costs = sched._time_steps(sched.program_specs())
     assert set(costs.ms) == {(kind, rows, tree) for rows in (1, 2) for kind, tree in
                              (("decode", None), ("verify", "1:1:2"), ("verify", "3:2:6"))}
+    assert set(chained) == {trees.TIMED_CALLS} and trees.TIMED_CALLS > 1  # launched back to back, as calls chain
     decode_counts = [c for c in seen if c.ndim == 1]  # decode: tokens a row emitted in the call
     verify_counts = [c for c in seen if c.ndim == 2]  # verify_steps: tokens a row emitted at each step
     assert len(decode_counts) == 2 and len(verify_counts) == 4
@@ -460,11 +462,13 @@ def test_a_host_drafters_costs_are_timed_at_warmup_with_every_row_verifying(tiny
     from jaxspec import SpecConfig
     gen = Generator(tiny, None, drafter=SpecConfig("NGRAM", num_draft_tokens=4).build(tiny), max_batch=2,
                     max_seq_len=256)
-    sched, seen = gen.scheduler, []
-    monkeypatch.setattr(trees, "time_call", lambda call, reps=3: seen.append(np.asarray(call()[1])) or 1.0)
+    sched, seen, chained = gen.scheduler, [], []
+    monkeypatch.setattr(trees, "time_call", lambda call, reps=3, calls=1: (
+        chained.append(calls), seen.append(np.asarray(call()[1])))[-1] or 1.0)
     costs = sched._time_steps(sched.program_specs())
     assert set(costs.ms) == {(kind, rows, tree) for rows in (1, 2) for kind, tree in
                              (("decode", None), ("verify", "4 nodes"))}
+    assert set(chained) == {1}  # its verify calls never chain: each pays its launch
     assert len(seen) == 4 and all((c >= 1).all() for c in seen)  # every row emitted: none idle
 
 
@@ -618,3 +622,19 @@ def test_a_plain_spell_ends_as_the_level_returns_toward_its_mean():
             break
         spell += 1
     assert spell == 1 and policy.expected(chain) > 1.3  # half way back to the long-run 2 tokens a step
+
+
+def test_time_call_gives_the_time_of_one_call_among_calls_launched_back_to_back():
+    """time_call(calls=n) runs reps batches of n calls without waiting between them and returns one
+    call's share: the steady rate of chained calls, not n calls' time."""
+    import time
+    from jaxspec.step_costs import time_call
+    made = []
+
+    def call():
+        made.append(1)
+        time.sleep(0.004)
+        return jnp.zeros(())
+    ms = time_call(call, reps=3, calls=4)
+    assert len(made) == 1 + 3 * 4  # one untimed call first
+    assert 3.5 < ms < 12

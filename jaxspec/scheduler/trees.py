@@ -29,6 +29,7 @@ from jaxspec.spec_policy import PLAIN_CHOICE, HostTree, SpecPolicy, StepCosts, m
 PLAIN = (None, 1)
 TIMING_CONTEXT = 256  # tokens of context each row attends to while the step costs are timed
 SPIN_CALLS = 50
+TIMED_CALLS = 4  # calls a timing run launches back to back (step_costs.time_call)
 
 
 class TreeSizing:
@@ -184,11 +185,13 @@ class TreeSizing:
         over a context of TIMING_CONTEXT tokens (the programs' work does not depend on the values),
         timed at the most steps a call runs and divided: a steady batch runs that many, and one
         step a call also timed the call's launch and read-back (which made verifying look cheap
-        against decoding at batch 32: spec-policy-NVIDIA-H200.json, 0091df7). A host drafter's
-        verify_tree runs one step a call; without this table its policy priced verify calls from
-        the first few it saw (SpecPolicy.arrived says how that went wrong). Buckets that never
-        verify are not timed (no choice is made there)."""
-        costs, reps = StepCosts(), 3
+        against decoding at batch 32: spec-policy-NVIDIA-H200.json, 0091df7). A device drafter's
+        calls are timed TIMED_CALLS at a time, launched back to back as its chained calls run, so
+        that no launch is in its costs. A host drafter's verify_tree runs one step a call and
+        cannot chain (its calls are timed one at a time); without this table its policy priced
+        verify calls from the first few it saw (SpecPolicy.arrived says how that went wrong).
+        Buckets that never verify are not timed (no choice is made there)."""
+        costs, reps, calls = StepCosts(), 3, TIMED_CALLS if self.device_drafter else 1
         # pages no request holds (at a warm-up: any), else no context
         context = min(TIMING_CONTEXT, self.max_seq_len // 2) if not (self.running or self.pool.cached) else 0
         pages = min(-(-(context + 2 * self._span(None, 64, self.verify_steps)) // self.page_size), self.pool.num_pages - 1,
@@ -217,14 +220,14 @@ class TreeSizing:
             # the programs donate some inputs: a copy a call. The first program runs SPIN_CALLS more
             # first, so that no program is timed on a GPU idle since its compiles
             spin = 0 if costs.ms or jax.default_backend() == "cpu" else SPIN_CALLS  # (a GPU's clocks)
-            inputs = [jax.device_put(args) for _ in range(reps + 1 + spin)]
+            inputs = [jax.device_put(args) for _ in range(reps * calls + 1 + spin)]
             for _ in range(spin):
                 jax.block_until_ready(call())
             if name == "decode":
                 key = ("decode", rows, None)
             else:
                 key = ("verify", rows, (progs.tree if self.device_drafter else HostTree(self.tree_size(rows))).label)
-            costs.ms[key] = time_call(call, reps=reps) / steps
+            costs.ms[key] = time_call(call, reps=reps, calls=calls) / steps
         return costs
 
 
