@@ -80,8 +80,8 @@ def drafters() -> str:
 
 
 def policy() -> str:
-    """Fixed trees beside the auto policy's choice among shapes (both datasets in one run)."""
-    return _side_by_side(("spec-policy-spells",), "speculation")
+    """Fixed trees beside the auto policy's choice among shapes, batch 1 to 64 (a run a dataset)."""
+    return _side_by_side(("spec-policy-b32-mt", "spec-policy-b32-he"), "speculation")
 
 
 def heads() -> str:
