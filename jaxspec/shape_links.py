@@ -10,8 +10,9 @@ The shapes form a chain by nodes, then depth, each standing for a cut of the nex
 many nodes at most; every auto_trees() set is one). A link is the log of the smaller's drafts
 accepted a row-step less the bigger's, averaged over the row-steps of every call whose tree holds
 both; a shape's difference is the sum of the links from the smallest up to it. A cut of a bigger
-tree stands for the smaller shape's own tree (whose top-k may differ); the engine verifies such a
-cut for a call's first step after a change of shape, too.
+tree stands for the smaller shape's own tree (whose top-k may differ; not a DFLASH chain, which drafts
+every position of its block: DFlashDrafter.cut_shapes); the engine verifies such a cut for a call's
+first step after a change of shape, too.
 
 Measured with the drafted nodes in creation order (depth-major, so that a cut kept the shallow
 nodes, not the best), choosing by the links overrated the biggest tree (spec-policy-cuts-). With

@@ -167,6 +167,11 @@ def test_auto_shapes_share_the_block_and_keep_outputs_plain(tiny, tiny_dflash):
         assert [c.token_ids for c in gen.generate(prompts, params)] == [c.token_ids for c in plain]
         assert gen.scheduler.pool.in_use == 0 and gen.scheduler.stats["chained_switches"] - switches >= 2
     assert len(gen.scheduler.spec_policy.accepts) == 3
+    # the policy compares the chains through the longer one's cuts, the tree through its own calls
+    # (a cut of the tree is no chain: DFlashDrafter.cut_shapes)
+    assert [s.label for s in drafter.with_tree(trees[1]).with_policy_shapes(trees).cut_shapes()] == ["3:1:2"]
+    assert drafter.with_tree(trees[2]).with_policy_shapes(trees).cut_shapes() == ()
+    assert set(gen.scheduler.spec_policy.links.sums) == {(trees[0], trees[1])}
 
 
 def test_plain_spells_of_the_auto_policy_keep_the_context_in_step(tiny, tiny_dflash):
