@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from common import humaneval_prompts, mt_bench_prompts, print_table, write_results  # noqa: E402
+from common import humaneval_prompts, mt_bench_prompts, print_table, results_tag, write_results  # noqa: E402
 from jaxspec.closed_wave import ROW_PRIOR_DRAFTS, plain_ends_first, wave_ms  # noqa: E402
 from jaxspec.programs import BATCH_BUCKETS, bucket as bucket_of  # noqa: E402
 
@@ -115,7 +115,7 @@ def simulate(args):
                         per_step_estimate=round(float(per_step), 3), simulated_wave=round(plain_ms / spec_ms, 3),
                         measured=None if m is None else round(m, 3)))
     print_table(out, list(out[0]))
-    print(write_results("wave_tail", out, dict(costs=args.costs, traces=os.path.relpath(args.traces))))
+    print(write_results("wave_tail" + args.tag, out, dict(costs=args.costs, traces=os.path.relpath(args.traces))))
 
 
 def accept_at(trace: list[int]):
@@ -193,7 +193,7 @@ def policies(args):
                                 wave_ms=round(total, 1), vs_plain=round(times["plain"] / total, 3),
                                 spec_calls=chosen["spec"], plain_calls=chosen["plain"]))
     print_table(out, list(out[0]))
-    print(write_results("wave_tail-policies", out, dict(costs=args.costs, traces=os.path.relpath(args.traces))))
+    print(write_results("wave_tail-policies" + args.tag, out, dict(costs=args.costs, traces=os.path.relpath(args.traces))))
 
 
 def main():
@@ -210,12 +210,14 @@ def main():
     s.add_argument("--costs", required=True, help="bench/spec.py results, comma-separated: one per drafter family")
     s.add_argument("--traces", default=(glob.glob("bench/results/wave_tail-traces-*.json") or [None])[0])
     s.add_argument("--batch", type=int, default=64)
+    s.add_argument("--tag", type=results_tag, default="", help="suffix of the results file name")
     p = sub.add_parser("policies")
     p.add_argument("--costs", required=True)
     p.add_argument("--traces", default=(glob.glob("bench/results/wave_tail-traces-*.json") or [None])[0])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--priors", type=lambda x: [float(v) for v in x.split(",")], default=[ROW_PRIOR_DRAFTS],
                    help="closed rule's expected drafts at factor 1 added to each row's (closed_wave.ROW_PRIOR_DRAFTS)")
+    p.add_argument("--tag", type=results_tag, default="", help="suffix of the results file name")
     args = ap.parse_args()
     dict(collect=collect, simulate=simulate, policies=policies)[args.cmd](args)
 
