@@ -9,9 +9,9 @@ suite_compiles-<tag>-cpu.json. The engine's programs are compiled from their exp
 (program_store.py), all under the name `call`: their tracing and lowering carry the program's
 own name (`with_leaves` for most). Seconds are summed over threads: a warm-up compiles in several.
 
-    JAX_COMPILATION_CACHE_DIR=$(mktemp -d) SUITE_COMPILES_OUT=/tmp/sc PYTHONPATH=bench/probes \\
+    JAX_COMPILATION_CACHE_DIR=$(mktemp -d) SUITE_COMPILES_OUT=compile-log PYTHONPATH=bench/probes \\
         python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -p suite_compiles tests
-    python bench/probes/suite_compiles.py report /tmp/sc --durations bench/results/suite_durations-TAG-cpu.json --tag TAG
+    python bench/probes/suite_compiles.py report compile-log --durations bench/results/suite_durations-TAG-cpu.json --tag TAG
 """
 from __future__ import annotations
 
