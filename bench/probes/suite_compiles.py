@@ -2,12 +2,13 @@
 
 Compiling is most of the suite's time (conftest.py). As a pytest plugin this module turns on JAX's
 compile log and records, for every test, each "Finished tracing / ... conversion / XLA compilation
-of <program> in <s> sec" line (a persistent-cache hit also ends in such a line, in a few ms), then
-writes one JSON-lines file a worker; `report` sums them by test file (beside the suite's per-file
-time, from a suite_durations results file of the same run), by test and by program, and writes
-suite_compiles-<tag>-cpu.json. The engine's programs are compiled from their exported form
-(program_store.py), all under the name `call`: their tracing and lowering carry the program's
-own name (`with_leaves` for most). Seconds are summed over threads: a warm-up compiles in several.
+of <program> in <s> sec" line (a compilation read back from the persistent cache, logged as a hit
+just before, counted apart), then writes one JSON-lines file a worker; `report` sums them by test
+file (beside the suite's per-file time, from a suite_durations results file of the same run), by
+test and by program, and writes suite_compiles-<tag>-cpu.json. The engine's programs are compiled
+from their exported form (program_store.py), all under the name `call`: their tracing and lowering
+carry the program's own name (`with_leaves` for most). Seconds are summed over threads: a warm-up
+compiles in several.
 
     JAX_COMPILATION_CACHE_DIR=$(mktemp -d) SUITE_COMPILES_OUT=compile-log PYTHONPATH=bench/probes \\
         python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -p suite_compiles tests
@@ -23,21 +24,28 @@ import logging
 import os
 import re
 import sys
+import threading
 
 LINE = re.compile(r"Finished (tracing|jaxpr to MLIR module conversion|XLA compilation) (?:of )?(\S+).* in ([\d.]+) sec")
 KIND = {"tracing": "trace", "jaxpr to MLIR module conversion": "lower", "XLA compilation": "compile"}
-HIT_S = 0.05  # an XLA "compilation" this short came from the persistent cache
 
 
 class _Recorder(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
-        self.test, self.rows = "(outside tests)", []
+        self.test, self.rows, self.hits = "(outside tests)", [], set()
 
     def emit(self, record):
-        m = LINE.search(record.getMessage())
+        msg, thread = record.getMessage(), threading.get_ident()
+        if msg.startswith("Persistent compilation cache hit"):  # the thread's next "compilation" read it back
+            self.hits.add(thread)
+            return
+        m = LINE.search(msg)
         if m:
-            self.rows.append(dict(test=self.test, kind=KIND[m.group(1)], program=m.group(2), seconds=float(m.group(3))))
+            kind = KIND[m.group(1)]
+            hit = kind == "compile" and thread in self.hits
+            self.hits.discard(thread) if kind == "compile" else None
+            self.rows.append(dict(test=self.test, kind=kind, program=m.group(2), seconds=float(m.group(3)), hit=hit))
 
 
 _RECORDER = _Recorder()
@@ -46,7 +54,8 @@ _RECORDER = _Recorder()
 def pytest_configure(config):
     import jax
     jax.config.update("jax_log_compiles", True)
-    for name in ("jax._src.interpreters.pxla", "jax._src.pjit", "jax._src.dispatch", "jax._src.interpreters.mlir"):
+    for name in ("jax._src.interpreters.pxla", "jax._src.pjit", "jax._src.dispatch", "jax._src.interpreters.mlir",
+                 "jax._src.compiler"):
         logging.getLogger(name).addHandler(_RECORDER)
 
 
@@ -81,7 +90,7 @@ def report(args):
     by_test = collections.defaultdict(lambda: collections.Counter())
     for r in rows:
         f = r["test"].split("::")[0]
-        hit = r["kind"] == "compile" and r["seconds"] < HIT_S
+        hit = r["hit"]
         key = "cache_hits" if hit else r["kind"]
         for table, k in ((by_file, f), (by_program, _program(r["program"])), (by_test, r["test"])):
             table[k][key + "_s"] += r["seconds"]
