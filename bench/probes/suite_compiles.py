@@ -44,7 +44,8 @@ class _Recorder(logging.Handler):
         if m:
             kind = KIND[m.group(1)]
             hit = kind == "compile" and thread in self.hits
-            self.hits.discard(thread) if kind == "compile" else None
+            if kind == "compile":
+                self.hits.discard(thread)
             self.rows.append(dict(test=self.test, kind=kind, program=m.group(2), seconds=float(m.group(3)), hit=hit))
 
 
@@ -90,27 +91,23 @@ def report(args):
     by_test = collections.defaultdict(lambda: collections.Counter())
     for r in rows:
         f = r["test"].split("::")[0]
-        hit = r["hit"]
-        key = "cache_hits" if hit else r["kind"]
+        key = "cache_hit" if r["hit"] else r["kind"]
         for table, k in ((by_file, f), (by_program, _program(r["program"])), (by_test, r["test"])):
             table[k][key + "_s"] += r["seconds"]
-            table[k][key + "s" if key == "cache_hits" else key + "_n"] += 1
-    out = []
-    for f, c in sorted(by_file.items(), key=lambda kv: -kv[1]["compile_s"]):
-        out.append(dict(group="file", name=f, test_s=file_s.get(f), compile_s=round(c["compile_s"], 1), compiles=c["compile_n"],
-                        cache_hits=c["cache_hitss"], trace_s=round(c["trace_s"], 1), lower_s=round(c["lower_s"], 1)))
-    for t, c in sorted(by_test.items(), key=lambda kv: -kv[1]["compile_s"])[:args.top]:
-        out.append(dict(group="test", name=t, test_s=None, compile_s=round(c["compile_s"], 1), compiles=c["compile_n"],
-                        cache_hits=c["cache_hitss"], trace_s=round(c["trace_s"], 1), lower_s=round(c["lower_s"], 1)))
-    for p, c in sorted(by_program.items(), key=lambda kv: -kv[1]["compile_s"])[:args.top]:
-        out.append(dict(group="program", name=p, test_s=None, compile_s=round(c["compile_s"], 1), compiles=c["compile_n"],
-                        cache_hits=c["cache_hitss"], trace_s=round(c["trace_s"], 1), lower_s=round(c["lower_s"], 1)))
+            table[k][key + "_n"] += 1
+
+    def row(group, name, c, test_s=None):
+        return dict(group=group, name=name, test_s=test_s, compile_s=round(c["compile_s"], 1), compiles=c["compile_n"],
+                    cache_hits=c["cache_hit_n"], trace_s=round(c["trace_s"], 1), lower_s=round(c["lower_s"], 1))
+
+    most = lambda table: sorted(table.items(), key=lambda kv: -kv[1]["compile_s"])
     total = collections.Counter()
     for c in by_file.values():
         total.update(c)
-    out.insert(0, dict(group="suite", name="all", test_s=round(sum(file_s.values()), 1) if file_s else None,
-                       compile_s=round(total["compile_s"], 1), compiles=total["compile_n"], cache_hits=total["cache_hitss"],
-                       trace_s=round(total["trace_s"], 1), lower_s=round(total["lower_s"], 1)))
+    out = [row("suite", "all", total, round(sum(file_s.values()), 1) if file_s else None)]
+    out += [row("file", f, c, file_s.get(f)) for f, c in most(by_file)]
+    out += [row("test", t, c) for t, c in most(by_test)[:args.top]]
+    out += [row("program", p, c) for p, c in most(by_program)[:args.top]]
     print_table(out, list(out[0]))
     print(write_results("suite_compiles" + (f"-{args.tag}" if args.tag else ""), out,
                         {"durations": os.path.relpath(args.durations) if args.durations else None}))

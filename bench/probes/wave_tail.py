@@ -158,9 +158,10 @@ def run_wave(rows, shape_ms, plain_ms, mean_accept, rule, max_tokens, call_steps
             if not alive:
                 break
             total += (shape_ms if spec else plain_ms)(bucket_of(len(alive), BATCH_BUCKETS))
+            verified = spec and not (roots_alone and step == 0)  # (a roots-alone step emits one token a row)
             for i in alive:
-                c = rows[i][1](pos[i]) if spec and not (roots_alone and step == 0) else 1
-                if spec and not (roots_alone and step == 0):
+                c = rows[i][1](pos[i]) if verified else 1
+                if verified:
                     drafts[i] += c - 1
                     expect[i] += mean_accept - 1
                 pos[i] = min(pos[i] + c, rows[i][0])
