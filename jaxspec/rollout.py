@@ -29,6 +29,7 @@ from flax import nnx
 from jaxspec import sampling
 from jaxspec.drafters.eagle_step import TreeShape, nodes_that_fit
 from jaxspec.kv_cache import KVCache
+from jaxspec.programs import TREE_BUCKETS, bucket
 from jaxspec.pallas.tree_mask import chain_parents
 from jaxspec.verify import verify_and_accept
 
@@ -175,15 +176,20 @@ def _learned_loop(graphs, target, params, drafter_params, prompts, lengths, sb, 
     state = (params, drafter_params)
     b, p = prompts.shape
     n, max_new = tree.num_draft_tokens, config.max_new_tokens
+    # verified in the engine's bucketed width (nodes past n ignored): at 24 nodes in 24 columns the
+    # Hopper verify kernel padded each layer's queries to 32 (30 more kernels a SmolLM2 step)
+    width = bucket(n, TREE_BUCKETS) if n <= TREE_BUCKETS[-1] else n
     cfg = target.cfg
-    num_pages, page_table = _paged(b, p + max_new + n + drafter.draft_slots + 1, config.page_size)
+    num_pages, page_table = _paged(b, p + max_new + width + drafter.draft_slots + 1, config.page_size)
     dtype = target.embed[...].dtype
     cache = (KVCache.create(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, dtype),
              drafter.create_cache(num_pages, config.page_size, dtype))
     zeros = jnp.zeros(b, jnp.int32)
     first, lp0, _, _, (tokens, parents), _, cache = fns["extend"](state, cache, prompts, jnp.full(b, -1, jnp.int32),
                                                                   page_table, zeros, lengths, sb, flags=flags)
-    room = max_new + n
+    take = jnp.minimum(jnp.arange(width), n - 1)  # as eagle_step.next_inputs pads a tree
+    tokens, parents = tokens[:, take], parents[:, take]
+    room = max_new + width
     carry, stopped, _ = _emit((jnp.zeros((b, room), jnp.int32), jnp.zeros((b, room), jnp.float32), zeros, jnp.zeros(b, bool)),
                               first[:, None], lp0[:, None], jnp.ones(b, jnp.int32), stop_ids, max_new)
     sb = dataclasses.replace(sb, step=sb.step + 1)
