@@ -67,7 +67,10 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     # for IEEE dots, not Triton's TF32 default, so float32 runs match the reference exactly
     precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
     # scores in base 2 (log2(e) folded into q's scale): exp2 is the hardware's exponential
-    q = (q_ref[...].astype(jnp.float32) * (scale if softcap is not None else scale * LOG2E)).astype(k_ref.dtype)
+    # q [B, Hkv, rows, D] unpadded: rows past the last read the last one's (their outputs are not
+    # stored); a padded copy cost a kernel a layer (1.4 us a layer of the 8B batch-1 step on the H200)
+    q = q_ref[b, h, jnp.minimum(rows, num_tokens * group - 1), :]
+    q = (q.astype(jnp.float32) * (scale if softcap is not None else scale * LOG2E)).astype(k_ref.dtype)
     if not causal:
         w0 = bits_ref[b, :, 0]
         w1 = bits_ref[b, :, 1]
@@ -225,8 +228,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     merge = not partials and splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
     # a split's last block may run up to a block past the request's pages: padding (page 0), masked
     page_table = jnp.pad(page_table, ((0, 0), (0, ppb)))
-    qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)  # (t = 1: no copy)
     causal = tree_mask is None
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     # Triton takes power-of-two arrays only (a 40-token tree's [40] words failed to lower on the
@@ -243,10 +245,6 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                                num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks, merge=merge,
                                interpret=interpret)
 
-    def spec(shape, index):  # index: (request, head, query block, split) -> block index
-        return pl.BlockSpec(shape, lambda *g: index(*_axes(grid_order, g)))
-
-    qspec = spec((None, None, block_rows, d), lambda i, j, k, s: (i, j, k, 0))
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
     args = [layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows]
@@ -262,7 +260,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     res = pl.pallas_call(
         kernel,
         grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
-        in_specs=[full(a) for a in args[:5]] + [qspec] + [full(a) for a in args[6:]],
+        in_specs=[full(a) for a in args],
         out_specs=[full(o) for o in outs],
         out_shape=outs,
         input_output_aliases={8: 4} if merge else {},
