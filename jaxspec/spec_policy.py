@@ -34,7 +34,10 @@ LEVEL_ROW_STEPS row-steps) of every call's drafts over its shape's multiple (one
 calls that accept nothing: spec_policy_notes.md); over plain steps, where nothing is verified, it
 moves back toward the drafts' long-run mean at that rate. Plain averages (level_rate 0) compare
 shapes on whatever requests each met. Differences counted on the same steps by its trees' cuts
-(shape_links.py) replace them once known, unless use_links is unset.
+(shape_links.py) replace them once known, unless use_links is unset. The level's unit is then the
+links' smallest shape (it restarts at the first call the links place), else the shape whose calls
+first set it; a run of calls before any level counts no difference (against itself a shape reads
+none whatever it accepts), and a shape without one in the level's unit is expected its own average.
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms, the
 mean over its requests of expected(tree, key) / cost(rows, tree), where plain decoding emits one
@@ -87,13 +90,13 @@ LEVEL_RATE, LEVEL_ROW_STEPS = 0.5, 8  # weight of 8 of a device drafter's row-st
 MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
 USE_LINKS = True  # shapes compared by their cuts' counts where known (shape_links.py; spec-policy-links-)
+LINKED = "links"  # the level's unit once a shape's link difference placed a call (shape_links.py)
 CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not chained, and in its steps a call
 
 
 def _add(sums: list, x: float, n: float, kept: float) -> list:
     """sums [x, n] += (x, n), both halved past `kept` n: a moving average's sums, older calls fading."""
-    sums[0] += x
-    sums[1] += n
+    sums[0], sums[1] = sums[0] + x, sums[1] + n
     if sums[1] > kept:
         sums[0], sums[1] = sums[0] / 2, sums[1] / 2
     return sums
@@ -128,6 +131,7 @@ class SpecPolicy:
         self.drafts, self.level_rate = None, level_rate  # a device drafter's requests' drafts a row-step (level: Acceptance)
         self.long = [0.0, 0]  # the drafts its level averaged, over the last `kept` row-steps: [sum, row-steps]
         self.diffs: dict = {}  # tree -> [row-steps x (log of the call's drafts accepted - level), row-steps]
+        self.unit = None  # the level's unit: the tree whose first calls set it, or LINKED (the links' smallest shape)
         self.links, self.use_links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS), USE_LINKS
         self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
@@ -171,10 +175,8 @@ class SpecPolicy:
             if self.drafts is not None and self.long[1]:
                 mean = self.long[0] / self.long[1]
                 self.drafts = mean + (1 - self.level_rate) ** (rows * steps / LEVEL_ROW_STEPS) * (self.drafts - mean)
-        # A host drafter's calls (launched after the last outputs arrived) are all timed from them:
-        # kept to calls after one of the same kind, its lone probes left its verify cost at what it
-        # was first seen (13-21 ms with bench/spec.py's engines warming up side by side, against 4.7
-        # alone: spec-ngram-new- at a859b2d and 8f16ebb), and it decoded plainly.
+        # A host drafter's calls (launched after the last outputs arrived) are all timed from them: timed
+        # only after one of the same kind, its lone probes kept its first verify cost (spec_policy_notes.md).
         if steps < 1:
             return
         u, n = self.unchained.get(rows, 0.0), self.call_steps.get((rows, label == PLAIN), steps)
@@ -189,13 +191,9 @@ class SpecPolicy:
 
     def forget_costs(self) -> None:
         """Drop the step costs seen (the table stays): taken under a load now gone (spec_policy_notes.md)."""
-        self.observed.clear()
-        self.recent.clear()
-        self.medians.clear()
-        self.launch.clear()
-        self.launch_ms.clear()
-        self.scale = 1.0
-        self._last = None
+        for seen in (self.observed, self.recent, self.medians, self.launch, self.launch_ms):
+            seen.clear()
+        self.scale, self._last = 1.0, None
 
     def timed(self, rows: int, label: str, ms: float, steps: int) -> None:
         """Calls of a tree (or PLAIN) at this bucket took `ms` over `steps` steps."""
@@ -242,15 +240,20 @@ class SpecPolicy:
         difference is from the first PROBE_CALLS calls of each run of it, against the level where the run
         began; within a run the level follows the calls (a shape held alone would share every move of the requests)."""
         x = math.log(max(mean - 1.0, MIN_DRAFTS))
-        last, calls, base = self._compared
-        if tree != last:
-            calls, base = 0, x if self.level is None else self.level
-        self._compared = (tree, calls + 1, base)
-        d = self.diffs.setdefault(tree, [0.0, 0])
-        if calls < PROBE_CALLS or not d[1]:
-            _add(d, n * (x - base), n, self.kept)
         chained = self.links.diff(tree) if self.use_links else None
-        y = max(mean - 1.0, 0.0) * math.exp(-(d[0] / d[1] if chained is None else chained))  # drafts, not logs: see above
+        if chained is not None and self.unit is not LINKED:  # the level restarts in the links' unit
+            self.drafts, self.unit, self.long, self._compared = None, LINKED, [0.0, 0], (None, 0, None)
+            self.diffs.clear()  # (measured against the old unit)
+        self.unit = self.unit if self.drafts is not None else LINKED if chained is not None else tree
+        last, calls, base = self._compared
+        if tree != last:  # no level yet: the links place the run, or nothing but the run itself does
+            calls, base = 0, self.level if self.level is not None else None if chained is None else x - chained
+        self._compared = (tree, calls + 1, base)
+        d = self.diffs.get(tree)
+        if base is not None and (calls < PROBE_CALLS or not d):
+            d = _add(self.diffs.setdefault(tree, [0.0, 0]), n * (x - base), n, self.kept)
+        own = d[0] / d[1] if d else 0.0
+        y = max(mean - 1.0, 0.0) * math.exp(-(own if chained is None else chained))  # drafts, not logs: see above
         self.drafts = y if self.drafts is None else y + (1 - self.level_rate) ** (n / LEVEL_ROW_STEPS) * (self.drafts - y)
         _add(self.long, n * y, n, self.kept)
 
@@ -264,12 +267,14 @@ class SpecPolicy:
             return 1.0
         if (tree, key) not in self.emitted:
             return None
-        if key is None and tree in self.diffs and self.level_rate:  # a device drafter's: the level and the difference
+        if key is None and self.level_rate and self.level is not None:  # a device drafter's: the level and the difference
             diff = self.links.diff(tree) if self.use_links else None
-            if diff is None:
+            if diff is None and tree in self.diffs:
                 diff = max(d / n for t, (d, n) in self.diffs.items() if contains(tree, t))
-            drafts = math.exp(self.level + diff)
-            return 1.0 + min(drafts, tree.steps)  # (a step accepts at most one draft a level)
+            if diff is None and self.unit == tree:  # its calls alone set the level
+                diff = 0.0
+            if diff is not None:
+                return 1.0 + min(math.exp(self.level + diff), tree.steps)  # (a step accepts at most one draft a level)
         e = max(e for (t, k), e in self.emitted.items() if k == key and contains(tree, t))
         return e + (min(self.totals[(tree, key)][1], 16) ** -0.5 if self.plain else 0.0)
 

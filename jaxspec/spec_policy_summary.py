@@ -14,7 +14,8 @@ def summary(policy) -> dict:
                            for r in sorted({r for r, _ in d})}
     accept = {t.label if k is None else f"{t.label} @{k}": round(e, 3) for (t, k), e in policy.emitted.items()}
     linked = {t: d for t in policy.links.chain if policy.level is not None and (d := policy.links.diff(t)) is not None}
-    return dict(accept_length=accept, expected={t.label: round(policy.expected(t), 3) for t in policy.diffs},
+    expected = {t.label: round(e, 3) for t in policy.seen if (e := policy.expected(t)) is not None}
+    return dict(accept_length=accept, expected=expected,
                 linked_expected={t.label: round(1 + min(math.exp(policy.level + d), t.steps), 3) for t, d in linked.items()},
                 accept_histogram={t.label: dict(sorted(c.items())) for t, c in policy.accepts.items()},
                 observed_ms=by_bucket({k: round(ms / steps, 3) for k, (ms, steps) in policy.observed.items()}),

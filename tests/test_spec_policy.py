@@ -245,6 +245,31 @@ def test_a_shape_accepts_a_multiple_of_what_another_does():
     assert policy.expected(b) >= 1.0
 
 
+def test_a_first_run_is_not_compared_with_itself():
+    """DFLASH at batch 1: its block's tree (no cut of its chains) explored first, then the chain of 16,
+    whose cuts link it to the chains of 4 and 8 (the level's unit from then on). Compared with its own
+    first calls the tree read a zero difference, and against the linked level it was expected to
+    accept what a chain of 4 does: the policy held the chain for half of the first MT-bench pass
+    (spec-dflash-cuts-NVIDIA-H200.json: 74 chain calls, 56 tree calls; 3 and 114 in the second)."""
+    c4, c8, c16, tree = TreeShape(15, 1, 4), TreeShape(15, 1, 8), TreeShape(15, 1, 16), TreeShape(15, 4, 32)
+    costs = StepCosts({("verify", 1, "15:1:4"): 1.25, ("verify", 1, "15:1:8"): 1.25, ("verify", 1, "15:1:16"): 1.26,
+                       ("verify", 1, "15:4:32"): 1.40})
+    policy = SpecPolicy(costs, {1: [tree, c16, c8, c4]})
+    for _ in range(spec_policy.EXPLORE_CALLS):
+        assert policy.choose(1) is tree
+        policy.verified(tree, [3, 4] * (ROWS // 2), cut=((), np.zeros((ROWS, 1))))
+    cut = ((c4, c8), np.array([[2, 1, 2], [2, 2, 2]] * (ROWS // 2)))  # the chain's steps: 2, 1.5 and 2 tokens
+    for _ in range(spec_policy.EXPLORE_CALLS):
+        assert policy.choose(1) is c16
+        policy.verified(c16, [2] * ROWS, cut=cut)
+    assert policy.expected(c16) == pytest.approx(2.0, abs=0.01)
+    assert policy.expected(tree) == pytest.approx(3.5)  # its own calls' average until a run is placed by the level
+    assert policy.choose(1) is tree  # 3.5 tokens / 1.40 ms against 2 / 1.26
+    for _ in range(spec_policy.PROBE_CALLS):
+        policy.verified(tree, [3, 4] * (ROWS // 2))
+    assert policy.expected(tree) == pytest.approx(3.5, abs=0.05)  # the level's comparison agrees
+
+
 def test_cuts_compare_shapes_on_the_very_same_steps():
     """The level's comparison of a probe with the shape held before it takes requests as they come:
     a big tree probed three calls on an easy request, after a small one held on hard ones, looks far
