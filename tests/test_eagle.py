@@ -159,6 +159,15 @@ def test_shapes_switched_between_calls_keep_outputs_plain(tiny, tiny_eagle3):
     info = json.loads(json.dumps(Engine(gen, start=False).snapshot(detail=True)))  # the server's /server_info
     assert set(info["spec_policy"]["accept_histogram"]) == set(accepted)
     assert info["scheduler"]["chained_switches"] == gen.scheduler.stats["chained_switches"] >= 6
+    # a step a call, each call of the other shape: every step verifies the last call's drafts, cut,
+    # and tells the policy nothing of its own shape (but a request's first, on its prefill's drafts)
+    policy, recorded, calls = gen.scheduler.spec_policy, [], gen.scheduler.stats["verify_steps"]
+    flip, verified = iter(trees[1:] * 400), policy.verified
+    policy.choose = lambda rows, keys=None: next(flip)
+    policy.verified = lambda tree, emitted, *a, **k: (recorded.append(len(emitted)), verified(tree, emitted, *a, **k))
+    gen.scheduler.verify_steps = 1
+    gen.generate(prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * len(prompts))
+    assert gen.scheduler.stats["verify_steps"] - calls >= 30 and sum(recorded) <= len(prompts)
 
 
 def test_plain_spells_of_the_auto_policy_keep_the_head_in_step(tiny, tiny_eagle3):

@@ -23,8 +23,8 @@ class Outputs:
         # read what the host needs: tokens and counts, logprobs only if asked for; the drafted trees
         # stay on the device, where the next (chained) step takes them from
         want_lp = any(r.params.logprobs is not None for r in f.reqs)
-        tree = f.outputs[5 if f.kind == "verify" else 4]
-        shared = None if tree is None else DraftsOnDevice(tree)
+        drafts = f.outputs[5 if f.kind == "verify" else 4]
+        shared = None if drafts is None else DraftsOnDevice(drafts, f.tree if f.kind == "verify" else None)
         if f.kind == "decode":
             toks, count, lp, top_v, top_i = jax.device_get((*f.outputs[:2], f.outputs[2] if want_lp else None,
                                                             *f.outputs[3:5]))
@@ -60,13 +60,13 @@ class Outputs:
             lp, top_v, top_i = (None if x is None else x[:, None] for x in (lp, top_v, top_i))
         counts, rows = count.tolist(), (toks.tolist() if lp is None and top_i is None else None)
         if self.spec_policy is not None:
-            # a root verified alone tells nothing of the shape: its step emits one token whatever it is
+            # a first step that verified no draft of this shape tells nothing of it (the root alone emits
+            # one token whatever the shape; another shape's drafts, cut, what that one accepts), nor of its cuts
             live = [(i, s, c) for i, (r, cs) in enumerate(zip(f.reqs, counts)) if not r.finished
-                    for s, c in enumerate(cs) if c and not (s == 0 and i in f.undrafted)]
+                    for s, c in enumerate(cs) if c and not (s == 0 and (f.switched or i in f.borrowed))]
             keys = None if f.match_keys is None else [f.match_keys[i] for i, _, _ in live]
-            if cut_shapes:  # what the cuts of the same trees would have emitted (a switched call's first
-                # step verified the last shape's drafts, cut to this one: it tells nothing of the cuts)
-                same = [(i, s) for i, s, _ in live if not (s == 0 and f.switched)]
+            if cut_shapes:  # what the cuts of the same trees would have emitted
+                same = [(i, s) for i, s, _ in live]
                 cut = (cut_shapes, np.concatenate([count[:, :, None], cut], axis=2)[tuple(zip(*same))]) if same else None
             tree = self._policy_tree(f)
             if self.device_drafter and self.closed_batch_rule and (e := self.spec_policy.expected(tree)) is not None:

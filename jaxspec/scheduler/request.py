@@ -76,15 +76,18 @@ class InFlight:
     launched: float | None = None  # the policy's clock as a device drafter's unchained call began its launch
     match_keys: list | None = None  # a host drafter's: the match keys (spec_policy.match_key) its requests drafted at
     next_shape: tuple | None = None  # (tree, nodes) of the call chained on this one
-    undrafted: frozenset = frozenset()  # rows whose first step verified the root alone (no draft: after plain decoding)
+    # rows whose first step verified no draft of this shape: the root alone (after plain decoding), or
+    # another shape's drafts, cut (the call before was of another shape; chained ones: `switched`)
+    borrowed: frozenset = frozenset()
 
 
 class DraftsOnDevice:
-    """A step's drafted trees, copied to the host only when a step that is not chained asks."""
-    __slots__ = ("arrays", "host")
+    """A step's drafted trees, copied to the host only when a step that is not chained asks, and
+    the shape whose program drafted them (None: a prefill's)."""
+    __slots__ = ("arrays", "host", "tree")
 
-    def __init__(self, arrays):
-        self.arrays, self.host = arrays, None
+    def __init__(self, arrays, tree=None):
+        self.arrays, self.host, self.tree = arrays, None, tree
 
     def get(self):
         if self.host is None:
