@@ -39,27 +39,40 @@ def _kernels_for(impl) -> bool:
 
 
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
-                    token_rows=None):
+                    token_rows=None, tokens=None, counts=None):
     """Under a tensor-parallel mesh (sharding.py) with heads that divide over it, each shard attends
     with its own query and KV heads (shard_map): the kernels never see the mesh. See
     local_paged_attention for the arguments."""
     from jaxspec import sharding
     mesh = jax.sharding.get_abstract_mesh()
     tp = sharding.tp_size(mesh)
+    if tp > 1 and tokens is not None:
+        q, tokens = _by_request(q, kv_lens.shape[0], tokens, k_pages.shape[-1]), None
     if tp > 1 and q.shape[2] % tp == 0 and k_pages.shape[3] % tp == 0:
         heads, pages, whole = P(None, None, sharding.AXIS, None), P(None, None, None, sharding.AXIS, None), P()
         local = functools.partial(local_paged_attention, impl=impl)
-        return jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, whole, whole, whole, whole),
-                             out_specs=heads, check_vma=False)(q, k_pages, v_pages, layer, page_table, kv_lens,
-                                                               q_lens, tree_mask)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, whole, whole, whole, whole),
+                            out_specs=heads, check_vma=False)(q, k_pages, v_pages, layer, page_table, kv_lens,
+                                                              q_lens, tree_mask)
+        out = out if token_rows is None else token_layout(out, token_rows)
+        return out if counts is None else (out, counts)
     return local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, impl,
-                                 token_rows)
+                                 token_rows, tokens, counts)
+
+
+def _by_request(q, b, t, d):
+    """The fused layers' token layout [rows, Hq * D] (rows past B * T: padding) -> [B, T, Hq, D]."""
+    return q[:b * t].reshape(b, t, -1, d)
 
 
 def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
-                          token_rows=None):
-    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D] (all layers) -> [B, T, Hq, D], or with
-    token_rows the fused layers' [token_rows, Hq * D] (pallas/paged_attention.py).
+                          token_rows=None, tokens=None, counts=None):
+    """q [B, T, Hq, D], or with `tokens` = T the fused layers' [rows, Hq * D] (row b * T + t); k_pages/
+    v_pages [L, N, ps, Hkv, D] (all layers) -> [B, T, Hq, D], or with token_rows that layout,
+    [token_rows, Hq * D] (pallas/paged_attention.py). The Triton kernel reads the token layout as it
+    is (a slice of the padded rows cost a copy a layer); the other paths slice it. counts: the Triton
+    kernel's arrival counts (pallas/paged_attention.py's COUNT_SLOTS zeros), passed from layer to
+    layer: given, the result is (output, counts).
 
     impl: 'auto' (the kernels on GPU), 'pallas' (the Triton kernel; interpreted off-GPU), 'fused'
     (attention as 'pallas'; models.llama also fuses its layers), 'ref'
@@ -68,6 +81,7 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
     kernel at 16, 32 and 64 tokens in every run of kernels-focus-v31..v39, and the engine's outputs
     with it equal the Triton run's (mosaic_engine_check-*)."""
     on_gpu = jax.default_backend() == "gpu"
+    rows, q = q, q if tokens is None else _by_request(q, kv_lens.shape[0], tokens, k_pages.shape[-1])
     mosaic = impl == "mosaic" or (impl == "auto" and on_gpu and on_hopper())
     if mosaic and q.shape[1] > 1:
         from jaxspec.pallas import verify_hopper
@@ -76,13 +90,15 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
             n_sm = getattr(jax.devices()[0], "core_count", 0) if on_gpu else 0
             out = verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
                                                    tree_mask, persistent=n_sm, interpret=not on_gpu)
-            return out if token_rows is None else token_layout(out, token_rows)
+            out = out if token_rows is None else token_layout(out, token_rows)
+            return out if counts is None else (out, counts)
     if _kernels_for(impl) and kernel_supports(q, k_pages, tree_mask):  # it writes the token layout itself
         from jaxspec.pallas import paged_attention as triton  # looked up per call: tests swap it
-        return triton.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
-                                       interpret=not on_gpu, token_rows=token_rows)
+        return triton.paged_attention(rows, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
+                                       interpret=not on_gpu, token_rows=token_rows, tokens=tokens, counts=counts)
     out = paged_attention_chunked(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask)
-    return out if token_rows is None else token_layout(out, token_rows)
+    out = out if token_rows is None else token_layout(out, token_rows)
+    return out if counts is None else (out, counts)
 
 
 def prefix_attention(q, k_pages, v_pages, layer, page_table, kv_lens, impl="auto"):

@@ -6,7 +6,7 @@ import pytest
 
 from jaxspec.pallas.accept import accept_tree, accept_tree_ref
 from jaxspec.pallas.attention_ref import NEG_INF, paged_attention_ref, prefix_attention_ref
-from jaxspec.pallas.paged_attention import paged_attention, prefix_attention
+from jaxspec.pallas.paged_attention import COUNT_SLOTS, paged_attention, prefix_attention
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
 
@@ -109,6 +109,10 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, **
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     err = np.abs(np.where(valid, out - ref, 0)).max()
     assert err < tol, err
+    if blocking.get("merge_in_kernel") and b * hkv <= COUNT_SLOTS:  # arrival counts passed in come back zero
+        again, counts = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap,
+                                        counts=jnp.zeros(COUNT_SLOTS, jnp.int32), **blocking)
+        assert np.array_equal(np.asarray(again, np.float32), out) and not np.asarray(counts).any()
 
 
 def test_tree_mask_ancestors_and_depth():

@@ -20,6 +20,7 @@ from jaxspec.kv_cache import DROP_PAGE, KVCache, slot_coordinates, write_layer
 from jaxspec.models.config import ModelConfig
 from jaxspec.pallas.gated_up import gated_up
 from jaxspec.pallas.matmul_residual import matmul_residual
+from jaxspec.pallas.paged_attention import COUNT_SLOTS
 from jaxspec.pallas.qkv_project import qkv_project
 from jaxspec.pallas.rows import padded_rows, rms_norm
 
@@ -196,6 +197,7 @@ class Llama(nnx.Module):
         k_pages, v_pages = cache.k, cache.v
         x = self.embed_tokens(tokens)
         kept = {}
+        counts = jnp.zeros((COUNT_SLOTS,), jnp.int32)  # the attention kernel's, passed from layer to layer
         fused = fused_layers(cfg, b * t, attn_impl)
         if fused:
             # rows padded once for the whole stack; each row's rope table and cache slot (-1: padding)
@@ -207,12 +209,13 @@ class Llama(nnx.Module):
         for li, block in enumerate(self.layers):
             graphdef, state = nnx.split(block)
             if fused:
-                x, k_pages, v_pages = _run_block_fused(graphdef, attn_impl, state, x, cos, sin, slots, k_pages,
-                                                       v_pages, jnp.int32(li), page_table, kv_lens, q_lens,
-                                                       tree_mask, b, t)
+                x, k_pages, v_pages, counts = _run_block_fused(graphdef, attn_impl, state, x, cos, sin, slots, k_pages,
+                                                               v_pages, jnp.int32(li), page_table, kv_lens, q_lens,
+                                                               tree_mask, counts, b, t)
             else:
-                x, k_pages, v_pages = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages,
-                                                 jnp.int32(li), page, offset, page_table, kv_lens, q_lens, tree_mask)
+                x, k_pages, v_pages, counts = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages,
+                                                         jnp.int32(li), page, offset, page_table, kv_lens, q_lens,
+                                                         tree_mask, counts)
             if li in hidden_layers:
                 kept[li] = x
         if fused:
@@ -254,29 +257,32 @@ def dense_forward(model: Llama, tokens, hidden_layers: tuple = (), segments=None
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, page, offset, page_table, kv_lens,
-               q_lens, tree_mask):
+               q_lens, tree_mask, counts):
     """One layer, its K/V written into the pages at `layer` (a traced index). Jitted so that a
     program traces and lowers the layer once, not once per layer: identical calls hit JAX's trace
-    cache and share one lowered function, which XLA inlines (the executable is the unrolled one)."""
+    cache and share one lowered function, which XLA inlines (the executable is the unrolled one).
+    counts: the attention kernel's (attention.local_paged_attention), returned for the next layer."""
     def attend(q, k, v):
-        nonlocal k_pages, v_pages
+        nonlocal k_pages, v_pages, counts
         k_pages = write_layer(k_pages, layer, k, page, offset)
         v_pages = write_layer(v_pages, layer, v, page, offset)
-        return attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
-                                         impl=attn_impl)
+        out, counts = attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
+                                                impl=attn_impl, counts=counts)
+        return out
     x = nnx.merge(graphdef, state)(x, rope, attend)
-    return x, k_pages, v_pages
+    return x, k_pages, v_pages, counts
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 14, 15))
+@functools.partial(jax.jit, static_argnums=(0, 1, 15, 16))
 def _run_block_fused(graphdef, attn_impl, state, x, cos, sin, slots, k_pages, v_pages, layer, page_table, kv_lens,
-                     q_lens, tree_mask, b, t):
+                     q_lens, tree_mask, counts, b, t):
     """_run_block for Block.fused: x [Mp, H] holds the b * t tokens' rows, padded."""
     block = nnx.merge(graphdef, state)
-    cfg = block.cfg
 
-    def attend(q, k_pages, v_pages):
-        q = q[:b * t].reshape(b, t, cfg.num_heads, cfg.head_dim)
-        return attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
-                                         impl=attn_impl, token_rows=x.shape[0])
-    return block.fused(x, cos, sin, slots, k_pages, v_pages, layer, attend, jax.default_backend() != "gpu")
+    def attend(q, k_pages, v_pages):  # q [Mp, Hq * D]: the token layout
+        nonlocal counts
+        out, counts = attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
+                                                impl=attn_impl, token_rows=x.shape[0], tokens=t, counts=counts)
+        return out
+    x, k_pages, v_pages = block.fused(x, cos, sin, slots, k_pages, v_pages, layer, attend, jax.default_backend() != "gpu")
+    return x, k_pages, v_pages, counts

@@ -66,10 +66,13 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     # operands stay in the cache's dtype (bf16 tensor-core dots, f32 accumulation); float32 asks
     # for IEEE dots, not Triton's TF32 default, so float32 runs match the reference exactly
     precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
+    # q in the token layout, [tokens * Hq, D], read from where the output is stored (padding rows
+    # read the last token's): a [B, Hkv, rows, D] copy padded to the block cost a kernel a layer
+    # (1.4 us a layer of the 8B batch-1 step on the H200), and so did the fused layers' slice of
+    # their padded rows
+    row = (b * num_tokens + t) * num_q_heads + h * group + rows % group
+    q = q_ref[row - jnp.maximum(t - num_tokens + 1, 0) * num_q_heads, :]
     # scores in base 2 (log2(e) folded into q's scale): exp2 is the hardware's exponential
-    # q [B, Hkv, rows, D] unpadded: rows past the last read the last one's (their outputs are not
-    # stored); a padded copy cost a kernel a layer (1.4 us a layer of the 8B batch-1 step on the H200)
-    q = q_ref[b, h, jnp.minimum(rows, num_tokens * group - 1), :]
     q = (q.astype(jnp.float32) * (scale if softcap is not None else scale * LOG2E)).astype(k_ref.dtype)
     if not causal:
         w0 = bits_ref[b, :, 0]
@@ -131,7 +134,6 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     unmasked = jnp.clip((kv_len - first * page_size) // block, 0, num_blocks)
     carry = jax.lax.fori_loop(0, unmasked, functools.partial(tile, masked=False), init)
     m, l, acc = jax.lax.fori_loop(unmasked, num_blocks, functools.partial(tile, masked=True), carry)
-    row = (b * num_tokens + t) * num_q_heads + h * group + rows % group  # the rows' places in the token layout
 
     def store(out_ref, total, norm):  # the rows of the real tokens, [tokens * Hq, D]
         out = (total / jnp.maximum(norm, 1e-30)[:, None]).astype(out_ref.dtype)
@@ -179,6 +181,7 @@ def _axes(grid_order, ids):
 
 
 MAX_SPLITS = 16  # the merge reads every split's partial result, empty or not
+COUNT_SLOTS = 2 * SMS  # arrival counts a merging call may need: it splits only while its programs are fewer
 
 
 def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
@@ -196,22 +199,26 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
                                              "pages_per_block", "splits", "grid_order", "token_rows",
-                                             "merge_in_kernel", "partials"))
+                                             "merge_in_kernel", "partials", "tokens"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
                     pages_per_block=None, splits=None, grid_order=None, token_rows=None, merge_in_kernel=None,
-                    partials=False):
-    """q [B, T, Hq, D]; k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar -> [B, T, Hq, D], or with
-    token_rows, [token_rows, Hq * D] (row b * T + t: the fused layers' layout; rows past B * T
-    unspecified).
+                    partials=False, tokens=None, counts=None):
+    """q [B, T, Hq, D], or with `tokens` = T the fused layers' token layout [rows, Hq * D] (row
+    b * T + t; rows past B * T ignored); k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar ->
+    [B, T, Hq, D], or with token_rows, [token_rows, Hq * D] (that layout; rows past B * T unspecified).
+    counts: COUNT_SLOTS int32 zeros, the merging splits' arrival counts, which the kernel leaves zero:
+    given, it returns (output, counts) for the next layer's call (zeroed anew, they cost a memset a
+    layer: 0.9 us of the 8B batch-1 step's each).
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
     of one request and head, which read the same pages, run side by side when q comes first.
     By default q comes first where there are several query blocks (a 64-token tree at GQA 4: 771 vs
     903 us and 745 vs 898 us on the H100, kernels-focus-v16/-v17), and requests first otherwise."""
-    b, t, hq, d = q.shape
-    _, _, ps, hkv, _ = k_pages.shape
+    _, _, ps, hkv, d = k_pages.shape
+    b, t, hq = (kv_lens.shape[0], tokens, q.shape[1] // d) if tokens else q.shape[:3]
+    q = q.reshape(-1, d)  # [rows * Hq, D]: no copy of either layout
     g = hq // hkv
     rows = t * g
     if block_rows is None:  # 128-row tiles beat 64 for 32- and 64-token trees (kernels-focus-*.json)
@@ -228,7 +235,6 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     merge = not partials and splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
     # a split's last block may run up to a block past the request's pages: padding (page 0), masked
     page_table = jnp.pad(page_table, ((0, 0), (0, ppb)))
-    qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)  # (t = 1: no copy)
     causal = tree_mask is None
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     # Triton takes power-of-two arrays only (a 40-token tree's [40] words failed to lower on the
@@ -247,14 +253,16 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
 
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
-    args = [layer, page_table, kv_lens, q_lens, bits, qr, k_rows, v_rows]
+    args = [layer, page_table, kv_lens, q_lens, bits, q, k_rows, v_rows]
     outs = [out]
     if splits > 1:  # the partials (acc, m, l), in place of the output unless the kernel merges them
         part = (b, hkv, splits, padded)
         parts = [jax.ShapeDtypeStruct(part + (d,), jnp.float32)] + [jax.ShapeDtypeStruct(part, jnp.float32)] * 2
         outs = [out, *parts] if merge else parts
+    given = counts
     if merge:  # and how many of each (request, head, query block)'s splits are done
-        counts = jnp.zeros((b * hkv * q_blocks,), jnp.int32)
+        counts = jnp.zeros((b * hkv * q_blocks,), jnp.int32) if given is None else given
+        assert counts.shape[0] >= b * hkv * q_blocks, (counts.shape, b * hkv * q_blocks)
         args.append(counts)
         outs.append(jax.ShapeDtypeStruct(counts.shape, counts.dtype))
     res = pl.pallas_call(
@@ -272,9 +280,10 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     if splits > 1 and not merge:
         merged = combine_splits(*res)[:, :, :rows].astype(q.dtype)
         merged = merged.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-        return merged if token_rows is None else token_layout(merged, token_rows)
-    # [out_rows, Hq * D]: row r * T + t holds token t of request r (rows past B * T are left unwritten)
-    return res[0].reshape(out_rows, hq * d) if token_rows else res[0].reshape(b, t, hq, d)
+        out = merged if token_rows is None else token_layout(merged, token_rows)
+    else:  # [out_rows, Hq * D]: row r * T + t holds token t of request r (rows past B * T are left unwritten)
+        out = res[0].reshape(out_rows, hq * d) if token_rows else res[0].reshape(b, t, hq, d)
+    return out if given is None else (out, res[-1] if merge else given)
 
 
 def combine_splits(acc, m, l, with_lse=False):
