@@ -13,6 +13,9 @@
 # Stage 5: the stage-4 head with its draft vocabulary grown from 8,192 to 16,384 ids (its own rows kept, the
 # next most frequent ids' rows from the target's lm_head), then the three committed corpora as in stage 4:
 #   bash bench/train_head.sh stage5 GGUF RUN5 MINUTES
+# Stage 4's 8,192-id head with its learning rate annealed (stage 4 stopped near its peak rate; the 16,384-id
+# ablation's schedule had mostly run down, and its held-out walk rose from 3.42 to 3.52, card-stage5-vocab16k):
+#   bash bench/train_head.sh anneal GGUF RUN MINUTES
 # The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
 #   bash bench/train_head.sh dflash GGUF RUN MINUTES
@@ -43,8 +46,12 @@ case $stage in
           --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --draft-vocab 16384 --lr 2e-4 --steps 3000 \
           --loss-on answer --pack-len 768 --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
+  anneal) python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 --ttt 6 \
+          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 1.5e-4 --steps 3000 \
+          --loss-on answer --pack-len 768 --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash) python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" --data data/smollm2-135m-selfgen-seed0/data.npz \
           --seq-len 384 --steps 14000 --batch 16 --anchors 64 --lr 8e-4 --block-size 16 --draft-layers 3 \
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5 or dflash" >&2; exit 2 ;;
+  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal or dflash" >&2; exit 2 ;;
 esac
