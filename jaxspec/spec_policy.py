@@ -28,8 +28,9 @@ one did: on few calls, an unlucky first average would keep a good shape from bei
 A host drafter's expectation is optimistic by one standard error while its samples are few.
 A device drafter's shapes are compared on the same requests, by the drafts a row-step accepts (its
 tokens past the one every step emits), whose log is the requests' level plus the shape's difference:
-a shape accepts a multiple of what another does, whatever the requests. It averages each call's log
-less the level at that call; the level is the log of a moving average (LEVEL_RATE per
+a shape accepts a multiple of what another does, whatever the requests. The difference is the log of
+its drafts over the level's, summed over its calls (an average of their logs fell below what a shape
+whose calls vary accepted); the level is the log of a moving average (LEVEL_RATE per
 LEVEL_ROW_STEPS row-steps) of every call's drafts over its shape's multiple (one of logs sank on the
 calls that accept nothing: spec_policy_notes.md); over plain steps, where nothing is verified, it
 moves back toward the drafts' long-run mean at that rate. Plain averages (level_rate 0) compare
@@ -94,11 +95,11 @@ LINKED = "links"  # the level's unit once a shape's link difference placed a cal
 CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not chained, and in its steps a call
 
 
-def _add(sums: list, x: float, n: float, kept: float) -> list:
-    """sums [x, n] += (x, n), both halved past `kept` n: a moving average's sums, older calls fading."""
-    sums[0], sums[1] = sums[0] + x, sums[1] + n
-    if sums[1] > kept:
-        sums[0], sums[1] = sums[0] / 2, sums[1] / 2
+def _add(sums: list, *values, kept: float) -> list:
+    """sums += values (the last a count), all halved past `kept` of it: a moving average's sums, older calls fading."""
+    sums[:] = [s + v for s, v in zip(sums, values)]
+    if sums[-1] > kept:
+        sums[:] = [s / 2 for s in sums]
     return sums
 
 
@@ -130,28 +131,23 @@ class SpecPolicy:
         self.totals: dict = {}  # (tree, key) -> [tokens, row-steps] the average is of
         self.drafts, self.level_rate = None, level_rate  # a device drafter's requests' drafts a row-step (level: Acceptance)
         self.long = [0.0, 0]  # the drafts its level averaged, over the last `kept` row-steps: [sum, row-steps]
-        self.diffs: dict = {}  # tree -> [row-steps x (log of the call's drafts accepted - level), row-steps]
+        self.diffs: dict = {}  # tree -> [drafts accepted, the level's drafts, row-steps] summed over its compared calls
         self.unit = None  # the level's unit: the tree whose first calls set it, or LINKED (the links' smallest shape)
         self.links, self.use_links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS), USE_LINKS
         self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
-        self.calls: collections.Counter = collections.Counter()  # bucket -> decisions taken
-        self.chosen: collections.Counter = collections.Counter()  # (bucket, label) -> decisions
+        self.calls, self.chosen = collections.Counter(), collections.Counter()  # bucket / (bucket, label) -> decisions
         self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
-        self.recent: dict = {}  # (bucket, label) -> the last calls' ms a step
-        self.medians: dict = {}  # (bucket, label) -> the median of recent's
+        self.recent, self.medians = {}, {}  # (bucket, label) -> the last calls' ms a step, and their median
         self.scale = 1.0  # the median over (bucket, label) of seen over table cost
         self.held: dict = {}  # bucket -> (the tree its calls verify between probes, the call it moved to it)
         self.probes: dict = {}  # bucket -> _Probes
         self.verified_at: dict = {}  # (bucket, tree) -> the bucket's decision that last took it
-        self.backoff: dict = {}  # key -> probe interval multiplier (plain decoding a choice)
-        self.last_verified: dict = {}  # key -> plain steps when it last verified
-        self.plain_steps = 0  # plain steps read back so far
-        self._last = None  # (bucket, label, time) of the last outputs that arrived
+        self.backoff, self.last_verified = {}, {}  # key -> probe interval multiplier; plain steps at its last verify
+        self.plain_steps, self._last = 0, None  # plain steps read back so far; (bucket, label, time) of the last outputs
         self.run = (None, 0)  # (label, how many in a row) of the latest calls' outputs
-        self.launch: dict = {}  # bucket -> the last calls' ms not chained took past their steps' cost
-        self.launch_ms: dict = {}  # bucket -> the median of launch's
+        self.launch, self.launch_ms = {}, {}  # bucket -> the last calls' ms not chained took past their steps' cost; the median
         self.unchained: dict = {}  # bucket -> moving fraction of a device drafter's calls not chained
         self.call_steps: dict = {}  # (bucket, plain or not) -> moving steps a call
 
@@ -202,7 +198,7 @@ class SpecPolicy:
         self.medians[(rows, label)] = median(recent)
         ratios = [m / t for (r, k), m in self.medians.items() if (t := self._table(r, k))]
         self.scale = median(ratios) if ratios else 1.0
-        _add(self.observed.setdefault((rows, label), [0.0, 0]), ms, steps, HOST_KEPT_STEPS if self.plain else KEPT_STEPS)
+        _add(self.observed.setdefault((rows, label), [0.0, 0]), ms, steps, kept=HOST_KEPT_STEPS if self.plain else KEPT_STEPS)
 
     def verified(self, tree, emitted: list[int], keys: list | None = None, rows: int | None = None,
                  cut: tuple | None = None) -> None:
@@ -226,7 +222,7 @@ class SpecPolicy:
                     t, n = calls.get(k, (0, 0))
                     calls[k] = (t + c, n + 1)
         for k, (t, n) in calls.items():
-            total = _add(self.totals.setdefault((tree, k), [0, 0]), t, n, self.kept)
+            total = _add(self.totals.setdefault((tree, k), [0, 0]), t, n, kept=self.kept)
             self.emitted[(tree, k)] = total[0] / total[1]
             self.last_verified[k] = self.plain_steps
         if self.plain:  # a key whose verify did not pay is probed less often, one that did as before
@@ -239,7 +235,8 @@ class SpecPolicy:
         """A device drafter's call of `tree` (mean over n row-steps) against the requests' level. A shape's
         difference is from the first PROBE_CALLS calls of each run of it, against the level where the run
         began; within a run the level follows the calls (a shape held alone would share every move of the requests)."""
-        x = math.log(max(mean - 1.0, MIN_DRAFTS))
+        drafts = max(mean - 1.0, 0.0)
+        x = math.log(max(drafts, MIN_DRAFTS))
         chained = self.links.diff(tree) if self.use_links else None
         if chained is not None and self.unit is not LINKED:  # the level restarts in the links' unit
             self.drafts, self.unit, self.long, self._compared = None, LINKED, [0.0, 0], (None, 0, None)
@@ -249,15 +246,18 @@ class SpecPolicy:
         if tree != last:  # no level yet: the links place the run, or nothing but the run itself does
             calls, base = 0, self.level if self.level is not None else None if chained is None else x - chained
         self._compared = (tree, calls + 1, base)
-        d = self.diffs.get(tree)
-        if base is not None and (calls < PROBE_CALLS or not d):
-            d = _add(self.diffs.setdefault(tree, [0.0, 0]), n * (x - base), n, self.kept)
-        own = d[0] / d[1] if d else 0.0
-        y = max(mean - 1.0, 0.0) * math.exp(-(own if chained is None else chained))  # drafts, not logs: see above
+        if base is not None and (calls < PROBE_CALLS or tree not in self.diffs):  # its drafts and the level's
+            _add(self.diffs.setdefault(tree, [0.0, 0.0, 0]), n * drafts, n * math.exp(base), n, kept=self.kept)
+        own = self._diff(tree) if tree in self.diffs else 0.0
+        y = drafts * math.exp(-(own if chained is None else chained))  # drafts, not logs: see above
         self.drafts = y if self.drafts is None else y + (1 - self.level_rate) ** (n / LEVEL_ROW_STEPS) * (self.drafts - y)
-        _add(self.long, n * y, n, self.kept)
+        _add(self.long, n * y, n, kept=self.kept)
 
     level = property(lambda self: None if self.drafts is None else math.log(max(self.drafts, MIN_DRAFTS)))  # (Acceptance)
+
+    def _diff(self, tree) -> float:  # the log of its drafts over the level's at its calls: sums, not logs (Acceptance)
+        drafts, level, _ = self.diffs[tree]
+        return math.log(max(drafts, MIN_DRAFTS * level) / level)
 
     def expected(self, tree, key: Hashable = None) -> float | None:
         """Tokens a row drafting at `key` is expected to emit per verify step of `tree`: the most
@@ -270,7 +270,7 @@ class SpecPolicy:
         if key is None and self.level_rate and self.level is not None:  # a device drafter's: the level and the difference
             diff = self.links.diff(tree) if self.use_links else None
             if diff is None and tree in self.diffs:
-                diff = max(d / n for t, (d, n) in self.diffs.items() if contains(tree, t))
+                diff = max(self._diff(t) for t in self.diffs if contains(tree, t))
             if diff is None and self.unit == tree:  # its calls alone set the level
                 diff = 0.0
             if diff is not None:

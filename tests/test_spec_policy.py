@@ -270,6 +270,21 @@ def test_a_first_run_is_not_compared_with_itself():
     assert policy.expected(tree) == pytest.approx(3.5, abs=0.05)  # the level's comparison agrees
 
 
+def test_a_shape_whose_calls_vary_is_compared_by_its_drafts_not_their_logs():
+    """A probed shape's calls vary far more at batch 1 (a few steps each) than the level does: an
+    average of its calls' logs against the level's fell below what it accepted (DFLASH's tree at
+    HumanEval batch 1 expected 1.12x the chain's drafts where it accepted 1.36x: spec-dflash-first-run-).
+    Its drafts are summed against the level's at each call."""
+    a, b = TreeShape(2, 2, 4), TreeShape(3, 1, 4)  # neither nested in the other
+    policy = SpecPolicy(StepCosts(), {1: [a, b]}, level_rate=0.001)  # (a level that b's calls hardly move)
+    for _ in range(20):
+        policy.verified(a, [2] * 10)  # one draft a step
+    for emitted in ([1] * 8 + [2] * 2, [2] * 2 + [3] * 8, [2] * 10):  # 0.2, 1.8 and 1 drafts a step: 1 on average
+        policy.verified(b, emitted)
+    assert policy.expected(a) == pytest.approx(2.0, abs=0.01)
+    assert policy.expected(b) == pytest.approx(2.0, abs=0.01)  # the average of logs said 1.71
+
+
 def test_cuts_compare_shapes_on_the_very_same_steps():
     """The level's comparison of a probe with the shape held before it takes requests as they come:
     a big tree probed three calls on an easy request, after a small one held on hard ones, looks far
