@@ -182,8 +182,8 @@ class Dispatch:
             f.match_keys = self._match_keys(reqs)
         f.launched = launched  # (None but for a device drafter's call)
         if self.device_drafter:  # (a prefill's drafts are counted as the call's shape's)
-            f.borrowed = frozenset(i for i, r in enumerate(reqs) if num_nodes[i] == 1 or getattr(
-                getattr(r.draft, "shared", None), "tree", None) not in (None, tree))
+            f.borrowed = frozenset(i for i, r in enumerate(reqs)
+                                   if num_nodes[i] == 1 or r.draft is not None and r.draft.tree not in (None, tree))
         self._host_work_while_device_runs(f)
         f.host_s += time.perf_counter() - t0
         if overlap and self._may_overlap(f):

@@ -105,3 +105,5 @@ class DraftRow:
     def __iter__(self):
         tokens, parents = self.shared.get()
         return iter((tokens[self.i], parents[self.i]))
+
+    tree = property(lambda self: self.shared.tree)  # the shape that drafted it (None: a prefill)
