@@ -54,8 +54,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         out = jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, whole, whole, whole, whole, whole),
                             out_specs=heads, check_vma=False)(q, k_pages, v_pages, layer, page_table, kv_lens,
                                                               q_lens, tree_mask)
-        out = out if token_rows is None else token_layout(out, token_rows)
-        return out if counts is None else (out, counts)
+        return _finish(out, token_rows, counts)
     return local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, impl,
                                  token_rows, tokens, counts)
 
@@ -63,6 +62,12 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
 def _by_request(q, b, t, d):
     """The fused layers' token layout [rows, Hq * D] (rows past B * T: padding) -> [B, T, Hq, D]."""
     return q[:b * t].reshape(b, t, -1, d)
+
+
+def _finish(out, token_rows, counts):
+    """out [B, T, Hq, D] in the layout asked for, with the counts passed in (no kernel used them)."""
+    out = out if token_rows is None else token_layout(out, token_rows)
+    return out if counts is None else (out, counts)
 
 
 def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
@@ -90,15 +95,13 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
             n_sm = getattr(jax.devices()[0], "core_count", 0) if on_gpu else 0
             out = verify_hopper.verify_tree_hopper(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens,
                                                    tree_mask, persistent=n_sm, interpret=not on_gpu)
-            out = out if token_rows is None else token_layout(out, token_rows)
-            return out if counts is None else (out, counts)
+            return _finish(out, token_rows, counts)
     if _kernels_for(impl) and kernel_supports(q, k_pages, tree_mask):  # it writes the token layout itself
         from jaxspec.pallas import paged_attention as triton  # looked up per call: tests swap it
         return triton.paged_attention(rows, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
                                        interpret=not on_gpu, token_rows=token_rows, tokens=tokens, counts=counts)
-    out = paged_attention_chunked(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask)
-    out = out if token_rows is None else token_layout(out, token_rows)
-    return out if counts is None else (out, counts)
+    return _finish(paged_attention_chunked(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask),
+                   token_rows, counts)
 
 
 def prefix_attention(q, k_pages, v_pages, layer, page_table, kv_lens, impl="auto"):

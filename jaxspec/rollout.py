@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import sampling
-from jaxspec.drafters.eagle_step import TreeShape, nodes_that_fit
+from jaxspec.drafters.eagle_step import TreeShape, nodes_that_fit, widen
 from jaxspec.kv_cache import KVCache
 from jaxspec.programs import TREE_BUCKETS, bucket
 from jaxspec.pallas.tree_mask import chain_parents
@@ -187,8 +187,7 @@ def _learned_loop(graphs, target, params, drafter_params, prompts, lengths, sb, 
     zeros = jnp.zeros(b, jnp.int32)
     first, lp0, _, _, (tokens, parents), _, cache = fns["extend"](state, cache, prompts, jnp.full(b, -1, jnp.int32),
                                                                   page_table, zeros, lengths, sb, flags=flags)
-    take = jnp.minimum(jnp.arange(width), n - 1)  # as eagle_step.next_inputs pads a tree
-    tokens, parents = tokens[:, take], parents[:, take]
+    tokens, parents = widen((tokens, parents), width)
     room = max_new + width
     carry, stopped, _ = _emit((jnp.zeros((b, room), jnp.int32), jnp.zeros((b, room), jnp.float32), zeros, jnp.zeros(b, bool)),
                               first[:, None], lp0[:, None], jnp.ones(b, jnp.int32), stop_ids, max_new)

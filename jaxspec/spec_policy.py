@@ -236,15 +236,15 @@ class SpecPolicy:
         difference is from the first PROBE_CALLS calls of each run of it, against the level where the run
         began; within a run the level follows the calls (a shape held alone would share every move of the requests)."""
         drafts = max(mean - 1.0, 0.0)
-        x = math.log(max(drafts, MIN_DRAFTS))
         chained = self.links.diff(tree) if self.use_links else None
-        if chained is not None and self.unit is not LINKED:  # the level restarts in the links' unit
-            self.drafts, self.unit, self.long, self._compared = None, LINKED, [0.0, 0], (None, 0, None)
-            self.diffs.clear()  # (measured against the old unit)
-        self.unit = self.unit if self.drafts is not None else LINKED if chained is not None else tree
+        if chained is not None and self.unit is not LINKED:  # the level restarts in the links' unit (differences too)
+            self.drafts, self.long, self._compared, self.diffs = None, [0.0, 0], (None, 0, None), {}
+        if self.drafts is None:  # the level's first call sets its unit
+            self.unit = LINKED if chained is not None else tree
         last, calls, base = self._compared
         if tree != last:  # no level yet: the links place the run, or nothing but the run itself does
-            calls, base = 0, self.level if self.level is not None else None if chained is None else x - chained
+            calls, base = 0, (self.level if self.level is not None or chained is None
+                              else math.log(max(drafts, MIN_DRAFTS)) - chained)
         self._compared = (tree, calls + 1, base)
         if base is not None and (calls < PROBE_CALLS or tree not in self.diffs):  # its drafts and the level's
             _add(self.diffs.setdefault(tree, [0.0, 0.0, 0]), n * drafts, n * math.exp(base), n, kept=self.kept)

@@ -296,12 +296,17 @@ def decode(graphs, attn_impl, state, cache, tokens, page_table, kv_lens, budget,
     return decode_loop(forward, keep, cache, tokens, kv_lens, budget, stop_ids, num_steps, sb, flags)
 
 
+def widen(tree, width):
+    """Drafted (tokens, parents) [B, n] in `width` columns, the last one repeated: a verify of
+    num_nodes nodes ignores the columns past them."""
+    take = jnp.minimum(jnp.arange(width), tree[0].shape[1] - 1)
+    return tree[0][:, take], tree[1][:, take]
+
+
 def next_inputs(tree_out, width, kv_lens, count, sb):
     """The next step's inputs, so that the host can launch it before reading this one (overlap):
-    the next tree in this step's padded width (nodes past num_nodes are ignored), kv lengths and
-    sampling steps advanced by the accepted counts."""
-    take = jnp.minimum(jnp.arange(width), tree_out[0].shape[1] - 1)
-    return tree_out[0][:, take], tree_out[1][:, take], kv_lens + count, dataclasses.replace(sb, step=sb.step + count)
+    the next tree in this step's padded width, kv lengths and sampling steps advanced by the accepted counts."""
+    return (*widen(tree_out, width), kv_lens + count, dataclasses.replace(sb, step=sb.step + count))
 
 
 MAX_VERIFY_STEPS = 8  # a verify_steps call's most steps (its outputs' width); Scheduler(verify_steps=) runs fewer
