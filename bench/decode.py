@@ -94,6 +94,20 @@ def paged_cache(cfg, num_pages, page_size, dtype, mesh=None):
                           cache_sharding(mesh, cfg.num_kv_heads))
 
 
+def with_anchor(rows: list, anchor: list) -> list:
+    """jaxspec's rows so far and the torch anchor's rows for the same (model, batch), each side's ratio to the other."""
+    out = [dict(x) for x in rows]
+    for tr in anchor:
+        mine = [x for x in out if (x["model"], x["batch"]) == (tr["model"], tr["batch"])]
+        if not mine:
+            continue
+        tr = dict(tr, floor_ms=mine[0]["floor_ms"], floor_ratio=tr["ms_per_step"] / mine[0]["floor_ms"])
+        for x in mine:
+            x["vs_torch"] = tr["ms_per_step"] / x["ms_per_step"]
+        out.append(tr)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama3-8b,smollm2-135m")
@@ -136,19 +150,14 @@ def main():
                              ms_per_step_runs=[x * 1e3 for x in times]))
             print_table(rows[-1:], ["model", "batch", "impl", "ms_per_step", "floor_ms", "floor_ratio",
                                     "kernels_per_step", "max_rel_diff"])
+            # written after each row: a call cut off at its time limit keeps the rows it measured
+            path = write_results("decode" + args.tag, with_anchor(rows, anchor),
+                                 {"copy_bandwidth_GBps": bw / 1e9, "xla_flags": os.environ.get("XLA_FLAGS", "")})
         del model
-    for tr in anchor:
-        mine = [x for x in rows if (x["model"], x["batch"], x["engine"]) == (tr["model"], tr["batch"], "jaxspec")]
-        tr["floor_ms"] = mine[0]["floor_ms"]
-        tr["floor_ratio"] = tr["ms_per_step"] / mine[0]["floor_ms"]
-        for x in mine:
-            x["vs_torch"] = tr["ms_per_step"] / x["ms_per_step"]
-        rows.append(tr)
+    print(path)
     print()
-    print_table(rows, ["model", "batch", "engine", "impl", "ms_per_step", "floor_ms", "floor_ratio", "vs_torch",
-                       "kernels_per_step", "max_rel_diff"])
-    print(write_results("decode" + args.tag, rows, {"copy_bandwidth_GBps": bw / 1e9,
-                                                     "xla_flags": os.environ.get("XLA_FLAGS", "")}))
+    print_table(with_anchor(rows, anchor), ["model", "batch", "engine", "impl", "ms_per_step", "floor_ms", "floor_ratio",
+                                            "vs_torch", "kernels_per_step", "max_rel_diff"])
 
 
 if __name__ == "__main__":
