@@ -326,14 +326,14 @@ def test_the_fault_run_loses_nothing(server):
     limit = app.state.max_queued_requests
     app.state.max_queued_requests = 3  # since a newcomer decodes in its prefill's step, 6 absorbed the bursts
     try:
-        row = serve_faults.fault_run(url, requests=120, concurrency=6, max_tokens=6, max_seq_len=256, burst=16)
+        # three clients at a time, the queue's size: outside the burst a well-formed request never meets a
+        # full queue, however slowly the engine drains it (at six, 3 of ~60 completed in a suite run on a
+        # 2-core machine while another test process ran beside it, and the check below failed)
+        row = serve_faults.fault_run(url, requests=120, concurrency=3, max_tokens=6, max_seq_len=256, burst=16)
     finally:
         app.state.max_queued_requests = limit
     assert row["wrong_status"] == 0, row["wrong_status_examples"]  # a well-formed request not served got a 503
-    # How many of the ~60 well-formed requests meet a full queue depends on how fast the engine
-    # drains it: its programs compile as the run needs them, and under the whole suite on a 2-core
-    # machine 18 completed in one run at c1e9fe8 (test-run observation), 3 in session 66's with
-    # optimised programs. The floor only keeps the exactness check from passing on a handful.
+    # the floor keeps the exactness check from passing on a handful
     causes = f"completed {row['completed']}, rejected {row['rejected']}, transport {row['transport_errors']}"
     assert row["completed"] >= 10 and row["outputs_differed"] == 0, causes
     assert row["rejected"].get("queue_full", 0) > 0 and row["rejected"].get("malformed_json", 0) > 0
