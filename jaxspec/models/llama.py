@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,6 @@ from flax import nnx
 from jaxspec import attention
 from jaxspec.kv_cache import DROP_PAGE, KVCache, slot_coordinates, write_layer
 from jaxspec.models.config import ModelConfig
-from jaxspec.pallas.add_rms_norm import add_rms_norm
 from jaxspec.pallas.gated_up import gated_up
 from jaxspec.pallas.matmul_residual import matmul_residual
 from jaxspec.pallas.paged_attention import COUNT_SLOTS
@@ -59,27 +57,6 @@ def apply_rope(x, positions, inv_freq):
     return rotate(x, rope_table(positions, inv_freq))
 
 
-ADD_NORM_MAX_ROWS = 256  # decode and verify rows; training's whole sequences keep XLA's (differentiable) ops
-
-
-def add_norm(x, delta, w, eps):
-    """(x + delta, rms_norm(x + delta, w)); delta None: (x, rms_norm(x, w)). On a GPU, up to
-    ADD_NORM_MAX_ROWS rows of a power-of-two width run pallas/add_rms_norm.py's one kernel in place of
-    XLA's three or four (JAXSPEC_ADD_NORM=0 turns it off, to compare)."""
-    if delta is None:
-        return x, rms_norm(x, w, eps)
-    if add_norm_kernel(x):
-        return add_rms_norm(x, delta, w, eps, interpret=jax.default_backend() != "gpu")
-    x = x + delta
-    return x, rms_norm(x, w, eps)
-
-
-def add_norm_kernel(x) -> bool:
-    h = x.shape[-1]
-    return (jax.default_backend() == "gpu" and h & (h - 1) == 0 and x.size // h <= ADD_NORM_MAX_ROWS
-            and jax.sharding.get_abstract_mesh().size <= 1 and os.environ.get("JAXSPEC_ADD_NORM") != "0")
-
-
 def _param(rngs, shape, fan_in, dtype):
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype))
 
@@ -104,15 +81,12 @@ class Block(nnx.Module):
         self.w_gate_up = _param(rngs, (H, 2 * F), H, dtype)
         self.w_down = _param(rngs, (F, H), F, dtype)
 
-    def __call__(self, x, delta, rope, attend):
-        """The layer whose input is x + delta [B, T, H] (delta None: x): returns (x', delta') whose
-        sum is its output, the last residual add left to the next norm (add_norm: one kernel);
-        attend(q, k, v [B, T, H*, D]) -> [B, T, Hq, D]."""
+    def __call__(self, x, rope, attend):
+        """x [B, T, H] -> x after the layer; attend(q, k, v [B, T, H*, D]) -> [B, T, Hq, D]."""
         cfg = self.cfg
         b, t, _ = x.shape
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        x, h = add_norm(x, delta, self.attn_norm[...], cfg.rms_norm_eps)
-        qkv = h @ self.wqkv[...]
+        qkv = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps) @ self.wqkv[...]
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         g = cfg.shard_groups  # > 1: each shard's [q k v] together (sharding.py), so a column split is local
@@ -121,9 +95,10 @@ class Block(nnx.Module):
         if cfg.qk_norm:
             q, k = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         q, k = rotate(q, rope), rotate(k, rope)
-        x, h = add_norm(x, attend(q, k, v).reshape(b, t, hq * d) @ self.wo[...], self.mlp_norm[...], cfg.rms_norm_eps)
-        gate, up = jnp.split((h @ self.w_gate_up[...]).reshape(b, t, g, -1), 2, axis=-1)
-        return x, (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
+        x = x + attend(q, k, v).reshape(b, t, hq * d) @ self.wo[...]
+        gate_up = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps) @ self.w_gate_up[...]
+        gate, up = jnp.split(gate_up.reshape(b, t, g, -1), 2, axis=-1)
+        return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
 
     def fused(self, x, cos, sin, slots, k_pages, v_pages, layer, attend, interpret):
         """The layer as four Pallas kernels around attention (pallas/qkv_project.py, gated_up.py,
@@ -220,7 +195,7 @@ class Llama(nnx.Module):
         rope = rope_table(positions, rope_frequencies(cfg))
         page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, cache.page_size)
         k_pages, v_pages = cache.k, cache.v
-        x, delta = self.embed_tokens(tokens), None  # a layer's output is x + delta (Block.__call__)
+        x = self.embed_tokens(tokens)
         kept = {}
         counts = jnp.zeros((COUNT_SLOTS,), jnp.int32)  # the attention kernel's, passed from layer to layer
         fused = fused_layers(cfg, b * t, attn_impl)
@@ -238,16 +213,16 @@ class Llama(nnx.Module):
                                                                v_pages, jnp.int32(li), page_table, kv_lens, q_lens,
                                                                tree_mask, counts, b, t)
             else:
-                x, delta, k_pages, v_pages, counts = _run_block(graphdef, attn_impl, state, x, delta, rope, k_pages,
-                                                                v_pages, jnp.int32(li), page, offset, page_table,
-                                                                kv_lens, q_lens, tree_mask, counts)
+                x, k_pages, v_pages, counts = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages,
+                                                         jnp.int32(li), page, offset, page_table, kv_lens, q_lens,
+                                                         tree_mask, counts)
             if li in hidden_layers:
-                kept[li] = x if delta is None else x + delta
+                kept[li] = x
         if fused:
             x = x[:b * t].reshape(b, t, -1)
             kept = {li: h[:b * t].reshape(b, t, -1) for li, h in kept.items()}
         hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
-        return add_norm(x, delta, self.final_norm[...], cfg.rms_norm_eps)[1], KVCache(k_pages, v_pages), hidden
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
 
 
 def causal_mask(t: int, segments=None):
@@ -270,24 +245,23 @@ def dense_forward(model: Llama, tokens, hidden_layers: tuple = (), segments=None
     rope = rope_table(positions, rope_frequencies(cfg))
     mask = None if segments is None else causal_mask(t, segments)[:, None]  # [B, 1, T, S]
     attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None).astype(q.dtype)
-    x, delta = model.embed_tokens(tokens), None
+    x = model.embed_tokens(tokens)
     kept = {}
     for i, block in enumerate(model.layers):
-        x, delta = block(x, delta, rope, attend)
+        x = block(x, rope, attend)
         if i in hidden_layers:
-            kept[i] = x + delta
+            kept[i] = x
     hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
-    return add_norm(x, delta, model.final_norm[...], cfg.rms_norm_eps)[1], hidden
+    return rms_norm(x, model.final_norm[...], cfg.rms_norm_eps), hidden
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _run_block(graphdef, attn_impl, state, x, delta, rope, k_pages, v_pages, layer, page, offset, page_table, kv_lens,
+def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, page, offset, page_table, kv_lens,
                q_lens, tree_mask, counts):
     """One layer, its K/V written into the pages at `layer` (a traced index). Jitted so that a
     program traces and lowers the layer once, not once per layer: identical calls hit JAX's trace
     cache and share one lowered function, which XLA inlines (the executable is the unrolled one).
-    counts: the attention kernel's (attention.local_paged_attention), returned for the next layer.
-    The layer's input is x + delta, its output too (Block.__call__)."""
+    counts: the attention kernel's (attention.local_paged_attention), returned for the next layer."""
     def attend(q, k, v):
         nonlocal k_pages, v_pages, counts
         k_pages = write_layer(k_pages, layer, k, page, offset)
@@ -295,8 +269,8 @@ def _run_block(graphdef, attn_impl, state, x, delta, rope, k_pages, v_pages, lay
         out, counts = attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
                                                 impl=attn_impl, counts=counts)
         return out
-    x, delta = nnx.merge(graphdef, state)(x, delta, rope, attend)
-    return x, delta, k_pages, v_pages, counts
+    x = nnx.merge(graphdef, state)(x, rope, attend)
+    return x, k_pages, v_pages, counts
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 15, 16))
