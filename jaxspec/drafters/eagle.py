@@ -286,13 +286,14 @@ def load_head(directory: str, target_cfg: ModelConfig, target=None, dtype=jnp.fl
             continue
         if name not in found:
             raise CheckpointError(f"draft model {directory}: tensor for {name!r} is missing")
-        if found[name].shape != var.value.shape:
-            raise CheckpointError(f"draft model {directory}: {name} has shape {found[name].shape}, expected {var.value.shape}")
+        want = var.get_value().shape
+        if found[name].shape != want:
+            raise CheckpointError(f"draft model {directory}: {name} has shape {found[name].shape}, expected {want}")
         host[key] = np.ascontiguousarray(found[name], np.dtype(dtype))
     # cast on the host and put on the device in one transfer: a cast on the device compiled a
     # program per weight shape at every start
     for key, value in zip(host, jax.device_put(list(host.values()))):
-        flat[key].value = value
+        flat[key].set_value(value)
     nnx.update(head, nnx.from_flat_state(flat))
     return head
 
