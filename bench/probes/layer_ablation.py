@@ -1,0 +1,116 @@
+"""Where the 8B batch-1 decode step spends what its GEMMs do not: the step with one part of the layer
+left out at a time, each variant in a fresh process (the layers' jitted function keeps its trace).
+
+A step is the engine's `decode` program as bench/decode.py runs it (command buffers on). Inside
+them a profile attributes little, and the profile without them times kernels that the command
+buffers launch back to back: a residual add and norm fused into one kernel, three of the 0.4 ms
+of small kernels there (decode-8b-nocb-), left the step's time as it was (decode-addnorm-). A
+part's cost on the critical path is the step's time with it less its time without it, side by side:
+  attention  the paged attention kernel (its output: the queries)
+  norms      the RMS norms (identity)
+  kv_write   the K/V writes into the pages
+  rope       the rotary embedding
+  gemms      all four left out: the GEMMs, residual adds and sampling that remain
+Outputs are wrong in every variant but the full one: only times count.
+    python bench/probes/layer_ablation.py [--batches 1,8] [--model llama3-8b] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = {"full": (), "attention": ("attention",), "norms": ("norms",), "kv_write": ("kv_write",),
+            "rope": ("rope",), "gemms": ("attention", "norms", "kv_write", "rope")}
+
+
+def leave_out(parts):
+    """Patch the model's module so that its layers skip `parts` (before anything is traced)."""
+    from jaxspec import attention
+    from jaxspec.models import llama
+    if "attention" in parts:
+        attention.paged_attention = lambda q, *a, counts=None, **kw: q if counts is None else (q, counts)
+    if "norms" in parts:
+        llama.rms_norm = lambda x, w, eps: x
+    if "kv_write" in parts:
+        llama.write_layer = lambda pages, layer, kv, page, offset: pages
+    if "rope" in parts:
+        llama.rotate = lambda x, table: x
+
+
+def child(variant, model_name, batches, context, steps, out, smoke):
+    import time
+
+    import jax
+    import numpy as np
+
+    from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, param_bytes, random_model
+    from decode import decode_steps
+    from jaxspec.models import ModelConfig
+    leave_out(VARIANTS[variant])
+    shape = dict(SMOLLM2 if model_name == "smollm2-135m" else LLAMA3_8B)
+    if smoke:
+        shape.update(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
+                     vocab_size=512)
+    cfg = ModelConfig(**shape)
+    model = random_model(cfg, jax.numpy.bfloat16)
+    bw = copy_bandwidth()
+    rows = []
+    for b in batches:
+        kv_bytes = b * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        floor = (param_bytes(model) + kv_bytes) / bw
+        run = decode_steps(model, b, context, 8192, 16, "auto")
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(steps))
+            times.append((time.perf_counter() - t0) / steps)
+        t = float(np.median(times))
+        rows.append(dict(model=model_name, batch=b, context=context, variant=variant, left_out=list(VARIANTS[variant]),
+                         ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor,
+                         ms_per_step_runs=[x * 1e3 for x in times]))
+        print(variant, b, f"{t * 1e3:.3f} ms", flush=True)
+    json.dump(rows, open(out, "w"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--smoke", action="store_true", help="a two-layer toy of the model's shape (to check the script)")
+    ap.add_argument("--child", nargs=2, metavar=("VARIANT", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        return child(args.child[0], args.model, batches, args.context, args.steps, args.child[1], args.smoke)
+    from common import print_table, write_results
+    rows = []
+    for variant in args.variants.split(","):
+        out = os.path.join(tempfile.mkdtemp(), "rows.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, out, "--model", args.model,
+               "--batches", args.batches, "--context", str(args.context), "--steps", str(args.steps)]
+        r = subprocess.run(cmd + (["--smoke"] if args.smoke else []))
+        if r.returncode != 0 or not os.path.exists(out):
+            print(f"{variant}: the child failed (exit {r.returncode})")
+            continue
+        rows += json.load(open(out))
+        full = {x["batch"]: x["ms_per_step"] for x in rows if x["variant"] == "full"}
+        for x in rows:
+            if x["batch"] in full:
+                x["saved_ms"] = full[x["batch"]] - x["ms_per_step"]
+        # written after each variant: a call cut off at its limit keeps what it measured
+        path = write_results("layer_ablation" + ("-smoke" if args.smoke else ""), rows)
+    print_table(rows, ["model", "batch", "variant", "ms_per_step", "saved_ms", "floor_ms", "floor_ratio"])
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
