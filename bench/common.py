@@ -81,6 +81,17 @@ def time_fn(fn, *args, warmup=3, iters=20, queue=1):
     return float(np.median(ts))
 
 
+def step_times(run, steps: int, repeats: int = 5) -> list:
+    """Seconds a step in each of `repeats` calls of run(steps), a function issuing that many
+    steps (already built and warm) and returning what to wait for."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(steps))
+        times.append((time.perf_counter() - t0) / steps)
+    return times
+
+
 def time_interleaved(fns: dict, *args, rounds=7, iters=8, queue=5, warm_s=0.3) -> dict:
     """{name: median time (s)} of several functions of the same arguments, timed in turns (A B C A B
     C ...): a clock ramp or a neighbour's load then falls on every variant alike, not on whichever

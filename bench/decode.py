@@ -15,7 +15,6 @@ import functools
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from common import (LLAMA3_8B, SMOLLM2, copy_bandwidth, device_kernels, param_bytes, print_table, results_tag, random_model,
-                    run_torch_anchor, write_results)
+                    run_torch_anchor, step_times, write_results)
 from jaxspec.kv_cache import KVCache
 from jaxspec.models import ModelConfig
 from jaxspec.models.llama import fused_layers
@@ -134,11 +133,7 @@ def main():
             kv_bytes = b * args.context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
             floor = (wbytes + kv_bytes) / bw
             run = decode_steps(model, b, args.context, args.max_seq_len, args.page_size, impl)
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                jax.block_until_ready(run(args.steps))
-                times.append((time.perf_counter() - t0) / args.steps)
+            times = step_times(run, args.steps)
             t = float(np.median(times))
             prof = device_kernels(lambda: jax.block_until_ready(run(16)), 16, tempfile.mkdtemp(), top=24)
             rows.append(dict(model=name, batch=b, context=args.context, engine="jaxspec", algorithm="plain",

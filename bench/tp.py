@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, print_table, results_tag, random_model, write_results
+from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, print_table, random_model, results_tag, step_times, write_results
 from decode import decode_steps, paged_cache
 from jaxspec import sharding
 from jaxspec.models import ModelConfig
@@ -132,12 +131,7 @@ def main(argv=None):
                              verify_step(model, b, args.context, args.verify_nodes, args.page_size, mesh),
                              max(1, args.steps // 8), args.verify_nodes))
             for algo, run, n, tokens in runs:
-                times = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(run(n))
-                    times.append((time.perf_counter() - t0) / n)
-                t = float(np.median(times))
+                t = float(np.median(step_times(run, n, repeats=3)))
                 rows.append(dict(tp=tp, batch=b, algorithm=algo, context=args.context, ms_per_step=t * 1e3,
                                  tokens_per_s=b / t if algo == "plain" else None,
                                  nodes_per_s=b * tokens / t, floor_ms=floor * 1e3, floor_ratio=t / floor))

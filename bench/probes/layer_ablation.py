@@ -44,12 +44,10 @@ def leave_out(parts):
 
 
 def child(variant, model_name, batches, context, steps, out, smoke):
-    import time
-
     import jax
     import numpy as np
 
-    from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, param_bytes, random_model
+    from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, param_bytes, random_model, step_times
     from decode import decode_steps
     from jaxspec.models import ModelConfig
     leave_out(VARIANTS[variant])
@@ -65,11 +63,7 @@ def child(variant, model_name, batches, context, steps, out, smoke):
         kv_bytes = b * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
         floor = (param_bytes(model) + kv_bytes) / bw
         run = decode_steps(model, b, context, 8192, 16, "auto")
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(steps))
-            times.append((time.perf_counter() - t0) / steps)
+        times = step_times(run, steps)
         t = float(np.median(times))
         rows.append(dict(model=model_name, batch=b, context=context, variant=variant, left_out=list(VARIANTS[variant]),
                          ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor,
