@@ -317,6 +317,7 @@ def main():
                                        auto_use_links=policy.use_links,
                                        auto_level_rate=policy.level_rate,
                                        auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
+                                       auto_why=summary["why"],  # bucket -> "tree: reason" -> calls (spec_policy.py)
                                        auto_observed_ms=summary["observed_ms"],
                                        auto_recent_ms=summary["recent_ms"],  # median, p90, max of the last calls
                                        auto_launch=summary["launch"],  # calls not chained: their cost, their fraction

@@ -16,46 +16,40 @@ prefill, a change of batch) also pays its launch and read-back: what it took pas
 is a bucket's launch cost, whatever the shape, and a shape's step costs its share of it: the
 bucket's fraction of calls not chained x the launch cost / the steps a call of its kind runs.
 
-Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took
-(sums halved past `kept` row-steps, so that they follow the requests), pooled over batch sizes
-(what a tree accepts depends on the drafter and the text, not on the batch), and a histogram. A
-device drafter has one key; a host drafter (NGRAM) keys each request by how many of its latest
-tokens matched (1, 2-3, 4-7, 8 or more; 0, no match, drafts nothing and expects 1): a request
-continuing a long stretch seen before (a repeated line of code) accepts several tokens, one whose
-last token alone matches rarely more than the bonus token, and code alternates the two. A tree that
-contains another's shape (as deep, as wide, as many nodes) is expected to accept at least what that
-one did: on few calls, an unlucky first average would keep a good shape from being chosen again.
-A host drafter's expectation is optimistic by one standard error while its samples are few.
-A device drafter's shapes are compared on the same requests, by the drafts a row-step accepts (its
-tokens past the one every step emits), whose log is the requests' level plus the shape's difference:
-a shape accepts a multiple of what another does, whatever the requests. The difference is the log of
-its drafts over the level's, summed over its calls (an average of their logs fell below what a shape
-whose calls vary accepted); the level is the log of a moving average (LEVEL_RATE per
-LEVEL_ROW_STEPS row-steps) of every call's drafts over its shape's multiple (one of logs sank on the
-calls that accept nothing: spec_policy_notes.md); over plain steps, where nothing is verified, it
-moves back toward the drafts' long-run mean at that rate. Plain averages (level_rate 0) compare
-shapes on whatever requests each met. Differences counted on the same steps by its trees' cuts
-(shape_links.py) replace them once known, unless use_links is unset. The level's unit is then the
-links' smallest shape (it restarts at the first call the links place), else the shape whose calls
-first set it; a run of calls before any level counts no difference (against itself a shape reads
-none whatever it accepts), and a shape without one in the level's unit is expected its own average.
+Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took (sums halved past
+`kept` row-steps, so that they follow the requests), pooled over batch sizes (what a tree accepts depends on the
+drafter and the text, not on the batch), and a histogram. A device drafter has one key; a host drafter (NGRAM) keys
+each request by how many of its latest tokens matched (1, 2-3, 4-7, 8 or more; 0, no match, drafts nothing and expects
+1): a request continuing a long stretch seen before (a repeated line of code) accepts several tokens, one whose last
+token alone matches rarely more than the bonus token, and code alternates the two. A tree that contains another's
+shape (as deep, as wide, as many nodes) is expected to accept at least what that one did: on few calls, an unlucky
+first average would keep a good shape from being chosen again. A host drafter's expectation is optimistic by one
+standard error while its samples are few. A device drafter's shapes are compared on the same requests, by the drafts a
+row-step accepts (its tokens past the one every step emits), whose log is the requests' level plus the shape's
+difference: a shape accepts a multiple of what another does, whatever the requests. The difference is the log of its
+drafts over the level's, summed over its calls (an average of their logs fell below what a shape whose calls vary
+accepted); the level is the log of a moving average (LEVEL_RATE per LEVEL_ROW_STEPS row-steps) of every call's drafts
+over its shape's multiple (one of logs sank on the calls that accept nothing: spec_policy_notes.md); over plain steps,
+where nothing is verified, it moves back toward the drafts' long-run mean at that rate. Plain averages (level_rate 0)
+compare shapes on whatever requests each met. Differences counted on the same steps by its trees' cuts
+(shape_links.py) replace them once known, unless use_links is unset. The level's unit is then the links' smallest
+shape (it restarts at the first call the links place), else the shape whose calls first set it; a run of calls before
+any level counts no difference (against itself a shape reads none whatever it accepts), and a shape without one in the
+level's unit is expected its own average.
 
-The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms, the
-mean over its requests of expected(tree, key) / cost(rows, tree), where plain decoding emits one
-token per plain step. Every shape a bucket has runs `explore` calls (4 for a device drafter; a host
-drafter tries each match key once) before any is preferred. A shape whose nodes a bigger one of the
-same depth and branching drafts too is left out where that one costs at most NESTED_COST as much a
-step: it accepts at least as much on every step. A bucket that moved to a tree keeps it for
-HOLD_CALLS calls, then takes the fastest again (near-tied shapes would trade places call after
-call); plain decoding is left as soon as a tree looks faster. After probe_every calls another shape
-runs PROBE_CALLS calls (the contenders in turn) so that the averages follow the requests and the
-costs; the interval doubles (up to 8x) after each probe that leaves the bucket on its shape and
-falls back when the bucket moves. A shape the bucket has not verified for STALE_PROBES probe
-intervals is probed first, whatever it is expected to emit (a shape judged on a few early calls
-could otherwise never be verified again), unless nothing of it goes stale: a cut of the held tree,
-whose link the held tree's calls count. Plain decoding is never probed: it emits one token a step,
-at the table's cost scaled. A device drafter's change of shape chains on the last call's drafts, cut
-on the device (scheduler/trees.py).
+The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms, the mean over its
+requests of expected(tree, key) / cost(rows, tree), where plain decoding emits one token per plain step. Every shape a
+bucket has runs `explore` calls (4 for a device drafter; a host drafter tries each match key once) before any is
+preferred. A shape whose nodes a bigger one of the same depth and branching drafts too is left out where that one
+costs at most NESTED_COST as much a step: it accepts at least as much on every step. A bucket that moved to a tree
+keeps it for HOLD_CALLS calls, then takes the fastest again (near-tied shapes would trade places call after call);
+plain decoding is left as soon as a tree looks faster. After probe_every calls another shape runs PROBE_CALLS calls
+(the contenders in turn) so that the averages follow the requests and the costs; the interval doubles (up to 8x) after
+each probe that leaves the bucket on its shape and falls back when the bucket moves. A shape the bucket has not
+verified for STALE_PROBES probe intervals is probed first, whatever it is expected to emit (a shape judged on a few
+early calls could otherwise never be verified again), unless nothing of it goes stale: a cut of the held tree, whose
+link the held tree's calls count. Plain decoding is never probed: it emits one token a step, at the table's cost
+scaled. A device drafter's change of shape chains on the last call's drafts, cut on the device (scheduler/trees.py).
 
 For a host drafter plain decoding is a choice a tree must look min_gain faster than (above 1: the
 estimate is noisy, and every switch costs an unchained step); a match key that does not pay is
@@ -111,6 +105,7 @@ class _Probes:
     done: int = 0
     before: object = None
     shape: object = None  # the shape the probe runs
+    why: str = ""  # why it runs that shape
 
 
 class SpecPolicy:
@@ -138,6 +133,7 @@ class SpecPolicy:
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls, self.chosen = collections.Counter(), collections.Counter()  # bucket / (bucket, label) -> decisions
+        self.why, self._why = collections.Counter(), ""  # (bucket, "label: reason") -> decisions; the last one's reason
         self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
         self.recent, self.medians = {}, {}  # (bucket, label) -> the last calls' ms a step, and their median
         self.scale = 1.0  # the median over (bucket, label) of seen over table cost
@@ -322,12 +318,14 @@ class SpecPolicy:
             return None
         pick = self._gate(rows, trees, keys) if self.plain else self._rank(rows, trees)
         self.chosen[(rows, PLAIN if pick is None else pick.label)] += 1
+        self.why[(rows, f"{PLAIN if pick is None else pick.label}: {'gate' if self.plain else self._why}")] += 1
         return None if pick is PLAIN_CHOICE else pick
 
     def overruled(self, rows: int, tree) -> None:
         """The call `choose` gave `tree` decodes plainly instead (closed_wave.py): counted as it ran."""
         self.chosen[(rows, tree.label)] -= 1
         self.chosen[(rows, PLAIN)] += 1
+        self.why[(rows, f"{PLAIN}: closed wave")] += 1
 
     def _rank(self, rows, trees):
         """Among the trees alone (a device drafter), those no nested bigger one replaces: explore,
@@ -337,14 +335,15 @@ class SpecPolicy:
                                              and ms[u] <= NESTED_COST * ms[t] for u in trees)] or trees
         pick = next((t for t in trees if self.seen[t] < self.explore and t is not PLAIN_CHOICE), None)  # learn each
         if pick is not None:
+            self._why = "explore"
             return pick
         n = self.calls[rows] = self.calls[rows] + 1
         rate = {t: self.rate(rows, t, ms=ms[t]) for t in trees}
         ranked = sorted(trees, key=rate.get, reverse=True)
-        pick = ranked[0]
+        pick, self._why = ranked[0], "fastest"
         held, since = self.held.get(rows, (None, 0))
         if held in trees and held is not PLAIN_CHOICE and pick != held and n - since < HOLD_CALLS:
-            pick = held  # near-tied shapes would trade places call after call
+            pick, self._why = held, "held"  # near-tied shapes would trade places call after call
         probe = self.probes.setdefault(rows, _Probes(self.probe_every))
         if pick != held:
             if held is not None:  # the estimates move: probe as often as at first
@@ -363,7 +362,8 @@ class SpecPolicy:
                 rivals = ([t for t in others if rate[t] >= 0.75 * rate[pick]]
                           or [t for t in ranked[1:2] if t in others and not self._counted(t, pick)] or [pick])
                 probe.shape = min(stale, key=last.get) if stale else rivals[probe.done % len(rivals)]
-            pick = probe.shape
+                probe.why = "stale probe" if stale else "probe"
+            pick, self._why = probe.shape, probe.why
         self.verified_at[(rows, pick)] = n
         return pick
 

@@ -23,4 +23,5 @@ def summary(policy) -> dict:
                                      for k, v in policy.recent.items()}),
                 launch={str(r): dict(ms=round(ms, 3), unchained=round(policy.unchained.get(r, 0.0), 3))
                         for r, ms in sorted(policy.launch_ms.items())},
-                chosen=by_bucket(policy.chosen))
+                chosen=by_bucket(policy.chosen),
+                why=by_bucket(policy.why))  # bucket -> "shape: reason" -> calls (explore, fastest, held, probe, stale probe, ...)

@@ -112,6 +112,10 @@ def test_a_shape_not_verified_for_long_is_probed_however_far_behind(monkeypatch)
     c_calls = [n for n, t in enumerate(picks) if t == c]
     assert picks.count(b) >= 3 and len(c_calls) == spec_policy.PROBE_CALLS
     assert c_calls == list(range(c_calls[0], c_calls[0] + spec_policy.PROBE_CALLS))  # one probe, calls in a row
+    why = policy.summary()["why"]["1"]  # each call's reason, as /server_info and the benches report it
+    assert sum(why.values()) == 43 and why[f"{c.label}: stale probe"] == spec_policy.PROBE_CALLS
+    assert why[f"{b.label}: probe"] == picks.count(b) and why[f"{a.label}: explore"] == 1
+    assert why[f"{a.label}: fastest"] + why.get(f"{a.label}: held", 0) == picks.count(a)
 
 
 def test_shapes_whose_expectation_the_held_tree_counts_are_not_probed_when_far_behind(monkeypatch):
