@@ -133,7 +133,7 @@ class SpecPolicy:
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls, self.chosen = collections.Counter(), collections.Counter()  # bucket / (bucket, label) -> decisions
-        self.why, self._why = collections.Counter(), ""  # (bucket, "label: reason") -> decisions; the last one's reason
+        self.why = collections.Counter()  # (bucket, "label: reason") -> decisions (before closed_wave.py overrules one)
         self.observed: dict = {}  # (bucket, label) -> [ms, steps] seen
         self.recent, self.medians = {}, {}  # (bucket, label) -> the last calls' ms a step, and their median
         self.scale = 1.0  # the median over (bucket, label) of seen over table cost
@@ -316,34 +316,33 @@ class SpecPolicy:
         trees = self.trees_at.get(rows, ())
         if not trees:
             return None
-        pick = self._gate(rows, trees, keys) if self.plain else self._rank(rows, trees)
+        pick, why = (self._gate(rows, trees, keys), "gate") if self.plain else self._rank(rows, trees)
         self.chosen[(rows, PLAIN if pick is None else pick.label)] += 1
-        self.why[(rows, f"{PLAIN if pick is None else pick.label}: {'gate' if self.plain else self._why}")] += 1
+        self.why[(rows, f"{PLAIN if pick is None else pick.label}: {why}")] += 1
         return None if pick is PLAIN_CHOICE else pick
 
     def overruled(self, rows: int, tree) -> None:
         """The call `choose` gave `tree` decodes plainly instead (closed_wave.py): counted as it ran."""
         self.chosen[(rows, tree.label)] -= 1
         self.chosen[(rows, PLAIN)] += 1
-        self.why[(rows, f"{PLAIN}: closed wave")] += 1
 
     def _rank(self, rows, trees):
         """Among the trees alone (a device drafter), those no nested bigger one replaces: explore,
-        then the fastest, held HOLD_CALLS calls, and rivals probed after probe_every calls or more."""
+        then the fastest, held HOLD_CALLS calls, and rivals probed after probe_every calls or more.
+        Returns (the tree, why: explore, fastest, held, probe or stale probe)."""
         ms = {t: self.cost(rows, t.label) for t in trees}  # once a call: each sums every cost seen
         trees = [t for t in trees if not any(nested(u, t) and ms[u] is not None and ms[t] is not None
                                              and ms[u] <= NESTED_COST * ms[t] for u in trees)] or trees
         pick = next((t for t in trees if self.seen[t] < self.explore and t is not PLAIN_CHOICE), None)  # learn each
         if pick is not None:
-            self._why = "explore"
-            return pick
+            return pick, "explore"
         n = self.calls[rows] = self.calls[rows] + 1
         rate = {t: self.rate(rows, t, ms=ms[t]) for t in trees}
         ranked = sorted(trees, key=rate.get, reverse=True)
-        pick, self._why = ranked[0], "fastest"
+        pick, why = ranked[0], "fastest"
         held, since = self.held.get(rows, (None, 0))
         if held in trees and held is not PLAIN_CHOICE and pick != held and n - since < HOLD_CALLS:
-            pick, self._why = held, "held"  # near-tied shapes would trade places call after call
+            pick, why = held, "held"  # near-tied shapes would trade places call after call
         probe = self.probes.setdefault(rows, _Probes(self.probe_every))
         if pick != held:
             if held is not None:  # the estimates move: probe as often as at first
@@ -363,9 +362,9 @@ class SpecPolicy:
                           or [t for t in ranked[1:2] if t in others and not self._counted(t, pick)] or [pick])
                 probe.shape = min(stale, key=last.get) if stale else rivals[probe.done % len(rivals)]
                 probe.why = "stale probe" if stale else "probe"
-            pick, self._why = probe.shape, probe.why
+            pick, why = probe.shape, probe.why
         self.verified_at[(rows, pick)] = n
-        return pick
+        return pick, why
 
     def _counted(self, tree, held) -> bool:
         """Whether `held`'s own calls keep what `tree` is expected to emit current: a cut of it (links)."""

@@ -24,4 +24,4 @@ def summary(policy) -> dict:
                 launch={str(r): dict(ms=round(ms, 3), unchained=round(policy.unchained.get(r, 0.0), 3))
                         for r, ms in sorted(policy.launch_ms.items())},
                 chosen=by_bucket(policy.chosen),
-                why=by_bucket(policy.why))  # bucket -> "shape: reason" -> calls (explore, fastest, held, probe, stale probe, ...)
+                why=by_bucket(policy.why))  # bucket -> "shape: reason" -> calls, as chosen (closed_wave.py's overrules apart)
