@@ -38,28 +38,6 @@ def _kernels_for(impl) -> bool:
     return impl in ("pallas", "mosaic", "fused") or (impl == "auto" and jax.default_backend() == "gpu")
 
 
-def writes_new_kv(b, t, hq, k_pages, tree_mask, impl) -> bool:
-    """Whether attend_new_tokens serves a forward of [b, t] tokens: where local_paged_attention would
-    run the Triton kernel (on one device) with one query block a request (rows: t * GQA <= 128;
-    prefill chunks keep XLA's scatter, off their critical path)."""
-    mosaic = impl == "mosaic" or (impl == "auto" and jax.default_backend() == "gpu" and on_hopper())
-    hkv = k_pages.shape[3]
-    one_block = hq % hkv == 0 and t * (hq // hkv) <= 128
-    return (_kernels_for(impl) and not (mosaic and t > 1) and jax.sharding.get_abstract_mesh().size <= 1
-            and kernel_supports(jax.ShapeDtypeStruct((b, t), jnp.int32), k_pages, tree_mask) and one_block)
-
-
-def attend_new_tokens(qkv, rope, norms, eps, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, counts):
-    """local_paged_attention for the layer's projection qkv [B, T, (Hq + 2 Hkv) D] before rope, in one
-    kernel that ropes (and norms: norms = (q_norm, k_norm) or Nones) q and the new keys and writes the
-    new K/V into the pages (pallas/paged_attention.py's new_kv; rope: its rope_rows tables) ->
-    (out [B, T, Hq, D], k_pages, v_pages, counts). Where writes_new_kv says so."""
-    from jaxspec.pallas import paged_attention as triton
-    return triton.paged_attention(qkv, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
-                                  interpret=jax.default_backend() != "gpu", counts=counts, new_kv=(*rope, *norms),
-                                  eps=eps)
-
-
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
                     token_rows=None, tokens=None, counts=None):
     """Under a tensor-parallel mesh (sharding.py) with heads that divide over it, each shard attends

@@ -62,22 +62,11 @@ def model():
     return Llama(CFG, rngs=nnx.Rngs(4))
 
 
-# head_dim 64 (the attention kernel's smallest) and Qwen3's norms: the unfused layers' kernel ropes
-# and stores the new K/V itself (attention.writes_new_kv)
-CFG64 = ModelConfig(**{**CFG.__dict__, "head_dim": 64, "qk_norm": True})
-
-
-@pytest.mark.parametrize("cfg", [CFG, CFG64], ids=["d32", "d64-qknorm"])
 @pytest.mark.parametrize("t,tree", [(1, False), (5, True)], ids=["decode", "tree-verify"])
-def test_kernel_forwards_match_jnp(model, cfg, t, tree):
+def test_kernel_forwards_match_jnp(model, t, tree):
     """The fused layers, and the unfused ones on the attention kernel: decode over a long page
     table (split-K partials merged by the last split) and a tree verify; the final hidden, a kept
     layer's hidden and every cache slot agree (on the CPU: a GPU's XLA dots take TF32)."""
-    from jaxspec import attention
-    if cfg is CFG64:
-        model = Llama(CFG64, rngs=nnx.Rngs(4))
-        assert attention.writes_new_kv(3, t, cfg.num_heads, jnp.zeros((2, 1, 16, 2, 64)), None, "pallas")
-    d = cfg.head_dim
     b, ps, width = 3, 16, 16
     rng = np.random.default_rng(t)
     tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
@@ -94,7 +83,7 @@ def test_kernel_forwards_match_jnp(model, cfg, t, tree):
         mask = jnp.asarray(np.broadcast_to(anc, (b, t, t)))
     outs = {}
     for impl in ("ref", "fused", "pallas"):
-        cache = KVCache(*(jnp.full((2, b * width + 1, ps, 2, d), 0.1, jnp.float32) for _ in range(2)))
+        cache = KVCache(*(jnp.full((2, b * width + 1, ps, 2, 32), 0.1, jnp.float32) for _ in range(2)))
         outs[impl] = model(tokens, positions, cache, page_table, kv_lens, q_lens, mask, hidden_layers=(0,),
                            attn_impl=impl)
     for impl in ("fused", "pallas"):

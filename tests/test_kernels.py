@@ -115,51 +115,6 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, **
         assert np.array_equal(np.asarray(again, np.float32), out) and not np.asarray(counts).any()
 
 
-@pytest.mark.parametrize("b,t,hq,hkv,d,tree,qk_norm,dtype,splits", [
-    (3, 1, 6, 2, 64, False, False, jnp.float32, 4),  # decode, split-K merged in the kernel
-    (2, 5, 8, 2, 64, True, True, jnp.float32, 2),  # tree verify, Qwen3's per-head norms
-    (4, 1, 8, 1, 128, False, False, jnp.bfloat16, 1),
-])
-def test_attention_writing_new_kv_matches_write_then_attend(b, t, hq, hkv, d, tree, qk_norm, dtype, splits):
-    """new_kv: the kernel ropes (and norms) the projection's q and new keys and stores the new K/V
-    itself. Output as the kernel's on XLA's roped q after XLA's scatter; pages as that scatter left
-    them, only the new tokens' slots at the layer changed (ragged and empty requests included)."""
-    from jaxspec.kv_cache import slot_coordinates, write_layer
-    from jaxspec.models.llama import rope_frequencies, rope_table, rotate
-    from jaxspec.models import ModelConfig
-    from jaxspec.pallas.paged_attention import rope_rows
-    from jaxspec.pallas.rows import rms_norm
-    rng = np.random.default_rng(t)
-    ps, n_pages, width = 16, 32, 6
-    arr = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
-    k, v, qkv = arr(2, n_pages, ps, hkv, d), arr(2, n_pages, ps, hkv, d), arr(b, t, (hq + 2 * hkv) * d)
-    norms = (1 + 0.1 * arr(d), 1 + 0.1 * arr(d)) if qk_norm else (None, None)
-    kv_lens = jnp.asarray([0, 2 * ps - 1, ps + 3, 40][:b], jnp.int32)
-    q_lens = jnp.asarray([t, max(t - 2, 0), t, 1][:b], jnp.int32)
-    pt = jnp.asarray(rng.permutation(np.arange(1, n_pages))[:b * width].reshape(b, width), jnp.int32)
-    mask = None
-    if tree:
-        mask, _ = tree_attention_mask(jnp.asarray(random_parents(rng, b, t)), jnp.full((b,), t, jnp.int32))
-    cfg = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=hq,
-                      num_kv_heads=hkv, head_dim=d)
-    rope = rope_table(kv_lens[:, None] + jnp.arange(t)[None], rope_frequencies(cfg))
-    q, kn, vn = jnp.split(qkv.reshape(b, t, hq + 2 * hkv, d), [hq, hq + hkv], axis=2)
-    if qk_norm:
-        q, kn = rms_norm(q, norms[0], 1e-6), rms_norm(kn, norms[1], 1e-6)
-    page, off = slot_coordinates(pt, kv_lens, q_lens, t, ps)
-    want_k, want_v = write_layer(k, 1, rotate(kn, rope), page, off), write_layer(v, 1, vn, page, off)
-    kw = dict(interpret=jax.default_backend() != "gpu", splits=splits, merge_in_kernel=splits > 1)
-    want = paged_attention(rotate(q, rope), want_k, want_v, 1, pt, kv_lens, q_lens, mask, **kw)
-    out, got_k, got_v = paged_attention(qkv, k, v, 1, pt, kv_lens, q_lens, mask, new_kv=(*rope_rows(*rope), *norms),
-                                        eps=1e-6, **kw)
-    valid = (np.arange(t)[None] < np.asarray(q_lens)[:, None])[:, :, None, None]
-    err = np.abs(np.where(valid, np.asarray(out, np.float32) - np.asarray(want, np.float32), 0)).max()
-    assert err < (1e-5 if dtype == jnp.float32 else 2e-2), err
-    tol = 1e-6 if qk_norm else 0  # (the kernel's mean of squares may round apart from XLA's)
-    np.testing.assert_allclose(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32), atol=tol, rtol=tol)
-    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
-
-
 def test_tree_mask_ancestors_and_depth():
     rng = np.random.default_rng(0)
     par = random_parents(rng, 3, 12)

@@ -11,10 +11,12 @@ part's cost on the critical path is the step's time with it less its time withou
   kv_write   the K/V writes into the pages
   rope       the rotary embedding
   gemms      all four left out: the GEMMs, residual adds and sampling that remain
-Where the attention kernel ropes and writes the new K/V itself (attention.writes_new_kv), every
-variant but `full` runs XLA's rope and scatters instead, as `xla_kv` does with nothing left out:
-full against xla_kv prices that fusion.
-Outputs are wrong in every variant but full and xla_kv: only times count.
+Outputs are wrong in every variant but the full one: only times count.
+The savings neither add up (at 57afa8d, batch 1: 1.32 ms one at a time, 0.65 all together) nor
+predict a fusion's gain: the attention kernel roping and writing the new K/V itself (39c584d, in
+place of XLA's rope and two scatters, 0.57 ms here) left batch 1 as it was (4.47 against 4.44 ms)
+and lost 0.48 ms at batch 8, 0.11 / 0.27 ms for SmolLM2 at 8 / 64 (layer_ablation-newkv-*,
+variant xla_kv: XLA's path): reverted.
     python bench/probes/layer_ablation.py [--batches 1,8] [--model llama3-8b] [--smoke]
 """
 from __future__ import annotations
@@ -29,16 +31,13 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {"full": (), "attention": ("attention",), "norms": ("norms",), "kv_write": ("kv_write",),
-            "rope": ("rope",), "gemms": ("attention", "norms", "kv_write", "rope"), "xla_kv": ()}
+            "rope": ("rope",), "gemms": ("attention", "norms", "kv_write", "rope")}
 
 
-def leave_out(variant):
-    """Patch the model's module so that its layers skip the variant's parts (before anything is traced)."""
+def leave_out(parts):
+    """Patch the model's module so that its layers skip `parts` (before anything is traced)."""
     from jaxspec import attention
     from jaxspec.models import llama
-    parts = VARIANTS[variant]
-    if variant != "full":
-        attention.writes_new_kv = lambda *a: False
     if "attention" in parts:
         attention.paged_attention = lambda q, *a, counts=None, **kw: q if counts is None else (q, counts)
     if "norms" in parts:
@@ -56,7 +55,7 @@ def child(variant, model_name, batches, context, steps, out, smoke):
     from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, param_bytes, random_model, step_times
     from decode import decode_steps
     from jaxspec.models import ModelConfig
-    leave_out(variant)
+    leave_out(VARIANTS[variant])
     shape = dict(SMOLLM2 if model_name == "smollm2-135m" else LLAMA3_8B)
     if smoke:
         shape.update(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,

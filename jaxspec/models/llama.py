@@ -20,7 +20,7 @@ from jaxspec.kv_cache import DROP_PAGE, KVCache, slot_coordinates, write_layer
 from jaxspec.models.config import ModelConfig
 from jaxspec.pallas.gated_up import gated_up
 from jaxspec.pallas.matmul_residual import matmul_residual
-from jaxspec.pallas.paged_attention import COUNT_SLOTS, rope_rows
+from jaxspec.pallas.paged_attention import COUNT_SLOTS
 from jaxspec.pallas.qkv_project import qkv_project
 from jaxspec.pallas.rows import padded_rows, rms_norm
 
@@ -81,31 +81,24 @@ class Block(nnx.Module):
         self.w_gate_up = _param(rngs, (H, 2 * F), H, dtype)
         self.w_down = _param(rngs, (F, H), F, dtype)
 
-    def __call__(self, x, attend):
-        """x [B, T, H] -> x after the layer; attend(block, qkv [B, T, (Hq + 2 Hkv) D], the projection
-        before rope) -> [B, T, Hq, D] (Block.heads splits, norms and rotates it)."""
+    def __call__(self, x, rope, attend):
+        """x [B, T, H] -> x after the layer; attend(q, k, v [B, T, H*, D]) -> [B, T, Hq, D]."""
         cfg = self.cfg
         b, t, _ = x.shape
+        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qkv = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps) @ self.wqkv[...]
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
-        x = x + attend(self, qkv).reshape(b, t, -1) @ self.wo[...]
-        gate_up = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps) @ self.w_gate_up[...]
-        gate, up = jnp.split(gate_up.reshape(b, t, cfg.shard_groups, -1), 2, axis=-1)
-        return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
-
-    def heads(self, qkv, rope):
-        """The projection [B, T, (Hq + 2 Hkv) D] -> q, k, v [B, T, H*, D]: q and k normed per head
-        (Qwen3) and rotated."""
-        cfg = self.cfg
-        b, t, _ = qkv.shape
-        d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         g = cfg.shard_groups  # > 1: each shard's [q k v] together (sharding.py), so a column split is local
         q, k, v = jnp.split(qkv.reshape(b, t, g, -1), [hq // g * d, (hq + hkv) // g * d], axis=-1)
         q, k, v = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
         if cfg.qk_norm:
             q, k = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        return rotate(q, rope), rotate(k, rope), v
+        q, k = rotate(q, rope), rotate(k, rope)
+        x = x + attend(q, k, v).reshape(b, t, hq * d) @ self.wo[...]
+        gate_up = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps) @ self.w_gate_up[...]
+        gate, up = jnp.split(gate_up.reshape(b, t, g, -1), 2, axis=-1)
+        return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
 
     def fused(self, x, cos, sin, slots, k_pages, v_pages, layer, attend, interpret):
         """The layer as four Pallas kernels around attention (pallas/qkv_project.py, gated_up.py,
@@ -206,11 +199,6 @@ class Llama(nnx.Module):
         kept = {}
         counts = jnp.zeros((COUNT_SLOTS,), jnp.int32)  # the attention kernel's, passed from layer to layer
         fused = fused_layers(cfg, b * t, attn_impl)
-        # the attention kernel ropes the new tokens and writes their K/V (attention.writes_new_kv)
-        new_kv = not fused and cfg.shard_groups == 1 and attention.writes_new_kv(b, t, cfg.num_heads, cache.k,
-                                                                                  tree_mask, attn_impl)
-        if new_kv:
-            rope = rope_rows(*rope)
         if fused:
             # rows padded once for the whole stack; each row's rope table and cache slot (-1: padding)
             mp = padded_rows(b * t)
@@ -225,9 +213,9 @@ class Llama(nnx.Module):
                                                                v_pages, jnp.int32(li), page_table, kv_lens, q_lens,
                                                                tree_mask, counts, b, t)
             else:
-                x, k_pages, v_pages, counts = _run_block(graphdef, attn_impl, new_kv, state, x, rope, k_pages,
-                                                         v_pages, jnp.int32(li), page, offset, page_table, kv_lens,
-                                                         q_lens, tree_mask, counts)
+                x, k_pages, v_pages, counts = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages,
+                                                         jnp.int32(li), page, offset, page_table, kv_lens, q_lens,
+                                                         tree_mask, counts)
             if li in hidden_layers:
                 kept[li] = x
         if fused:
@@ -256,44 +244,32 @@ def dense_forward(model: Llama, tokens, hidden_layers: tuple = (), segments=None
         positions = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
     rope = rope_table(positions, rope_frequencies(cfg))
     mask = None if segments is None else causal_mask(t, segments)[:, None]  # [B, 1, T, S]
-
-    def attend(block, qkv):
-        q, k, v = block.heads(qkv, rope)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None).astype(q.dtype)
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None).astype(q.dtype)
     x = model.embed_tokens(tokens)
     kept = {}
     for i, block in enumerate(model.layers):
-        x = block(x, attend)
+        x = block(x, rope, attend)
         if i in hidden_layers:
             kept[i] = x
     hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
     return rms_norm(x, model.final_norm[...], cfg.rms_norm_eps), hidden
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _run_block(graphdef, attn_impl, new_kv, state, x, rope, k_pages, v_pages, layer, page, offset, page_table,
-               kv_lens, q_lens, tree_mask, counts):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, page, offset, page_table, kv_lens,
+               q_lens, tree_mask, counts):
     """One layer, its K/V written into the pages at `layer` (a traced index). Jitted so that a
     program traces and lowers the layer once, not once per layer: identical calls hit JAX's trace
     cache and share one lowered function, which XLA inlines (the executable is the unrolled one).
-    counts: the attention kernel's (attention.local_paged_attention), returned for the next layer.
-    new_kv: the kernel writes the K/V (rope: rope_rows' tables)."""
-    def attend(block, qkv):
+    counts: the attention kernel's (attention.local_paged_attention), returned for the next layer."""
+    def attend(q, k, v):
         nonlocal k_pages, v_pages, counts
-        if new_kv:
-            cfg = block.cfg
-            norms = (block.q_norm[...], block.k_norm[...]) if cfg.qk_norm else (None, None)
-            out, k_pages, v_pages, counts = attention.attend_new_tokens(qkv, rope, norms, cfg.rms_norm_eps, k_pages,
-                                                                        v_pages, layer, page_table, kv_lens, q_lens,
-                                                                        tree_mask, counts)
-            return out
-        q, k, v = block.heads(qkv, rope)
         k_pages = write_layer(k_pages, layer, k, page, offset)
         v_pages = write_layer(v_pages, layer, v, page, offset)
         out, counts = attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
                                                 impl=attn_impl, counts=counts)
         return out
-    x = nnx.merge(graphdef, state)(x, attend)
+    x = nnx.merge(graphdef, state)(x, rope, attend)
     return x, k_pages, v_pages, counts
 
 

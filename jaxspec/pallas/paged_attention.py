@@ -55,39 +55,9 @@ def _exp2(x, approx):
     return y
 
 
-def _roped(ref, rows, tok, cos_ref, sin_ref, norm_ref, eps):
-    """Rows of the projection `ref` ([tokens * heads, D]) normed per head (norm_ref, Qwen3's) and
-    rotated in HF's rotate-half layout with each row's token's table (cos_ref [tokens, D] = [cos |
-    cos], sin_ref = [-sin | sin]): what models.llama's Block.heads computes, rounded where it rounds."""
-    d = cos_ref.shape[1]
-    cols = jnp.arange(d)
-    swap = (cols + d // 2) % d  # each column's rope partner
-    x = ref[rows, :]
-    xs = ref[rows[:, None], swap[None, :]]
-    if norm_ref is not None:
-        xf, xsf = x.astype(jnp.float32), xs.astype(jnp.float32)
-        inv = jax.lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) / d + eps)
-        w = norm_ref[...].astype(jnp.float32)
-        ws = norm_ref[swap].astype(jnp.float32)
-        x, xs = (xf * inv * w[None, :]).astype(ref.dtype), (xsf * inv * ws[None, :]).astype(ref.dtype)
-    c, s = cos_ref[tok, :], sin_ref[tok, :]
-    return (x.astype(jnp.float32) * c + xs.astype(jnp.float32) * s).astype(ref.dtype)
-
-
-def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *refs,
+def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *out_refs,
             group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
-            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret, new_kv, qk_norm, eps):
-    # with new_kv, q_ref holds the layer's [q | k | v] projection before rope and the kernel writes
-    # the new tokens' K/V into the pages (k_out, v_out: the pages, aliased) as it attends: XLA's
-    # rope and two scatters were three kernels a layer on the batch-1 step's critical path
-    # (layer_ablation-NVIDIA-H200.json: 0.21 and 0.36 ms of the 8B step's 4.61)
-    if new_kv:  # refs: [counts passed in] cos sin q_norm k_norm, the outputs, k_out v_out
-        n = 1 if merge else 0
-        cos_ref, sin_ref, qn_ref, kn_ref = refs[n:n + 4]
-        qn_ref, kn_ref = (qn_ref, kn_ref) if qk_norm else (None, None)
-        k_out, v_out = refs[-2:]
-        refs = refs[:n] + refs[n + 4:-2]
-    out_refs = refs
+            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret):
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -101,12 +71,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     # (1.4 us a layer of the 8B batch-1 step on the H200), and so did the fused layers' slice of
     # their padded rows
     row = (b * num_tokens + t) * num_q_heads + h * group + rows % group
-    tok = b * num_tokens + jnp.minimum(t, num_tokens - 1)
-    if new_kv:  # q_ref's rows: each token's q heads, then its k heads, then its v heads
-        stride = num_q_heads + 2 * k_ref.shape[2]
-        q = _roped(q_ref, tok * stride + h * group + rows % group, tok, cos_ref, sin_ref, qn_ref, eps)
-    else:
-        q = q_ref[tok * num_q_heads + h * group + rows % group, :]
+    q = q_ref[row - jnp.maximum(t - num_tokens + 1, 0) * num_q_heads, :]
     # scores in base 2 (log2(e) folded into q's scale): exp2 is the hardware's exponential
     q = (q.astype(jnp.float32) * (scale if softcap is not None else scale * LOG2E)).astype(k_ref.dtype)
     if not causal:
@@ -140,19 +105,6 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         row = pt_ref[b, p0 + kr // page_size] * page_size + kr % page_size
         k = k_ref[layer, row, h, :]
         v = v_ref[layer, row, h, :]
-        if new_kv and masked:  # the new tokens' keys come from the projection, and are stored
-            rel = p0 * page_size + kr - kv_len
-            new = ((rel >= 0) & (rel < q_len))[:, None]
-            ktok = b * num_tokens + jnp.clip(rel, 0, num_tokens - 1)
-            kn = _roped(q_ref, ktok * stride + num_q_heads + h, ktok, cos_ref, sin_ref, kn_ref, eps)
-            vn = q_ref[ktok * stride + num_q_heads + k_ref.shape[2] + h, :]
-            k, v = jnp.where(new, kn, k), jnp.where(new, vn, v)
-
-            @pl.when(qb == 0)  # once: a request's query blocks all read the same keys
-            def _():
-                cols = jnp.arange(d)[None, :]
-                plgpu.store(k_out.at[layer, row[:, None], h, cols], kn.astype(k_out.dtype), mask=new)
-                plgpu.store(v_out.at[layer, row[:, None], h, cols], vn.astype(v_out.dtype), mask=new)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=precision)
         if softcap is not None:
@@ -247,21 +199,17 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
                                              "pages_per_block", "splits", "grid_order", "token_rows",
-                                             "merge_in_kernel", "partials", "tokens", "eps"))
+                                             "merge_in_kernel", "partials", "tokens"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
                     pages_per_block=None, splits=None, grid_order=None, token_rows=None, merge_in_kernel=None,
-                    partials=False, tokens=None, counts=None, new_kv=None, eps=None):
+                    partials=False, tokens=None, counts=None):
     """q [B, T, Hq, D], or with `tokens` = T the fused layers' token layout [rows, Hq * D] (row
     b * T + t; rows past B * T ignored); k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar ->
     [B, T, Hq, D], or with token_rows, [token_rows, Hq * D] (that layout; rows past B * T unspecified).
     counts: COUNT_SLOTS int32 zeros, the merging splits' arrival counts, which the kernel leaves zero:
     given, it returns (output, counts) for the next layer's call (zeroed anew, they cost a memset a
     layer: 0.9 us of the 8B batch-1 step's each).
-    new_kv = (cos, sin: rope_rows' tables, q_norm, k_norm [D] or None), eps: q is the layer's
-    projection [B, T, (Hq + 2 Hkv) * D] before rope; the kernel ropes (and norms) q and the new keys and
-    writes the new K/V into the pages at the tokens' slots (kv_lens .. + q_lens): returns (output,
-    k_pages, v_pages[, counts]). See _kernel.
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
@@ -269,13 +217,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     By default q comes first where there are several query blocks (a 64-token tree at GQA 4: 771 vs
     903 us and 745 vs 898 us on the H100, kernels-focus-v16/-v17), and requests first otherwise."""
     _, _, ps, hkv, d = k_pages.shape
-    if new_kv is not None:
-        b, t, hq = q.shape[0], q.shape[1], q.shape[2] // d - 2 * hkv
-        cos, sin, q_norm, k_norm = new_kv
-        one = jnp.ones((d,), q.dtype)
-        extras = [cos, sin, one if q_norm is None else q_norm, one if k_norm is None else k_norm]
-    else:
-        b, t, hq = (kv_lens.shape[0], tokens, q.shape[1] // d) if tokens else q.shape[:3]
+    b, t, hq = (kv_lens.shape[0], tokens, q.shape[1] // d) if tokens else q.shape[:3]
     q = q.reshape(-1, d)  # [rows * Hq, D]: no copy of either layout
     g = hq // hkv
     rows = t * g
@@ -307,8 +249,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
                                grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret,
                                num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks, merge=merge,
-                               interpret=interpret, new_kv=new_kv is not None,
-                               qk_norm=new_kv is not None and new_kv[2] is not None, eps=eps)
+                               interpret=interpret)
 
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
@@ -324,24 +265,16 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         assert counts.shape[0] >= b * hkv * q_blocks, (counts.shape, b * hkv * q_blocks)
         args.append(counts)
         outs.append(jax.ShapeDtypeStruct(counts.shape, counts.dtype))
-    aliases = {8: 4} if merge else {}
-    if new_kv is not None:  # the pages, written in place
-        args += extras
-        aliases.update({6: len(outs), 7: len(outs) + 1})
-        outs += [jax.ShapeDtypeStruct(k_rows.shape, k_rows.dtype), jax.ShapeDtypeStruct(v_rows.shape, v_rows.dtype)]
     res = pl.pallas_call(
         kernel,
         grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
         in_specs=[full(a) for a in args],
         out_specs=[full(o) for o in outs],
         out_shape=outs,
-        input_output_aliases=aliases,
+        input_output_aliases={8: 4} if merge else {},
         interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
     )(*args)
-    if new_kv is not None:
-        res, (k_rows, v_rows) = res[:-2], res[-2:]
-        pages = (k_rows.reshape(k_pages.shape), v_rows.reshape(v_pages.shape))
     if partials:
         return tuple(res)
     if splits > 1 and not merge:
@@ -350,16 +283,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         out = merged if token_rows is None else token_layout(merged, token_rows)
     else:  # [out_rows, Hq * D]: row r * T + t holds token t of request r (rows past B * T are left unwritten)
         out = res[0].reshape(out_rows, hq * d) if token_rows else res[0].reshape(b, t, hq, d)
-    out = (out,) if new_kv is None else (out, *pages)
-    out = out if given is None else (*out, res[-1] if merge else given)
-    return out[0] if len(out) == 1 else out
-
-
-def rope_rows(cos, sin):
-    """models.llama's rope table (cos, sin [B, T, 1, D/2]) -> the kernel's with new_kv, made once a
-    forward: [cos | cos] and [-sin | sin], [B * T, D] float32 (a row rotates with one gather)."""
-    full = lambda a, b: jnp.concatenate([a, b], -1).reshape(-1, 2 * a.shape[-1]).astype(jnp.float32)
-    return full(cos, cos), full(-sin, sin)
+    return out if given is None else (out, res[-1] if merge else given)
 
 
 def combine_splits(acc, m, l, with_lse=False):
