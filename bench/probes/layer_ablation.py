@@ -11,7 +11,9 @@ part's cost on the critical path is the step's time with it less its time withou
   kv_write   the K/V writes into the pages
   rope       the rotary embedding
   gemms      all four left out: the GEMMs, residual adds and sampling that remain
-Outputs are wrong in every variant but the full one: only times count.
+  blocking:PxS  nothing left out, the attention kernel's blocking forced to P pages a tile and S
+             splits (pallas/paged_attention.choose_blocking's choice at batch 1, context 1024: 4x16)
+Outputs are wrong in every variant but full and blocking: only times count.
 The savings neither add up (at 57afa8d, batch 1: 1.32 ms one at a time, 0.65 all together) nor
 predict a fusion's gain: the attention kernel roping and writing the new K/V itself (39c584d, in
 place of XLA's rope and two scatters, 0.57 ms here) left batch 1 as it was (4.47 against 4.44 ms)
@@ -34,10 +36,16 @@ VARIANTS = {"full": (), "attention": ("attention",), "norms": ("norms",), "kv_wr
             "rope": ("rope",), "gemms": ("attention", "norms", "kv_write", "rope")}
 
 
-def leave_out(parts):
-    """Patch the model's module so that its layers skip `parts` (before anything is traced)."""
+def leave_out(variant):
+    """Patch the model's module so that its layers skip the variant's parts (before anything is traced)."""
     from jaxspec import attention
     from jaxspec.models import llama
+    from jaxspec.pallas import paged_attention
+    if variant.startswith("blocking:"):
+        ppb, splits = map(int, variant.split(":")[1].split("x"))
+        paged_attention.choose_blocking = lambda *a: (ppb, splits)
+        return
+    parts = VARIANTS[variant]
     if "attention" in parts:
         attention.paged_attention = lambda q, *a, counts=None, **kw: q if counts is None else (q, counts)
     if "norms" in parts:
@@ -55,7 +63,7 @@ def child(variant, model_name, batches, context, steps, out, smoke):
     from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, param_bytes, random_model, step_times
     from decode import decode_steps
     from jaxspec.models import ModelConfig
-    leave_out(VARIANTS[variant])
+    leave_out(variant)
     shape = dict(SMOLLM2 if model_name == "smollm2-135m" else LLAMA3_8B)
     if smoke:
         shape.update(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -70,7 +78,7 @@ def child(variant, model_name, batches, context, steps, out, smoke):
         run = decode_steps(model, b, context, 8192, 16, "auto")
         times = step_times(run, steps)
         t = float(np.median(times))
-        rows.append(dict(model=model_name, batch=b, context=context, variant=variant, left_out=list(VARIANTS[variant]),
+        rows.append(dict(model=model_name, batch=b, context=context, variant=variant, left_out=list(VARIANTS.get(variant, ())),
                          ms_per_step=t * 1e3, floor_ms=floor * 1e3, floor_ratio=t / floor,
                          ms_per_step_runs=[x * 1e3 for x in times]))
         print(variant, b, f"{t * 1e3:.3f} ms", flush=True)
