@@ -92,8 +92,7 @@ CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not c
 def _add(sums: list, *values, kept: float) -> list:
     """sums += values (the last a count), all halved past `kept` of it: a moving average's sums, older calls fading."""
     sums[:] = [s + v for s, v in zip(sums, values)]
-    if sums[-1] > kept:
-        sums[:] = [s / 2 for s in sums]
+    sums[:] = [s / 2 for s in sums] if sums[-1] > kept else sums
     return sums
 
 
@@ -111,14 +110,15 @@ class _Probes:
 class SpecPolicy:
     def __init__(self, costs: StepCosts, trees_at: dict, plain: bool = False, min_gain: float = 1.0,
                  probe_every: int = 32, explore: int | None = None, kept: int = KEPT_ROW_STEPS,
-                 min_accept: float = 2.0, level_rate: float = LEVEL_RATE):
+                 min_accept: float = 2.0, level_rate: float = LEVEL_RATE, steps_a_call: tuple = (1, 1)):
         """trees_at: batch bucket -> the tree shapes built for it (each with a .label). plain:
         plain decoding is a choice (a host drafter); min_gain: how much faster than plain decoding
         a tree must look; probe_every: calls between probes of rival shapes, or plain steps before
         a match key that does not pay is probed; explore: calls each shape (a host drafter: each
         key) runs before any is preferred (default EXPLORE_CALLS); kept: row-steps past which
         acceptance sums are halved; min_accept: plain step / verify step assumed until a host
-        drafter's verify step is timed; level_rate: see Acceptance."""
+        drafter's verify step is timed; level_rate: see Acceptance; steps_a_call: (plain, verify) steps a
+        steady call of the engine's runs: a kind's share of a launch until its calls are seen."""
         self.costs, self.trees_at, self.plain = costs, trees_at, plain
         self.min_gain, self.probe_every, self.kept, self.min_accept = min_gain, probe_every, kept, min_accept
         self.explore = EXPLORE_CALLS if explore is None else explore
@@ -146,6 +146,7 @@ class SpecPolicy:
         self.launch, self.launch_ms = {}, {}  # bucket -> the last calls' ms not chained took past their steps' cost; the median
         self.unchained: dict = {}  # bucket -> moving fraction of a device drafter's calls not chained
         self.call_steps: dict = {}  # (bucket, plain or not) -> moving steps a call
+        self.steps_a_call = {True: steps_a_call[0], False: steps_a_call[1]}  # (before any is seen)
 
     def arrived(self, rows: int, label: str | None, now: float, steps: int = 1, measured: bool = True,
                 launched: float | None = None) -> None:
@@ -279,7 +280,8 @@ class SpecPolicy:
         ms, launch = self._step_cost(rows, label), self.launch_ms.get(rows)
         if ms is None or launch is None:
             return ms
-        return ms + self.unchained[rows] * launch / self.call_steps.get((rows, label == PLAIN), 1.0)
+        plain = label == PLAIN  # a kind not yet seen: the engine's steps a call (spec_policy_notes.md)
+        return ms + self.unchained[rows] * launch / self.call_steps.get((rows, plain), self.steps_a_call[plain])
 
     def _step_cost(self, rows: int, label: str) -> float | None:
         """ms a step: the median seen, weighed against PRIOR_CALLS calls of the table's cost
@@ -388,9 +390,8 @@ class SpecPolicy:
         ratio = self._cost_ratio(rows, tree)
         if sum(exp) / len(exp) * ratio >= self.min_gain:
             return tree
-        # probes spaced by time, not steps: a probe costs a verify step, 1 / ratio plain ones (NGRAM's
-        # cost 7-8 on the H100, where probes every 8-64 plain steps ran it at 0.84x plain:
-        # spec-ngram-new- at f131960)
+        # probes spaced by time, not steps: a probe costs a verify step, 1 / ratio plain ones (NGRAM's cost 7-8
+        # on the H100, where probes every 8-64 plain steps ran it at 0.84x plain: spec-ngram-new- at f131960)
         wait = self.probe_every * max(1.0, 1.0 / ratio)
         due = any(k and self.plain_steps - self.last_verified.get(k, 0) >= wait * self.backoff.get(k, 1) for k in keys)
         return tree if due else None

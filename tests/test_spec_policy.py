@@ -613,6 +613,13 @@ def test_calls_not_chained_add_their_launch_cost_to_every_shapes_steps():
     other = SpecPolicy(costs, {8: [SMALL]})
     other.arrived(8, PLAIN, 0.050, 8, measured=False, launched=0.010)
     assert 8 not in other.launch and other.cost(8, PLAIN) == 1.0
+    # the engine's calls run 8 plain / 4 verify steps: plain decoding, never chosen yet at this bucket,
+    # pays an eighth of a launch a step, not a whole one (at 57afa8d it lost HumanEval's batch 64 to 4:2:8 so)
+    engine = SpecPolicy(costs, {8: [SMALL, PLAIN_CHOICE]}, steps_a_call=(8, 4))
+    engine.arrived(8, None, 0.0)
+    engine.arrived(8, "1:1:2", 0.024, 4, measured=False, launched=0.0)  # 24 ms: 8 for the steps, 16 to launch
+    assert engine.cost(8, PLAIN) == pytest.approx(1.0 + 1.6 / 8)
+    assert engine.cost(8, "1:1:2") == pytest.approx(2.0 + 1.6 / 4)
 
 
 def test_calls_that_accept_nothing_do_not_sink_the_level():

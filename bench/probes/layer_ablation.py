@@ -14,11 +14,15 @@ part's cost on the critical path is the step's time with it less its time withou
   blocking:PxS  nothing left out, the attention kernel's blocking forced to P pages a tile and S
              splits (pallas/paged_attention.choose_blocking's choice at batch 1, context 1024: 4x16)
 Outputs are wrong in every variant but full and blocking: only times count.
-The savings neither add up (at 57afa8d, batch 1: 1.32 ms one at a time, 0.65 all together) nor
-predict a fusion's gain: the attention kernel roping and writing the new K/V itself (39c584d, in
-place of XLA's rope and two scatters, 0.57 ms here) left batch 1 as it was (4.47 against 4.44 ms)
-and lost 0.48 ms at batch 8, 0.11 / 0.27 ms for SmolLM2 at 8 / 64 (layer_ablation-newkv-*,
-variant xla_kv: XLA's path): reverted.
+The first process after the machine starts runs slower: `full` first took 4.64 ms and 4.61 ms
+(layer_ablation-blocking-, layer_ablation- at 57afa8d), second on a warm machine 4.42
+(layer_ablation-blocking2-, where blocking 8x8 ran level with the default 4x16, 8x4 0.06 ms slower).
+Put a throwaway variant first. The savings of 57afa8d's run (its `full` first) neither add up
+(1.32 ms one at a time, 0.65 all together) nor predicted a fusion's gain: the attention kernel
+roping and writing the new K/V itself (39c584d, in place of XLA's rope and two scatters) ran
+batch 1 at 4.47 ms as the fresh machine's first process against 4.44 for XLA's path second, and
+lost 0.48 ms at batch 8 and 0.11 / 0.27 ms for SmolLM2 at 8 / 64 (layer_ablation-newkv-*,
+variant xla_kv: XLA's path), reverted; its batch-1 gain, if any, is unmeasured.
     python bench/probes/layer_ablation.py [--batches 1,8] [--model llama3-8b] [--smoke]
 """
 from __future__ import annotations

@@ -147,12 +147,12 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         if not 1 <= verify_steps <= MAX_VERIFY_STEPS:
             raise ValueError(f"verify_steps={verify_steps} must be in [1, {MAX_VERIFY_STEPS}]")
         self.verify_steps = verify_steps
-        self._setup_trees(model, drafter, spec_policy, auto_trees, programs_kw, host_policy)
         # Plain decoding runs up to decode_steps steps a call while the batch is steady (see
         # _decode_steps_now); 1 launches a call a step.
         if not 1 <= decode_steps <= MAX_DECODE_STEPS:
             raise ValueError(f"decode_steps={decode_steps} must be in [1, {MAX_DECODE_STEPS}]")
         self.decode_steps = decode_steps
+        self._setup_trees(model, drafter, spec_policy, auto_trees, programs_kw, host_policy)
         self.inflight: InFlight | None = None
         self._sampling_sent: dict = {}  # (rows, request ids) -> their sampling parameters on the device
         self.waiting: list[Request] = []

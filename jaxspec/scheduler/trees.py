@@ -57,7 +57,8 @@ class TreeSizing:
         if self.auto:
             self.spec_policy = SpecPolicy(self.spec_costs, {rows: [t for t, _ in self._verify_shapes(rows)]
                                                             + [PLAIN_CHOICE] * self._keeps_heads_at(rows)
-                                                            for rows in BATCH_BUCKETS})
+                                                            for rows in BATCH_BUCKETS},
+                                          steps_a_call=(self.decode_steps, self.verify_steps))
         elif drafter is not None and not self.device_drafter:
             # each match key tried once; its mean over about its last 16 verify steps (code alternates
             # fresh text and repeats: a long memory missed the repeats that followed fresh text)
