@@ -291,7 +291,8 @@ def main():
                                tokens=runs[0]["tokens"], compiles_in_timed_run=sum(r["compiles"] for r in runs),
                                timed_passes=sum(r["passes"] for r in runs),
                                preemptions=sum(r["preemptions"] for r in runs),
-                               phases={k: round(sum(r["phases"][k] for r in runs), 4) for k in PHASES})
+                               phases={k: round(sum(r["phases"][k] for r in runs), 4) for k in PHASES},
+                               calls=sum(r["steps"] for r in runs), chained_calls=sum(r["chained"] for r in runs))
                     if base is None:
                         base = (tps, [o.token_ids for o in outs], runs)
                     else:
@@ -303,7 +304,6 @@ def main():
                                    accept_length=sum(acc) / max(len(acc), 1),
                                    identical_to_plain=[o.token_ids for o in outs] == base[1],
                                    verify_steps=vs, emitted=sum(r["emitted"] for r in runs),
-                                   calls=sum(r["steps"] for r in runs), chained_calls=sum(r["chained"] for r in runs),
                                    chained_switches=sum(r["switches"] for r in runs),
                                    closed_plain_calls=sum(r["closed_plain"] for r in runs))  # closed_wave.py's
                         policy = gen.scheduler.spec_policy
