@@ -17,12 +17,13 @@ Outputs are wrong in every variant but full and blocking: only times count.
 The first process after the machine starts runs slower: `full` first took 4.64 ms and 4.61 ms
 (layer_ablation-blocking-, layer_ablation- at 57afa8d), second on a warm machine 4.42
 (layer_ablation-blocking2-, where blocking 8x8 ran level with the default 4x16, 8x4 0.06 ms slower).
-Put a throwaway variant first. The savings of 57afa8d's run (its `full` first) neither add up
-(1.32 ms one at a time, 0.65 all together) nor predicted a fusion's gain: the attention kernel
-roping and writing the new K/V itself (39c584d, in place of XLA's rope and two scatters) ran
-batch 1 at 4.47 ms as the fresh machine's first process against 4.44 for XLA's path second, and
-lost 0.48 ms at batch 8 and 0.11 / 0.27 ms for SmolLM2 at 8 / 64 (layer_ablation-newkv-*,
-variant xla_kv: XLA's path), reverted; its batch-1 gain, if any, is unmeasured.
+So the first variant runs once unrecorded first (--no-throwaway skips it). The savings of 57afa8d's
+run (its `full` first) neither add up (1.32 ms one at a time, 0.65 all together) nor predicted a
+fusion's gain: the attention kernel roping and writing the new K/V itself (39c584d, in place of
+XLA's rope and two scatters) ran batch 1 at 4.47 ms as the fresh machine's first process against
+4.44 for XLA's path second, and lost 0.48 ms at batch 8 and 0.11 / 0.27 ms for SmolLM2 at 8 / 64
+(layer_ablation-newkv-*, variant xla_kv: XLA's path), reverted; its batch-1 gain, if any, is
+unmeasured.
     python bench/probes/layer_ablation.py [--batches 1,8] [--model llama3-8b] [--smoke]
 """
 from __future__ import annotations
@@ -97,6 +98,8 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="a two-layer toy of the model's shape (to check the script)")
+    ap.add_argument("--no-throwaway", action="store_true",
+                    help="skip the first variant's unrecorded run (the first process on a fresh machine runs slower)")
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -104,7 +107,8 @@ def main():
         return child(args.child[0], args.model, batches, args.context, args.steps, args.child[1], args.smoke)
     from common import print_table, write_results
     rows = []
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    for i, variant in enumerate(variants[:1] * (not args.no_throwaway) + variants):
         out = os.path.join(tempfile.mkdtemp(), "rows.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, out, "--model", args.model,
                "--batches", args.batches, "--context", str(args.context), "--steps", str(args.steps)]
@@ -112,6 +116,8 @@ def main():
         if r.returncode != 0 or not os.path.exists(out):
             print(f"{variant}: the child failed (exit {r.returncode})")
             continue
+        if i == 0 and not args.no_throwaway:
+            continue  # (its compiles land in the cache: the recorded run of the same variant skips them)
         rows += json.load(open(out))
         full = {x["batch"]: x["ms_per_step"] for x in rows if x["variant"] == "full"}
         for x in rows:
