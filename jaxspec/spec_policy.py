@@ -14,7 +14,7 @@ cost, scaled by the median of how the costs seen compare with the table's (the t
 calls with nothing else to do). A device drafter's call that is not chained (after an admission, a
 prefill, a change of batch) also pays its launch and read-back: what it took past its steps' cost
 is a bucket's launch cost, whatever the shape, and a shape's step costs its share of it: the
-bucket's fraction of calls not chained x the launch cost / the steps a call of its kind runs.
+bucket's fraction of calls not chained x the launch cost / the steps a call of its kind runs (steps_a_call till seen).
 
 Acceptance. For each shape and match key, the tokens rows emitted over the row-steps they took (sums halved past
 `kept` row-steps, so that they follow the requests), pooled over batch sizes (what a tree accepts depends on the
