@@ -124,7 +124,7 @@ def main():
     anchor = [] if args.no_torch else run_torch_anchor(args.models, args.batches, args.context)
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
-    rows = []
+    rows, path = [], None
     for name in args.models.split(","):
         cfg = ModelConfig(**(SMOLLM2 if name == "smollm2-135m" else LLAMA3_8B))
         model = random_model(cfg, jax.numpy.bfloat16)

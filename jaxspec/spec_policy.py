@@ -92,7 +92,8 @@ CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not c
 def _add(sums: list, *values, kept: float) -> list:
     """sums += values (the last a count), all halved past `kept` of it: a moving average's sums, older calls fading."""
     sums[:] = [s + v for s, v in zip(sums, values)]
-    sums[:] = [s / 2 for s in sums] if sums[-1] > kept else sums
+    if sums[-1] > kept:
+        sums[:] = [s / 2 for s in sums]
     return sums
 
 
@@ -119,7 +120,7 @@ class SpecPolicy:
         acceptance sums are halved; min_accept: plain step / verify step assumed until a host
         drafter's verify step is timed; level_rate: see Acceptance; steps_a_call: (plain, verify) steps a
         steady call of the engine's runs: a kind's share of a launch until its calls are seen."""
-        self.costs, self.trees_at, self.plain = costs, trees_at, plain
+        self.costs, self.trees_at, self.plain, self.steps_a_call = costs, trees_at, plain, steps_a_call
         self.min_gain, self.probe_every, self.kept, self.min_accept = min_gain, probe_every, kept, min_accept
         self.explore = EXPLORE_CALLS if explore is None else explore
         self.emitted: dict = {}  # (tree, key) -> average tokens a live row emits per verify step
@@ -146,7 +147,6 @@ class SpecPolicy:
         self.launch, self.launch_ms = {}, {}  # bucket -> the last calls' ms not chained took past their steps' cost; the median
         self.unchained: dict = {}  # bucket -> moving fraction of a device drafter's calls not chained
         self.call_steps: dict = {}  # (bucket, plain or not) -> moving steps a call
-        self.steps_a_call = {True: steps_a_call[0], False: steps_a_call[1]}  # (before any is seen)
 
     def arrived(self, rows: int, label: str | None, now: float, steps: int = 1, measured: bool = True,
                 launched: float | None = None) -> None:
@@ -281,7 +281,7 @@ class SpecPolicy:
         if ms is None or launch is None:
             return ms
         plain = label == PLAIN  # a kind not yet seen: the engine's steps a call (spec_policy_notes.md)
-        return ms + self.unchained[rows] * launch / self.call_steps.get((rows, plain), self.steps_a_call[plain])
+        return ms + self.unchained[rows] * launch / self.call_steps.get((rows, plain), self.steps_a_call[0 if plain else 1])
 
     def _step_cost(self, rows: int, label: str) -> float | None:
         """ms a step: the median seen, weighed against PRIOR_CALLS calls of the table's cost

@@ -106,7 +106,7 @@ def main():
     if args.child:
         return child(args.child[0], args.model, batches, args.context, args.steps, args.child[1], args.smoke)
     from common import print_table, write_results
-    rows = []
+    rows, path = [], None
     variants = args.variants.split(",")
     for i, variant in enumerate(variants[:1] * (not args.no_throwaway) + variants):
         out = os.path.join(tempfile.mkdtemp(), "rows.json")
