@@ -26,7 +26,12 @@ fusion's gain: the attention kernel roping and writing the new K/V itself (39c58
 XLA's rope and two scatters) ran batch 1 at 4.47 ms as the fresh machine's first process against
 4.44 for XLA's path second, and lost 0.48 ms at batch 8 and 0.11 / 0.27 ms for SmolLM2 at 8 / 64
 (layer_ablation-newkv-*, variant xla_kv: XLA's path), reverted; its batch-1 gain, if any, is
-unmeasured.
+unmeasured. Its second version (35b2081: new rows roped once a program) with the norm weights folded into
+the next GEMM's rows (fb90a0f) ran 8B batch 1 at 4.495 / 4.496 ms in two calls where main ran 4.651 (last of
+the call) / 4.453 (first), batch 8 at 4.706 / 4.713 against 4.653 / 4.655, SmolLM2 batch 64 at 1.689 against
+1.516 (layer_ablation-normfold*-): not merged. Run by run the same program's batch-1 time moved 0.2 ms with its
+place in the call. On a warm machine (layer_ablation-kvwrite-, a6eb9b4) the K/V writes left out saved 0.146 ms
+at batch 1 (1.127x floor against 1.153x) and 0.079 at batch 8; promised in bounds they saved nothing.
     python bench/probes/layer_ablation.py [--batches 1,8] [--model llama3-8b] [--smoke]
 """
 from __future__ import annotations
