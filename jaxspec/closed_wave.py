@@ -16,10 +16,11 @@ accepted over those expected on its verified steps so far (ROW_PRIOR_DRAFTS expe
 factor 1 added: the least of 64 noisy factors would otherwise decide); its tokens left are its
 max_tokens less its output. The batch's time replays those steps with the bucket shrinking as rows
 finish, at the policy's costs (the bucket's where a smaller one has no cost yet). A change between
-the tree and plain decoding does not chain on the last call: the side it moves to pays the bucket's
-launch cost (and a move to the tree a step that verifies the roots alone), so that near-tied
-estimates do not flip the batch call after call (replayed with those costs, the DFLASH chain's
-MT-bench wave ran 0.972x plain with them and 0.957x without: wave_tail-policies-).
+the tree and plain decoding pays the bucket's launch cost (and a move to the tree a step that verifies
+the roots alone): such a change once never chained on the last call, and now chains only while the
+batch is steady; the charge keeps near-tied estimates from flipping the batch call after call
+(replayed with those costs, the DFLASH chain's MT-bench wave ran 0.972x plain with them and 0.957x
+without: wave_tail-policies-).
 
 A server's requests are not closed batches (each client waits for its own; they carry no group):
 there the per-step rate, which every request's own time follows, decides alone.
@@ -81,7 +82,7 @@ def plain_finishes_first(policy, rows: int, tree, reqs) -> bool:
     expected, here_tree, here_plain = policy.expected(tree), policy.cost(rows, tree.label), policy.cost(rows, PLAIN)
     if expected is None or here_tree is None or here_plain is None:
         return False
-    last = policy.run[0]  # a change does not chain on the last call: it pays a launch
+    last = policy.run[0]  # a change is charged a launch (see above)
     return plain_ends_first([max(r.params.max_tokens - len(r.output_ids), 1) for r in reqs], row_factors(reqs), expected,
                             lambda b: policy.cost(b, tree.label) or here_tree, lambda b: policy.cost(b, PLAIN) or here_plain,
                             None if last is None else "plain" if last == PLAIN else "tree", policy.launch_ms.get(rows, 0.0))

@@ -49,7 +49,7 @@ each probe that leaves the bucket on its shape and falls back when the bucket mo
 verified for STALE_PROBES probe intervals is probed first, whatever it is expected to emit (a shape judged on a few
 early calls could otherwise never be verified again), unless nothing of it goes stale: a cut of the held tree, whose
 link the held tree's calls count. Plain decoding is never probed: it emits one token a step, at the table's cost
-scaled. A device drafter's change of shape chains on the last call's drafts, cut on the device (scheduler/trees.py).
+scaled. A device drafter's change of shape chains on the last call on the device, to and from plain decoding too.
 
 For a host drafter plain decoding is a choice a tree must look min_gain faster than (above 1: the
 estimate is noisy, and every switch costs an unchained step); a match key that does not pay is

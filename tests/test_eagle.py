@@ -174,7 +174,8 @@ def test_plain_spells_of_the_auto_policy_keep_the_head_in_step(tiny, tiny_eagle3
     """The auto policy's plain decoding (eagle_step.decode) writes the head's K/V as the verify
     path would, so trees can come back: outputs stay plain's, greedy and sampled; the head's cache
     over a request's tokens matches an engine's that never decoded plainly; its drafts are accepted
-    after each plain spell; the root verified alone after one is kept out of the accept statistics."""
+    after each plain spell; the root verified alone after one is kept out of the accept statistics.
+    Each change between a tree and plain decoding chains on the last call (no tree follows a tree here)."""
     head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
     prompts = random_prompts(21, 6)
     trees = (TreeShape(4, 1, 5), TreeShape(2, 4, 8))
@@ -185,9 +186,11 @@ def test_plain_spells_of_the_auto_policy_keep_the_head_in_step(tiny, tiny_eagle3
     gens[1].scheduler.spec_policy.choose = lambda rows, keys=None: next(turns)
     for temperature in (0.0, 1.0):
         params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, seed=i) for i in range(6)]
+        switches = gens[1].scheduler.stats["chained_switches"]
         spec = gens[1].generate(prompts, params)
         assert [c.token_ids for c in spec] == [c.token_ids for c in plain_gen.generate(prompts, params)], temperature
         assert gens[1].scheduler.pool.in_use == 0
+        assert gens[1].scheduler.stats["chained_switches"] - switches >= 3
     assert min(a for t, a in gens[1].scheduler.spec_policy.emitted.items()) > 1.5  # no root-alone step counted
     assert gens[1].scheduler.late_compiles == []
     k, reqs = drafter_cache_after(gens, prompts[0])

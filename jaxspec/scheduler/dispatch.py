@@ -242,27 +242,36 @@ class Dispatch:
         if not f.plain:  # (a plain step chains while the batch decodes plainly)
             choice = self._choice_for(live)
             self._decided = (rows, choice)  # step() takes it: one decision a call
-            # another tree shape (a probe, a move) chains on this call's drafts, cut on the device;
-            # from or to plain decoding (the head left behind, or trees fit again) it does not
-            if choice != shape and not (f.kind == "verify" and choice != PLAIN and self.cuts is not None):
+            if choice != shape and not self._change_chains(f, choice, rows):
                 return False
             shape = choice
-        if f.steps != (self._decode_steps_now(live) if f.kind == "decode" else self._verify_steps_now(live)):
-            return False
+        steps = self._decode_steps_now(live) if shape == PLAIN else self._verify_steps_now(live)
+        if shape == PLAIN and f.kind == "decode" or shape != PLAIN and f.kind == "verify":
+            if steps != f.steps:  # (a call of the same kind reuses the last one's steps on the device)
+                return False
         # A request may reach max_tokens (or a stop) in call t: call t + 1 then holds its row as
         # padding (its token budget, counted on the device, is spent) and, where no row is left,
         # ends at once (programs.steps_while_alive). Pages for both calls' worst case, every step
         # accepting all it may (capped at a row's page-table width: the budget bounds its writes):
-        span = (lambda tree, nodes: f.steps if f.kind == "decode" else self._span(tree, nodes, f.steps))
-        extra = span(f.tree, f.nodes) + span(*shape) - 1
+        span = (lambda tree, nodes, n: n if (tree, nodes) == PLAIN else self._span(tree, nodes, n))
+        extra = span(*((f.tree, f.nodes) if f.kind == "verify" else PLAIN), f.steps) + span(*shape, steps) - 1
         need = [0 if r.finished else self._pages_needed(r, extra) - len(r.pages) for r in f.reqs]
         if sum(max(0, x) for x in need) > self.pool.available:
             return False
         for r, x in zip(f.reqs, need):
             if x > 0:
                 r.pages += self.pool.alloc(x)
-        self._decided, f.next_shape = None, shape
+        self._decided, f.next_shape, f.next_steps = None, shape, steps
         return True
+
+    def _change_chains(self, f: InFlight, choice, rows) -> bool:
+        """Whether a device drafter's call of another shape chains on f: a tree after a tree (its
+        drafts cut to the next shape on the device), and between trees and plain decoding that keeps
+        the heads in step (after plain steps each root is verified alone, as an unchained call
+        would: the drafts are made from there). Plain decoding that leaves the heads behind does not."""
+        if not self.device_drafter or self.cuts is None:
+            return False
+        return choice != PLAIN or (f.kind == "verify" and self._keeps_heads_at(rows))
 
     def _chain(self, f: InFlight) -> InFlight:
         t0 = time.perf_counter()
@@ -272,26 +281,40 @@ class Dispatch:
         # XLA's recorded command buffer as it is (the carried inputs reuse theirs: Programs donates them).
         pages = [len(r.pages) for r in reqs]
         pt = ins["pt"] if pages == ins["pages"] else _to_device(self._page_table(reqs, rows))
-        if f.kind == "decode":
-            tokens, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
-            args = (tokens, pt, kv_lens, budget, ins["stop_ids"], ins["num_steps"], sb)
+        same_kind = (f.next_shape == PLAIN) == (f.kind == "decode")
+        num_steps = ins["num_steps"] if same_kind else None
+        if not same_kind:
+            self.stats["chained_switches"] += 1
+        if f.next_shape == PLAIN:
+            if f.kind == "decode":
+                tokens, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
+            else:  # the heads kept in step; the trees drafted are dropped (step() forgets them)
+                tokens, kv_lens, sb, budget = self.cuts.roots(f.outputs[6][0]), *f.outputs[6][2:]
+            if num_steps is None:
+                num_steps = _to_device(np.int32(f.next_steps))
+            args = (tokens, pt, kv_lens, budget, ins["stop_ids"], num_steps, sb)
             outputs = self._call("decode", f.plain, args, f.flags)
-            g = InFlight("decode", reqs, outputs, dict(ins, pt=pt, pages=pages), f.flags, steps=f.steps,
-                         plain=f.plain)
+            g = InFlight("decode", reqs, outputs, dict(pt=pt, stop_ids=ins["stop_ids"], num_steps=num_steps, pages=pages),
+                         f.flags, steps=f.next_steps, plain=f.plain)
         else:
-            tokens, parents, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
             tree, nodes = f.next_shape
-            next_nodes, switched = ins["next_nodes"], (tree, nodes) != (f.tree, f.nodes)
-            if switched:  # the drafts cut to the next program's nodes and depth
+            if f.kind == "decode":  # each root verified alone (its drafts made from it), as unchained
+                roots, kv_lens, sb, budget = f.outputs[6]
+                tokens, parents, num_nodes = self.cuts(roots, np.full(roots.shape, -1, np.int32), tree, nodes)
+                next_nodes, switched = None, True
+            elif (tree, nodes) != (f.tree, f.nodes):  # the drafts cut to the next program's nodes and depth
                 tokens, parents, num_nodes = self.cuts(*f.outputs[5], tree, nodes)
-                next_nodes = None
+                _, _, kv_lens, sb, budget = f.outputs[6]
+                next_nodes, switched = None, True
                 self.stats["chained_switches"] += 1
             else:
+                tokens, parents, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
+                next_nodes, switched = ins["next_nodes"], False
                 num_nodes = ins.get("chained_nodes")  # the drafted trees', for every row (the budget stops padding)
                 if num_nodes is None:
                     num_nodes = np.full(rows, min(f.nodes, f.tree.num_draft_tokens), np.int32)
             g = self._launch_verify(reqs, tree, nodes, f.flags, tokens, parents, kv_lens, num_nodes, sb, pt, budget,
-                                    ins["stop_ids"], f.steps, ins["num_steps"], next_nodes)
+                                    ins["stop_ids"], f.next_steps, num_steps, next_nodes)
             if next_nodes is not None:  # (after a cut, the next call verifies whole drafts again)
                 g.inputs["chained_nodes"] = g.inputs["num_nodes"]
             g.switched = switched

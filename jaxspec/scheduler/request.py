@@ -75,7 +75,8 @@ class InFlight:
     host_s: float = 0.0  # host time spent launching
     launched: float | None = None  # the policy's clock as a device drafter's unchained call began its launch
     match_keys: list | None = None  # a host drafter's: the match keys (spec_policy.match_key) its requests drafted at
-    next_shape: tuple | None = None  # (tree, nodes) of the call chained on this one
+    next_shape: tuple | None = None  # (tree, nodes) of the call chained on this one (PLAIN: a decode call)
+    next_steps: int = 1  # the steps of the call chained on this one
     # rows whose first step verified no draft of this shape: the root alone (after plain decoding), or
     # another shape's drafts, cut (the call before was of another shape; chained ones: `switched`)
     borrowed: frozenset = frozenset()

@@ -78,11 +78,15 @@ class TreeSizing:
         return [b for b in BATCH_BUCKETS if b <= bucket(self.max_batch, BATCH_BUCKETS)]
 
     def cut_specs(self) -> list:
-        """(rows, drafted nodes, tree, nodes) of every cut a chained change of shape may take."""
+        """(rows, drafted nodes, tree, nodes) of every cut a chained change of shape may take (drafted
+        1: the roots after plain steps that kept the heads in step), and (rows, width) of every
+        verify call's next roots a chained plain call may take."""
         out = []
         for rows in self.row_buckets:
             shapes = self._verify_shapes(rows)
             out += [(rows, a.num_draft_tokens, b, n) for a, _ in shapes for b, n in shapes if b != a]
+            if self._keeps_heads_at(rows):
+                out += [(rows, 1, b, n) for b, n in shapes] + [(rows, bucket(n, TREE_BUCKETS)) for _, n in shapes]
         return out
 
     def tree_size(self, batch: int) -> int:
@@ -116,7 +120,7 @@ class TreeSizing:
         rows = bucket(len(reqs), BATCH_BUCKETS)
         decided, self._decided = self._decided, None
         if self.auto and decided is not None and decided[0] == rows:
-            return decided[1]  # taken when the last call could not chain on (e.g. to or from plain decoding)
+            return decided[1]  # taken when the last call could not chain on (e.g. short of pages)
         shapes = self._verify_shapes(rows)
         if not shapes or self._no_tree_at(len(self.running)):
             return PLAIN  # (the batch fills to a bucket without trees: its early decoders would verify in vain)
@@ -234,22 +238,25 @@ class TreeSizing:
 
 class DraftCuts:
     """cut_drafts compiled for each (batch bucket, drafted nodes, next shape) a chained change of
-    shape takes: built at warm-up beside the programs; one compiled after it is late."""
+    shape takes, and the roots of each (batch bucket, tree width) a chained plain call takes after
+    a verify call: built at warm-up beside the programs; one compiled after it is late."""
 
     def __init__(self, jit: bool = True):
         self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
 
     @staticmethod
-    def _key(rows, drafted, tree, nodes):
-        return "cut_drafts", rows, drafted, tree.steps, nodes
+    def _key(rows, drafted, tree=None, nodes=None):
+        return ("roots", rows, drafted) if tree is None else ("cut_drafts", rows, drafted, tree.steps, nodes)
 
     @staticmethod
-    def _fn(tree, nodes):
+    def _fn(tree=None, nodes=None):
+        if tree is None:
+            return lambda tokens: tokens[:, :1]
         return functools.partial(cut_drafts, max_nodes=nodes, max_depth=tree.steps, width=bucket(nodes, TREE_BUCKETS))
 
-    def _lower(self, rows, drafted, tree, nodes):
+    def _lower(self, rows, drafted, *shape):
         spec = jax.ShapeDtypeStruct((rows, drafted), np.int32)
-        return jax.jit(self._fn(tree, nodes)).lower(spec, spec)
+        return jax.jit(self._fn(*shape)).lower(*(spec,) * (2 if shape else 1))
 
     def _get(self, *spec):
         if not self.jit:
@@ -270,12 +277,16 @@ class DraftCuts:
             lowered = {key: self._lower(*spec) for key, spec in todo.items()}
             with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
                 self.table.update(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
-        for rows, drafted, tree, nodes in specs:
+        for rows, drafted, *shape in specs:
             zeros = np.zeros((rows, drafted), np.int32)
-            jax.block_until_ready(self._get(rows, drafted, tree, nodes)(zeros, zeros - 1))
+            jax.block_until_ready(self._get(rows, drafted, *shape)(*(zeros, zeros - 1)[:2 if shape else 1]))
         self.warm = True
 
     def __call__(self, tokens, parents, tree, nodes):
         """The drafts (tokens, parents [rows, drafted]) as the inputs of a call verifying
         `nodes`-node trees of `tree`'s depth: (tokens, parents, num_nodes)."""
         return self._get(*tokens.shape, tree, nodes)(tokens, parents)
+
+    def roots(self, tokens):
+        """The roots [rows, 1] of a verify call's next trees [rows, width]: a chained plain call's tokens."""
+        return self._get(*tokens.shape)(tokens)
