@@ -292,7 +292,9 @@ def main():
                                timed_passes=sum(r["passes"] for r in runs),
                                preemptions=sum(r["preemptions"] for r in runs),
                                phases={k: round(sum(r["phases"][k] for r in runs), 4) for k in PHASES},
-                               calls=sum(r["steps"] for r in runs), chained_calls=sum(r["chained"] for r in runs))
+                               calls=sum(r["steps"] for r in runs), chained_calls=sum(r["chained"] for r in runs),
+                               calls_runs=[r["steps"] for r in runs], chained_calls_runs=[r["chained"] for r in runs],
+                               closed_plain_calls_runs=[r["closed_plain"] for r in runs])  # (a round's calls: its speed)
                     if base is None:
                         base = (tps, [o.token_ids for o in outs], runs)
                     else:
@@ -306,28 +308,29 @@ def main():
                                    verify_steps=vs, emitted=sum(r["emitted"] for r in runs),
                                    chained_switches=sum(r["switches"] for r in runs),
                                    closed_plain_calls=sum(r["closed_plain"] for r in runs))  # closed_wave.py's
-                        policy = gen.scheduler.spec_policy
-                        if policy is not None:  # what the auto policy learned, and chose at this batch
-                            summary = policy.summary()
-                            row.update(auto_choices_runs=[r["chosen"] for r in runs],  # a timed pass each
-                                       accept_length_runs=[r["accept"] for r in runs],
-                                       auto_accept_length=summary["accept_length"],
-                                       auto_expected=summary["expected"],  # against the requests' level
-                                       auto_linked_expected=summary["linked_expected"],  # by the same-step links
-                                       auto_use_links=policy.use_links,
-                                       auto_level_rate=policy.level_rate,
-                                       auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
-                                       auto_why=summary["why"],  # bucket -> "tree: reason" -> calls (spec_policy.py)
-                                       auto_observed_ms=summary["observed_ms"],
-                                       auto_recent_ms=summary["recent_ms"],  # median, p90, max of the last calls
-                                       auto_launch=summary["launch"],  # calls not chained: their cost, their fraction
-                                       step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
-                                                                                              key=str)])
-                        if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host
-                            row["draft_host_ms_per_step"] = 1e3 * sum(r["host"] for r in runs) / max(vs, 1)
-                            # trie insertion, done while the device runs a step (not on the critical path)
-                            row["overlapped_host_ms_per_step"] = (
-                                1e3 * sum(r["overlapped"] for r in runs) / max(sum(r["steps"] for r in runs), 1))
+                    policy = gen.scheduler.spec_policy
+                    if policy is not None:  # what the auto policy learned, and chose at this batch (first or not)
+                        summary = policy.summary()
+                        row.update(auto_choices_runs=[r["chosen"] for r in runs],  # a timed pass each
+                                   accept_length_runs=[r["accept"] for r in runs],
+                                   auto_accept_length=summary["accept_length"],
+                                   auto_expected=summary["expected"],  # against the requests' level
+                                   auto_linked_expected=summary["linked_expected"],  # by the same-step links
+                                   auto_use_links=policy.use_links,
+                                   auto_level_rate=policy.level_rate,
+                                   auto_choices=summary["chosen"],  # bucket -> tree -> calls, in the timed rounds
+                                   auto_why=summary["why"],  # bucket -> "tree: reason" -> calls (spec_policy.py)
+                                   auto_observed_ms=summary["observed_ms"],
+                                   auto_recent_ms=summary["recent_ms"],  # median, p90, max of the last calls
+                                   auto_launch=summary["launch"],  # calls not chained: their cost, their fraction
+                                   step_costs=[[k, r, t, ms] for (k, r, t), ms in sorted(gen.scheduler.spec_costs.ms.items(),
+                                                                                          key=str)])
+                    if hasattr(gen.scheduler.drafter, "host_time"):  # NGRAM drafts on the host
+                        vs = sum(r["verify_steps"] for r in runs)
+                        row["draft_host_ms_per_step"] = 1e3 * sum(r["host"] for r in runs) / max(vs, 1)
+                        # trie insertion, done while the device runs a step (not on the critical path)
+                        row["overlapped_host_ms_per_step"] = (
+                            1e3 * sum(r["overlapped"] for r in runs) / max(sum(r["steps"] for r in runs), 1))
                     rows.append(row)
                     print_table(rows[-1:], ["config", "dataset", "batch", "admission", "tokens_per_s", "speedup", "accept_length",
                                             "compiles_in_timed_run",
