@@ -95,14 +95,15 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     def tile(i, carry, masked):
         m, l, acc = carry
         p0 = first + i * pages_per_block
-        # pages past the sequence's end (table padding: page 0) are read but masked below; a split
+        # pages past the sequence's end (table padding: page 0; past the table's width, its last
+        # entry: padding the table instead cost a kernel a layer) are read but masked below; a split
         # is a whole number of blocks, so no block reaches into the next split's pages
         # each key's row in the cache seen as [L, pages * page_size, Hkv, D]: the tile is gathered
         # 2-D, as the dots take it. Gathering whole pages ([ppb, page_size, D]) and reshaping took
         # 281-291 us against 222-224 for decode at 64 x 2k, 622-632 against 579 for a 64-token
         # verify (kernels-focus-v21; decode under Nsight Compute 269 against 186 us, ncu_probe-*)
         kr = jnp.arange(block)
-        row = pt_ref[b, p0 + kr // page_size] * page_size + kr % page_size
+        row = pt_ref[b, jnp.minimum(p0 + kr // page_size, pt_ref.shape[1] - 1)] * page_size + kr % page_size
         k = k_ref[layer, row, h, :]
         v = v_ref[layer, row, h, :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
@@ -233,8 +234,6 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         splits = max(2, splits)
     # split-K partials merged by the kernel's last split (default: at batch 1, where it measured faster)
     merge = not partials and splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
-    # a split's last block may run up to a block past the request's pages: padding (page 0), masked
-    page_table = jnp.pad(page_table, ((0, 0), (0, ppb)))
     causal = tree_mask is None
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     # Triton takes power-of-two arrays only (a 40-token tree's [40] words failed to lower on the
