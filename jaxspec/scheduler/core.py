@@ -292,9 +292,6 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
             done, self.inflight = self.inflight, None
             nxt = self._chain(done) if self._reserve_chain(done) else None
             self._collect(done)
-            if nxt is not None and nxt.kind == "decode" and done.kind == "verify":
-                for r in nxt.reqs:  # plain steps chained on: the trees that call drafted are not verified
-                    r.draft = None
             if nxt is not None:
                 self.inflight = nxt
                 self.stats["steps"] += 1

@@ -238,7 +238,7 @@ class Dispatch:
         rows = bucket(len(f.reqs), BATCH_BUCKETS)
         if bucket(len(live), BATCH_BUCKETS) != rows:
             return False  # the batch shrinks to a smaller bucket's programs
-        shape = (f.tree, f.nodes) if f.kind == "verify" else PLAIN
+        now = shape = _shape_of(f)
         if not f.plain:  # (a plain step chains while the batch decodes plainly)
             choice = self._choice_for(live)
             self._decided = (rows, choice)  # step() takes it: one decision a call
@@ -246,15 +246,14 @@ class Dispatch:
                 return False
             shape = choice
         steps = self._decode_steps_now(live) if shape == PLAIN else self._verify_steps_now(live)
-        if shape == PLAIN and f.kind == "decode" or shape != PLAIN and f.kind == "verify":
-            if steps != f.steps:  # (a call of the same kind reuses the last one's steps on the device)
-                return False
+        if _same_kind(now, shape) and steps != f.steps:  # (a call of the same kind reuses the last one's steps)
+            return False
         # A request may reach max_tokens (or a stop) in call t: call t + 1 then holds its row as
         # padding (its token budget, counted on the device, is spent) and, where no row is left,
         # ends at once (programs.steps_while_alive). Pages for both calls' worst case, every step
         # accepting all it may (capped at a row's page-table width: the budget bounds its writes):
         span = (lambda tree, nodes, n: n if (tree, nodes) == PLAIN else self._span(tree, nodes, n))
-        extra = span(*((f.tree, f.nodes) if f.kind == "verify" else PLAIN), f.steps) + span(*shape, steps) - 1
+        extra = span(*now, f.steps) + span(*shape, steps) - 1
         need = [0 if r.finished else self._pages_needed(r, extra) - len(r.pages) for r in f.reqs]
         if sum(max(0, x) for x in need) > self.pool.available:
             return False
@@ -281,17 +280,15 @@ class Dispatch:
         # XLA's recorded command buffer as it is (the carried inputs reuse theirs: Programs donates them).
         pages = [len(r.pages) for r in reqs]
         pt = ins["pt"] if pages == ins["pages"] else _to_device(self._page_table(reqs, rows))
-        same_kind = (f.next_shape == PLAIN) == (f.kind == "decode")
-        num_steps = ins["num_steps"] if same_kind else None
-        if not same_kind:
-            self.stats["chained_switches"] += 1
+        now = _shape_of(f)
+        switched = f.next_shape != now
+        self.stats["chained_switches"] += switched
+        num_steps = ins["num_steps"] if _same_kind(now, f.next_shape) else _to_device(np.int32(f.next_steps))
         if f.next_shape == PLAIN:
             if f.kind == "decode":
                 tokens, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
-            else:  # the heads kept in step; the trees drafted are dropped (step() forgets them)
+            else:  # the heads kept in step; the trees drafted are dropped (_collect forgets them)
                 tokens, kv_lens, sb, budget = self.cuts.roots(f.outputs[6][0]), *f.outputs[6][2:]
-            if num_steps is None:
-                num_steps = _to_device(np.int32(f.next_steps))
             args = (tokens, pt, kv_lens, budget, ins["stop_ids"], num_steps, sb)
             outputs = self._call("decode", f.plain, args, f.flags)
             g = InFlight("decode", reqs, outputs, dict(pt=pt, stop_ids=ins["stop_ids"], num_steps=num_steps, pages=pages),
@@ -300,16 +297,15 @@ class Dispatch:
             tree, nodes = f.next_shape
             if f.kind == "decode":  # each root verified alone (its drafts made from it), as unchained
                 roots, kv_lens, sb, budget = f.outputs[6]
-                tokens, parents, num_nodes = self.cuts(roots, np.full(roots.shape, -1, np.int32), tree, nodes)
-                next_nodes, switched = None, True
-            elif (tree, nodes) != (f.tree, f.nodes):  # the drafts cut to the next program's nodes and depth
+                tokens, parents, num_nodes = self.cuts.from_roots(roots, tree, nodes)
+                next_nodes = None
+            elif switched:  # the drafts cut to the next program's nodes and depth
                 tokens, parents, num_nodes = self.cuts(*f.outputs[5], tree, nodes)
                 _, _, kv_lens, sb, budget = f.outputs[6]
-                next_nodes, switched = None, True
-                self.stats["chained_switches"] += 1
+                next_nodes = None
             else:
                 tokens, parents, kv_lens, sb, budget = f.outputs[6]  # computed by the call itself
-                next_nodes, switched = ins["next_nodes"], False
+                next_nodes = ins["next_nodes"]
                 num_nodes = ins.get("chained_nodes")  # the drafted trees', for every row (the budget stops padding)
                 if num_nodes is None:
                     num_nodes = np.full(rows, min(f.nodes, f.tree.num_draft_tokens), np.int32)
@@ -321,6 +317,15 @@ class Dispatch:
         self._host_work_while_device_runs(f)  # a paused host drafter keeps learning the emitted tokens
         g.host_s, g.chained = time.perf_counter() - t0, True
         return g
+
+
+def _shape_of(f: InFlight) -> tuple:
+    """(tree, nodes) a call verified, or PLAIN for a decode call."""
+    return (f.tree, f.nodes) if f.kind == "verify" else PLAIN
+
+
+def _same_kind(a, b) -> bool:  # two shapes both plain decoding, or both trees
+    return (a == PLAIN) == (b == PLAIN)
 
 
 def _to_device(tree):

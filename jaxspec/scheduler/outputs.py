@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxspec.detokenize import IncrementalText
 from jaxspec.scheduler.request import DraftRow, InFlight, DraftsOnDevice
+from jaxspec.scheduler.trees import PLAIN
 
 
 class Outputs:
@@ -76,8 +77,8 @@ class Outputs:
             self.spec_policy.verified(tree, [c for _, _, c in live], keys, count.shape[0], cut)
             self._arrived(f, arrived, int((count > 0).sum(axis=1).max(initial=0)))
         for i, r in enumerate(f.reqs):
-            if shared is not None and not r.finished:
-                r.draft = DraftRow(shared, i)
+            if shared is not None and not r.finished:  # (plain steps chained on: its trees are never verified)
+                r.draft = None if f.next_shape == PLAIN else DraftRow(shared, i)
             cs = counts[i]
             k = cs.index(0) if 0 in cs else len(cs)
             if r.finished or k == 0:

@@ -243,6 +243,7 @@ class DraftCuts:
 
     def __init__(self, jit: bool = True):
         self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
+        self.root_parents = {}  # rows -> [rows, 1] of -1 on the device: a root's parent
 
     @staticmethod
     def _key(rows, drafted, tree=None, nodes=None):
@@ -286,6 +287,13 @@ class DraftCuts:
         """The drafts (tokens, parents [rows, drafted]) as the inputs of a call verifying
         `nodes`-node trees of `tree`'s depth: (tokens, parents, num_nodes)."""
         return self._get(*tokens.shape, tree, nodes)(tokens, parents)
+
+    def from_roots(self, roots, tree, nodes):
+        """Trees of the roots [rows, 1] alone as the inputs of a call verifying `nodes`-node trees of `tree`'s depth."""
+        parents = self.root_parents.get(roots.shape[0])
+        if parents is None:
+            parents = self.root_parents[roots.shape[0]] = jax.device_put(np.full(roots.shape, -1, np.int32))
+        return self(roots, parents, tree, nodes)
 
     def roots(self, tokens):
         """The roots [rows, 1] of a verify call's next trees [rows, width]: a chained plain call's tokens."""
