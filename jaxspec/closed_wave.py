@@ -86,3 +86,16 @@ def plain_finishes_first(policy, rows: int, tree, reqs) -> bool:
     return plain_ends_first([max(r.params.max_tokens - len(r.output_ids), 1) for r in reqs], row_factors(reqs), expected,
                             lambda b: policy.cost(b, tree.label) or here_tree, lambda b: policy.cost(b, PLAIN) or here_plain,
                             None if last is None else "plain" if last == PLAIN else "tree", policy.launch_ms.get(rows, 0.0))
+
+
+def shrink_pays(policy, rows: int, small: int, label: str, steps_left: float) -> bool:
+    """Whether a batch shrunk below its bucket `rows` moves to bucket `small`'s programs: the step cost
+    they save over the steps left against the launch of the call that moves (it cannot chain on the
+    last call's outputs). At the wave's tail the buckets' step costs differ little and each move paid a
+    launch (3:1:4 at 1 / 4 / 8 / 16: 1.44 / 1.27 / 1.34 / 1.41 ms a step, ~5 ms a launch not chained:
+    spec-why-b64-). Costs not known: it moves."""
+    big, little = policy.cost(rows, label), policy.cost(small, label)
+    launch = policy.launch_ms.get(small, policy.launch_ms.get(rows))
+    if big is None or little is None or launch is None:
+        return True
+    return steps_left * (big - little) > launch

@@ -84,3 +84,36 @@ def test_a_closed_batch_decodes_plainly_where_its_slowest_row_would_end_later(ti
     while sched.has_work:
         sched.step()
     assert sched.pool.in_use == 0 and sched.late_compiles == []
+
+
+def test_a_shrunk_batch_moves_to_a_smaller_bucket_only_where_the_steps_left_pay_its_launch():
+    costs = StepCosts({("verify", 4, SMALL.label): 2.0, ("verify", 2, SMALL.label): 1.8,
+                       ("decode", 4, None): 1.0, ("decode", 2, None): 0.5})
+    policy = SpecPolicy(costs, {b: [SMALL, PLAIN_CHOICE] for b in (2, 4)})
+    assert closed_wave.shrink_pays(policy, 4, 2, SMALL.label, 20)  # no launch seen yet: it moves, as before
+    policy.launch_ms[2], policy.unchained[2] = 5.0, 0.0
+    assert not closed_wave.shrink_pays(policy, 4, 2, SMALL.label, 20)  # saves 20 x 0.2 ms, pays 5
+    assert closed_wave.shrink_pays(policy, 4, 2, SMALL.label, 30)
+    assert closed_wave.shrink_pays(policy, 4, 2, "plain", 11) and not closed_wave.shrink_pays(policy, 4, 2, "plain", 9)
+    assert closed_wave.shrink_pays(policy, 4, 2, "3:2:6", 1)  # a shape without costs at either: it moves
+
+
+def test_a_shrunk_batch_that_stays_in_its_bucket_chains_on_with_plain_outputs(tiny, monkeypatch):
+    """Three requests (bucket 4), one ending early: where moving to bucket 2 would not pay, the next
+    calls chain on at bucket 4 with the ended row as padding; the outputs are plain decoding's and
+    every page comes back."""
+    from jaxspec import Generator
+    prompts, _, _, gen = _plain_and_auto(tiny, 3, 3, 24, 4)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (5, 24, 24)]
+    want = [c.token_ids for c in Generator(tiny, None, max_batch=4, max_seq_len=128, num_pages=300).generate(prompts, params)]
+    sched, chained = gen.scheduler, {}
+    monkeypatch.setattr(sched.spec_policy, "choose", lambda rows, keys=None: SMALL)  # a tree on every call
+    monkeypatch.setattr(closed_wave, "plain_finishes_first", lambda *a: False)
+    for stays in (False, True):
+        asked = []
+        monkeypatch.setattr(closed_wave, "shrink_pays", lambda policy, rows, small, *a: asked.append((rows, small)) or not stays)
+        c0 = sched.stats["chained_steps"]
+        assert [c.token_ids for c in gen.generate(prompts, params)] == want
+        chained[stays] = sched.stats["chained_steps"] - c0
+        assert (4, 2) in asked and sched.pool.in_use == 0
+    assert chained[True] > chained[False]

@@ -8,10 +8,12 @@ import time
 import jax
 import numpy as np
 
+from jaxspec import closed_wave
 from jaxspec.programs import BATCH_BUCKETS, STOP_ID_SLOTS, TREE_BUCKETS, bucket
 from jaxspec.sampling import SamplerFlags
 from jaxspec.scheduler.request import InFlight
 from jaxspec.scheduler.trees import PLAIN
+from jaxspec.spec_shapes import PLAIN as POLICY_PLAIN  # (the policy's label for plain decoding's costs)
 
 
 class Dispatch:
@@ -236,11 +238,11 @@ class Dispatch:
         if len(self.running) != len(live) or self._admission_due():
             return False  # the batch changes: admissions, prefill chunks, preemptions
         rows = bucket(len(f.reqs), BATCH_BUCKETS)
-        if bucket(len(live), BATCH_BUCKETS) != rows:
+        if bucket(len(live), BATCH_BUCKETS) != rows and not self._keeps_bucket(f, live, rows):
             return False  # the batch shrinks to a smaller bucket's programs
         now = shape = _shape_of(f)
         if not f.plain:  # (a plain step chains while the batch decodes plainly)
-            choice = self._choice_for(live)
+            choice = self._choice_for(live, rows)
             self._decided = (rows, choice)  # step() takes it: one decision a call
             if choice != shape and not self._change_chains(f, choice, rows):
                 return False
@@ -271,6 +273,19 @@ class Dispatch:
         if not self.device_drafter or self.cuts is None:
             return False
         return choice != PLAIN or (f.kind == "verify" and self._keeps_heads_at(rows))
+
+    def _keeps_bucket(self, f: InFlight, live, rows: int) -> bool:
+        """Whether a batch shrunk below bucket `rows` chains on in it, its ended rows riding as padding:
+        where the auto policy's costs say a smaller bucket's programs would not pay their unchained
+        call over the steps left (closed_wave.shrink_pays; the most tokens a row may still emit)."""
+        policy = self.spec_policy
+        if policy is None or not self.device_drafter:
+            return False
+        tree = f.tree if f.kind == "verify" else None
+        per_step = 1.0 if tree is None else (policy.expected(tree) or 1.0)
+        left = max(r.params.max_tokens - len(r.output_ids) for r in live) / per_step
+        label = POLICY_PLAIN if tree is None else tree.label
+        return not closed_wave.shrink_pays(policy, rows, bucket(len(live), BATCH_BUCKETS), label, left)
 
     def _chain(self, f: InFlight) -> InFlight:
         t0 = time.perf_counter()

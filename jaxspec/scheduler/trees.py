@@ -115,9 +115,10 @@ class TreeSizing:
         program): its prefill chunks run the target alone, leaving heads behind."""
         return self.device_drafter and not self._verify_shapes(bucket(max(batch, 1), BATCH_BUCKETS))
 
-    def _choice_for(self, reqs) -> tuple:
-        """(tree, nodes) a call over these decoding requests verifies now, or PLAIN."""
-        rows = bucket(len(reqs), BATCH_BUCKETS)
+    def _choice_for(self, reqs, rows: int | None = None) -> tuple:
+        """(tree, nodes) a call over these decoding requests verifies now, or PLAIN (rows: the bucket
+        whose programs run it, if not theirs: a shrunk batch chaining on in its bucket)."""
+        rows = rows or bucket(len(reqs), BATCH_BUCKETS)
         decided, self._decided = self._decided, None
         if self.auto and decided is not None and decided[0] == rows:
             return decided[1]  # taken when the last call could not chain on (e.g. short of pages)
