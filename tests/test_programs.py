@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from conftest import TINY
-from jaxspec import Generator, SamplingParams
+from jaxspec import Generator, SamplingParams, SpecConfig
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.program_store import compile_count
@@ -192,3 +192,33 @@ def test_skip_temp_update_mode_is_requested_only_where_the_xla_knows_it(monkeypa
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setattr(co, "CMDBUF_UPDATE_MODE", "")
     assert not co.request_stable_temps() and co.os.environ["XLA_FLAGS"] == ""
+
+
+@pytest.mark.parametrize("algo", ["EAGLE3", "NGRAM"])
+def test_warmup_runs_each_program_once_and_outputs_stay_a_cold_engines(tiny, algo):
+    """On a GPU the warm-up runs every program of the set once (its first run loads its kernels, a
+    stall the first call to meet it would pay); forced here on the CPU: each program ran once, the
+    runs' writes (the trash page) change no output, nothing compiles after, every page comes back."""
+    def engine(first_runs):
+        drafter = (EagleDrafter(DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1)), TreeShape(3, 2, 4))
+                   if algo == "EAGLE3" else SpecConfig("NGRAM", num_draft_tokens=4).build(tiny))
+        gen = Generator(tiny, None, drafter=drafter, max_batch=2, max_seq_len=128, prefill_chunk=32)
+        gen.scheduler.first_runs = first_runs
+        return gen
+    gen = engine(True)
+    sched, ran = gen.scheduler, []
+    for progs in {id(s[0]): s[0] for s in sched.program_specs()}.values():
+        run = progs.run
+        progs.run = lambda name, flags, cache, args, run=run, progs=progs: ran.append(progs.key(name, flags, cache, args)) \
+            or run(name, flags, cache, args)
+    sched.warmup(flag_sets=(SamplerFlags(),))
+    built = {key for s in sched.program_specs() for key in s[0].table}
+    assert len(ran[:len(built)]) == len(set(ran[:len(built)])) and set(ran) == built  # each once (then the costs' timing)
+    before = compile_count()
+    prompts = [[5, 9, 2, 7] * 3, [1, 2, 3], [8] * 20]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    warm = [c.token_ids for c in gen.generate(prompts, params)]
+    assert sched.late_compiles == [] and compile_count() == before
+    assert warm == [c.token_ids for c in engine(False).generate(prompts, params)]
+    sched.pool.check()
+    assert sched.pool.in_use == 0

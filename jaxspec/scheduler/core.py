@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+import jax
 import numpy as np
 
 from jaxspec.kv_cache import KVCache
@@ -106,6 +107,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         # a device drafter's large-batch fallback: the target alone, no head catch-up
         self.plain_programs = Programs(model, **programs_kw) if self.device_drafter else None
         self.drafter = drafter
+        self.first_runs = jax.default_backend() == "gpu"  # warmup() runs each program once (_run_once)
         self.build_workers = build_workers  # processes for a cold start's programs (None: program_workers decides)
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.
         # The tree shrinks to fit spec_max_verify_tokens per step, and below spec_min_nodes the step
@@ -242,6 +244,8 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
             progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
         if self.cuts is not None:
             self.cuts.build(self.cut_specs())
+        if self.first_runs and groups[0].jit:
+            self._run_once(specs)
         t2 = time.perf_counter()
         if self.spec_policy is not None and groups[0].jit:
             self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table the policy reads
@@ -253,6 +257,22 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                   f"by {workers if missing else 0} worker processes in {t1 - t0:.1f} s, the set built or loaded in "
                   f"{t2 - t1:.1f} s, step costs in {t3 - t2:.1f} s", file=sys.stderr, flush=True)
         return out
+
+    def _run_once(self, specs) -> None:
+        """Each program of the set once, a step of live rows on zeros (their K/V to the trash page): a
+        GPU executable's first run also loads its kernels and records its command buffers, tens of ms
+        the first call to meet it would stall for (where the step costs came from the store, none ran at
+        warm-up: bucket-8 and bucket-32 launches of 34-39 ms against ~4.5, spec-dflash-s84)."""
+        for progs, name, flags, _, args in specs:
+            rows, n = args[0].shape
+            if name == "decode":
+                args = self._dummy_decode(rows, 1, alive=True)
+            elif name != "extend":
+                args = self._dummy_verify(rows, n, 1, alive=True)
+            target_only = self.device_drafter and progs is self.plain_programs
+            *_, cache = progs.run(name, flags, self.cache[0] if target_only else self.cache, args)
+            self.cache = (cache, self.cache[1]) if target_only else cache
+        jax.block_until_ready(self.cache)
 
     @property
     def late_compiles(self) -> list:
