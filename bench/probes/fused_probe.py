@@ -1,7 +1,7 @@
 """Device time of each fused layer kernel (pallas/qkv_project, gated_up, matmul_residual) against
 the XLA ops it replaces, at the Llama-3-8B and SmolLM2 shapes, for a few column blocks, K steps
 and warp counts: which settings the model should pass.
-    python bench/probes/fused_probe.py [--rows 16,64] [--ops gate_up]
+    python bench/probes/fused_probe.py [--rows 16,64] [--ops gate_up] [--models llama3-8b]
 """
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ def main():
         arr = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.05, bf)
         w_qkv, w_up, w_down, norm = arr(h, (hq + 2 * hkv) * d), arr(h, 2 * f), arr(f, h), arr(h)
         kp = jnp.zeros((1, 8, 16, hkv, d), bf)
+        # 8B's matrices are 7-50x SmolLM2's: wider column blocks (whole 128-byte lines a row of a tile), deeper
+        # pipelines, K splits for enough programs (bn 16 ran gate_up at ~20% of bandwidth: decode-8b-fused-)
+        wide = name != "smollm2-135m"
+        bns, warps = ((64, 128, 256), (4, 8)) if wide else ((16, 32), (4, 8))
+        extra = [dict(num_stages=st) for st in (4, 5)] if wide else [{}]
         for m in map(int, args.rows.split(",")):
             xs = [arr(m, h) for _ in range(REPS)]
             cos = sin = jnp.zeros((m, d // 2), jnp.float32)
@@ -64,18 +69,18 @@ def main():
                 "qkv": ("_qkv", w_qkv.size * 2, qkv_project, qkv_project_ref,
                         lambda fn, **kw: lambda x: fn(x, norm, w_qkv, None, None, None, cos, sin, 0, slots, kp, kp,
                                                       num_q=hq, num_kv=hkv, eps=1e-5, **kw)[0],
-                        [dict(bn=bn, num_warps=nw, bk=bk) for bn in (16, 32) for nw in (4, 8) for bk in (64, 128, 256, 512)
+                        [dict(bn=bn, num_warps=nw, bk=bk) for bn in bns for nw in warps for bk in (64, 128, 256, 512)
                          if bn <= d // 2]),
                 "gate_up": ("_gated", w_up.size * 2, gated_up, gated_up_ref,
                             lambda fn, **kw: lambda x: fn(x, norm, w_up, eps=1e-5, **kw),
-                            [dict(bn=bn, num_warps=nw, bk=bk) for bn in (16, 32) for nw in (4, 8)
-                             for bk in (64, 128, 256, 512)]
-                            + [dict(bn=bn, bk=bk, splits=sp) for sp in (2, 3, 4, 6) for bn in (16, 32) for bk in (64, 128)]),
+                            [dict(bn=bn, num_warps=nw, bk=bk, **x) for bn in bns for nw in warps
+                             for bk in (64, 128, 256, 512) for x in extra]
+                            + [dict(bn=bn, bk=bk, splits=sp) for sp in (2, 3, 4, 6) for bn in bns for bk in (64, 128)]),
                 "down": ("_matmul", w_down.size * 2, matmul_residual, matmul_residual_ref,
                          lambda fn, **kw: lambda x: fn(jnp.tile(x, (1, f // h + 1))[:, :f], w_down, x, **kw),
-                         [dict(bn=bn, num_warps=nw, bk=bk) for bn in (16, 32) for nw in (4, 8)
-                          for bk in (128, 256, 512, 1024)]
-                         + [dict(bn=bn, bk=bk, splits=sp) for sp in (2, 4, 6) for bn in (16, 32) for bk in (64, 128, 256)]),
+                         [dict(bn=bn, num_warps=nw, bk=bk, **x) for bn in bns for nw in warps
+                          for bk in (128, 256, 512, 1024) for x in extra]
+                         + [dict(bn=bn, bk=bk, splits=sp) for sp in (2, 4, 6) for bn in bns for bk in (64, 128, 256)]),
             }
             for op, (kname, nbytes, fn, ref, bind, variants) in cases.items():
                 if args.ops and op not in args.ops.split(","):
