@@ -143,3 +143,17 @@ def test_vocab_parallel_lookup_finds_every_shards_rows(tiny):
         with jax.set_mesh(sharding.tp_mesh(tp)):
             got = jax.jit(lambda t: model.embed_tokens(t))(ids)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(tiny.embed[...])[ids])
+
+
+def test_the_decode_floor_counts_the_embedding_rows_a_step_reads():
+    """bench/decode.py's read floor: an untied input table is read a row a token, a tied one whole
+    (it is the output projection); the issue's floor (param_bytes) counts every table byte."""
+    import dataclasses
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    from common import param_bytes, read_weight_bytes
+    from jaxspec.models import Llama
+    untied = Llama(dataclasses.replace(TINY, tie_word_embeddings=False), rngs=nnx.Rngs(0))
+    table = TINY.vocab_size * TINY.hidden_size * 4  # float32
+    assert read_weight_bytes(untied, 3) == param_bytes(untied) - table + 3 * TINY.hidden_size * 4
+    tied = Llama(dataclasses.replace(TINY, tie_word_embeddings=True), rngs=nnx.Rngs(0))
+    assert read_weight_bytes(tied, 3) == param_bytes(tied)
