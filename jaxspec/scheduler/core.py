@@ -260,9 +260,10 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
 
     def _run_once(self, specs) -> None:
         """Each program of the set once, a step of live rows on zeros (their K/V to the trash page): a
-        GPU executable's first run also loads its kernels and records its command buffers, tens of ms
-        the first call to meet it would stall for (where the step costs came from the store, none ran at
-        warm-up: bucket-8 and bucket-32 launches of 34-39 ms against ~4.5, spec-dflash-s84)."""
+        GPU executable's first run also loads its kernels and records its command buffers, a stall the
+        first call to meet it would pay. Where the step costs came from the store no program ran at
+        warm-up; spec-dflash-s84's calls not chained took 13-39 ms past their steps at some buckets
+        against ~4.5 at others (first runs not confirmed as the cause: spec_policy_notes.md)."""
         for progs, name, flags, _, args in specs:
             rows, n = args[0].shape
             if name == "decode":
