@@ -681,3 +681,41 @@ def test_packed_rows_give_the_loss_of_one_sequence_a_row(tiny):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     with pytest.raises(ValueError, match="--pack-len 8 is shorter than a sequence"):
         pack_rows(tokens, lengths, starts, 8)
+
+
+@pytest.mark.parametrize("algo", ["plain", "EAGLE3", "EAGLE3 auto", "DFLASH auto"])
+def test_a_prefilled_batchs_first_call_chains_on_its_prefill(tiny, tiny_eagle3, tiny_dflash, algo):
+    """A batch whose prompts one prefill chunk ends starts its first decode or verify call from that
+    chunk's device outputs before reading them (scheduler._chain_on_prefill): greedy and sampled
+    outputs as an engine that reads every call back, one request a wave and four in one chunk, one
+    of them stopping at its first token while the chained call runs its row on; every page back."""
+    head = load_head(str(tiny_eagle3 / "head"), TINY, tiny)
+    kw = dict(KW, max_batch=4, prefill_chunk=64)
+
+    def engine(overlap):
+        drafter = None if algo == "plain" else EagleDrafter(head, TreeShape(3, 2, 6))
+        if algo.startswith("DFLASH"):
+            from jaxspec.drafters.dflash import DFlashDrafter, load_dflash
+            drafter = DFlashDrafter(load_dflash(str(tiny_dflash / "drafter"), TINY), TreeShape(3, 1, 4))
+        return Generator(tiny, None, drafter=drafter, overlap=overlap, spec_policy="auto" if "auto" in algo else "fixed",
+                         **kw)
+    prompts = random_prompts(31, 4, 5, 12)  # (past the (4, 4) prefill shape: one alone takes the (1, 64) one)
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, temperature=t, seed=i) for i, t in enumerate((0, 0, 0.8, 0))]
+    cold = engine(False)
+    want = [c.token_ids for c in cold.generate(prompts, params)]
+    first = want[0][0]  # the first request stops at its first token, its chained row running on
+    stopped = [dataclasses.replace(params[0], stop_token_ids=[first])] + params[1:]
+    want_stopped = [c.token_ids for c in cold.generate(prompts, stopped)]
+    assert want_stopped[0] == [first] and want_stopped[1:] == want[1:]
+    gen = engine(True)
+    sched = gen.scheduler
+    for p, sp, w in zip(prompts, params, want):  # waves of one
+        assert gen.generate([p], sp)[0].token_ids == w
+    assert sched.stats["prefill_chains"] == len(prompts)
+    assert [c.token_ids for c in gen.generate(prompts, params)] == want  # four prompts in one (4, 16) chunk
+    assert sched.stats["prefill_chains"] == len(prompts) + 1
+    assert [c.token_ids for c in gen.generate(prompts, stopped)] == want_stopped
+    assert sched.stats["prefill_chains"] == len(prompts) + 2
+    assert sched.late_compiles == []
+    sched.pool.check()
+    assert sched.pool.in_use == 0

@@ -165,7 +165,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0,
                           behind_plain_steps=0, verified_rows=0, accepted=0, chained_switches=0,
-                          closed_plain_calls=0)
+                          closed_plain_calls=0, prefill_chains=0)
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
 
@@ -322,6 +322,9 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         prefill = [r for r in self.running if r.todo > 1]
         if prefill:
             self._run_prefill(prefill)
+            if self.inflight is not None:  # the prefilled batch's first call chained on it (_chain_on_prefill)
+                self.stats["steps"] += 1
+                return
         # a request whose prompt this chunk finished decodes in this step's call with the rest (the
         # chunk is read back before): a newcomer then costs a prefill call, not also a one-step
         # decode call beside the batch's chained ones

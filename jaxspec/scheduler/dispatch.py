@@ -27,14 +27,15 @@ class Dispatch:
         if prepare is not None and self.tree_size(len(self.running)) > 1:
             prepare(self.running, busy=None if chained_next else lambda: not waits_for.outputs[0].is_ready())
 
-    def _budgets_and_stops(self, reqs, rows):
+    def _budgets_and_stops(self, reqs, rows, ahead=0):
         """What a multi-step call checks on the device: each row's tokens left before max_tokens
-        (0: padding, which then does nothing), and its stop ids (-1 padded; past STOP_ID_SLOTS
-        only the host stops on them, after the call)."""
+        (0: padding, which then does nothing; ahead: tokens emitted before the call that the host has
+        not read yet), and its stop ids (-1 padded; past STOP_ID_SLOTS only the host stops on them,
+        after the call)."""
         budget = np.zeros(rows, np.int32)
         stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
         for i, r in enumerate(reqs):
-            budget[i] = r.params.max_tokens - len(r.output_ids)
+            budget[i] = r.params.max_tokens - len(r.output_ids) - ahead
             ids = self._device_stop_ids(r)
             stop_ids[i, :len(ids)] = ids
         return budget, stop_ids
@@ -65,11 +66,11 @@ class Dispatch:
         self._run_extend(batch, rows, t)
         self.last_prefill_s = time.perf_counter() - t0  # (read back: the call's wall time)
 
-    def _run_decode(self, reqs, steps, overlap=True):
+    def _run_decode(self, reqs, steps, overlap=True, after=None):
         """Up to `steps` plain decode steps over reqs in one call (by the target alone where a
         device drafter falls back: its head is left behind; where the auto policy chose plain
         decoding, with the heads kept in step: no draft is made, so their next verify call verifies
-        each root alone)."""
+        each root alone). after: the prefill call whose sampled tokens it decodes from (_chain_on_prefill)."""
         t0, launched = time.perf_counter(), self._launch_clock()
         rows = bucket(len(reqs), BATCH_BUCKETS)
         plain = self.device_drafter and not (self._keeps_heads_at(rows) and all(r.head_len is None for r in reqs))
@@ -78,14 +79,13 @@ class Dispatch:
         elif self.device_drafter:  # the heads kept in step, but no draft is made
             for r in reqs:
                 r.draft = None
-        tokens = np.zeros((rows, 1), np.int32)
-        kv_lens = np.zeros(rows, np.int32)
-        for i, r in enumerate(reqs):
-            tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
-            kv_lens[i] = r.kv_len
-        budget, stop_ids = self._budgets_and_stops(reqs, rows)
+        pad = [0] * (rows - len(reqs))
+        kv_lens = np.array([r.kv_len for r in reqs] + pad, np.int32)
+        tokens = (after.outputs[5] if after is not None else  # (the prefill's sampled tokens, on the device)
+                  np.array([r.token_slice(r.kv_len, r.kv_len + 1)[0] for r in reqs] + pad, np.int32)[:, None])
+        budget, stop_ids = self._budgets_and_stops(reqs, rows, ahead=after is not None)
         flags = SamplerFlags.of([r.params for r in reqs])
-        sb = self._sampling(reqs, rows, flags)
+        sb = self._sampling(reqs, rows, flags, ahead=after is not None)
         pt = self._page_table(reqs, rows)
         args = _to_device((tokens, pt, kv_lens, budget, stop_ids, np.int32(steps), sb))
         outputs = self._call("decode", plain, args, flags)
@@ -146,8 +146,49 @@ class Dispatch:
             self._leave_heads_behind(reqs)
         outputs = self._call("extend", plain, args, flags)
         f = InFlight("extend", reqs, outputs, {}, flags, host_s=time.perf_counter() - t0)
-        self._host_work_while_device_runs(f)
-        self._collect(f, [n for _, n in batch])
+        chained = self._chain_on_prefill(f, batch, rows)
+        if not chained:
+            self._host_work_while_device_runs(f)
+        self._collect(f, [0 if chained else n for _, n in batch])  # (a chained call's kv lengths moved on before it)
+        if chained:
+            self.inflight.ended_after_launch = any(r.finished for r in reqs)
+            if self.inflight.kind == "decode":
+                for r in reqs:
+                    r.draft = None  # (the prefill's drafts are behind once plain steps follow)
+
+    def _chain_on_prefill(self, f: InFlight, batch, rows: int) -> bool:
+        """Launch the first decode or verify call of requests whose prompts prefill call f ends from its
+        device outputs (its sampled tokens, its drafted trees cut on the device), before they are read
+        back: where they are the whole running batch, in f's rows, nobody to admit. Unchained, that call
+        paid its launch after the read-back, 3.4-4.1 ms at batch 1 on the H200 (spec-policy-s84's
+        auto_launch), once a request. A host drafter drafts from the sampled token: not here."""
+        reqs = f.reqs
+        if (not self.overlap or f.flags.penalties or len(self.running) != len(reqs) or self._admission_due()
+                or bucket(len(reqs), BATCH_BUCKETS) != rows or any(r.todo != n for r, n in batch)
+                or any(r.params.max_tokens < 2 for r in reqs) or (self.drafter is not None and not self.device_drafter)):
+            return False
+        for r, n in batch:  # the host's bookkeeping of the chunk, ahead of its read-back
+            r.kv_len += n
+        tree, nodes = self._choice_for(reqs)
+        self._decided = (rows, (tree, nodes))  # (the next step's, should this one not chain)
+        verify = nodes > 1 and f.outputs[4] is not None and self.cuts is not None
+        steps = self._verify_steps_now(reqs) if verify else self._decode_steps_now(reqs)
+        need = [self._pages_needed(r, self._span(tree, nodes, steps) if verify else steps) - len(r.pages) for r in reqs]
+        if (nodes > 1 and not verify) or sum(max(0, x) for x in need) > self.pool.available:
+            for r, n in batch:
+                r.kv_len -= n
+            return False
+        self._decided = None
+        for r, x in zip(reqs, need):
+            if x > 0:
+                r.pages += self.pool.alloc(x)
+        if verify:
+            self._run_verify(reqs, tree, nodes, rows, steps, after=f)
+        else:
+            self._run_decode(reqs, steps, after=f)
+        self.inflight.chained = True  # (timed from the prefill's read-back: not a launch the policy prices)
+        self.stats["prefill_chains"] += 1
+        return True
 
     def _prefills_plainly(self, reqs) -> bool:
         """Whether a device drafter's prefill chunk runs the target alone, leaving the head behind:
@@ -158,32 +199,36 @@ class Dispatch:
         return self.device_drafter and (self._no_tree_at(len(self.running))
                                         or all(r.head_len is not None for r in reqs))
 
-    def _run_verify(self, reqs, tree, nodes, rows, steps=1, overlap=True):
-        """A verify call of `nodes`-node trees over reqs (a device drafter's programs draft `tree`)."""
+    def _run_verify(self, reqs, tree, nodes, rows, steps=1, overlap=True, after=None):
+        """A verify call of `nodes`-node trees over reqs (a device drafter's programs draft `tree`).
+        after: the prefill call whose drafted trees it verifies, cut on the device (_chain_on_prefill)."""
         t0, launched = time.perf_counter(), self._launch_clock()
         n = bucket(nodes, TREE_BUCKETS)
         tokens = np.zeros((rows, n), np.int32)
         parents = np.full((rows, n), -1, np.int32)
         num_nodes = np.ones(rows, np.int32)
-        kv_lens = np.zeros(rows, np.int32)
+        kv_lens = np.array([r.kv_len for r in reqs] + [0] * (rows - len(reqs)), np.int32)
         depth = {} if tree is None else {"max_depth": tree.steps}
-        for i, r in enumerate(reqs):
+        for i, r in enumerate([] if after else reqs):
             d_tok, d_par = self.drafter.propose(r, nodes, **depth)
             m = 1 + len(d_tok)
             tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
             tokens[i, 1:m] = d_tok
             parents[i, 1:m] = d_par
-            num_nodes[i], kv_lens[i] = m, r.kv_len
+            num_nodes[i] = m
+        if after is not None:
+            tokens, parents, num_nodes = self.cuts(*after.outputs[4], tree, nodes)
         self.stats["draft_time"] += time.perf_counter() - t0
         flags = SamplerFlags.of([r.params for r in reqs])
-        budget, stop_ids = self._budgets_and_stops(reqs, rows)
-        sb = self._sampling(reqs, rows, flags, reuse=not self.device_drafter)  # verify_tree donates only the cache
+        budget, stop_ids = self._budgets_and_stops(reqs, rows, ahead=after is not None)
+        sb = self._sampling(reqs, rows, flags, reuse=not self.device_drafter,  # verify_tree donates only the cache
+                            ahead=after is not None)
         f = self._launch_verify(reqs, tree, nodes, flags, tokens, parents, kv_lens, num_nodes, sb,
                                 budget=budget, stop_ids=stop_ids, steps=steps)
         if not self.device_drafter and self.spec_policy is not None:
             f.match_keys = self._match_keys(reqs)
         f.launched = launched  # (None but for a device drafter's call)
-        if self.device_drafter:  # (a prefill's drafts are counted as the call's shape's)
+        if self.device_drafter and after is None:  # (a prefill's drafts are counted as the call's shape's)
             f.borrowed = frozenset(i for i, r in enumerate(reqs)
                                    if num_nodes[i] == 1 or r.draft is not None and r.draft.tree not in (None, tree))
         self._host_work_while_device_runs(f)
@@ -233,7 +278,8 @@ class Dispatch:
         # launch and read-back (~5 ms at batch 32 on the H200, serve-head-NVIDIA-H200.json). One that
         # ended on the host alone (a stop string, an abort) would keep writing: the chain stops.
         live = [r for r in f.reqs if not r.finished]
-        if not self._may_overlap(f) or not live or not all(map(self._ended_on_device, f.reqs)):
+        if (not self._may_overlap(f) or not live or f.ended_after_launch
+                or not all(map(self._ended_on_device, f.reqs))):
             return False
         if len(self.running) != len(live) or self._admission_due():
             return False  # the batch changes: admissions, prefill chunks, preemptions

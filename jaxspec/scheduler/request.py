@@ -69,6 +69,9 @@ class InFlight:
     nodes: int = 1  # a verify step's tree nodes (1 for decode)
     tree: object = None  # the TreeShape a device drafter's verify program drafts
     chained: bool = False  # launched from the last call's device outputs, before they were read
+    # a row ended on the host after launch (its first token, read from the prefill this call chained on):
+    # its device row runs on, not stopped, so no call chains on this one
+    ended_after_launch: bool = False
     switched: bool = False  # chained on a call of another shape: its first step verifies that one's drafts, cut
     steps: int = 1  # steps in the call
     plain: bool = False  # decode by the target alone (EAGLE's large-batch fallback)

@@ -49,9 +49,9 @@ class TreeSizing:
                               Programs(model, drafter=drafter.with_tree(t), **programs_kw) for t in trees}
         # the shapes whose emitted counts a verify call of each tree also returns (the policy's)
         self.cut_shapes = {t: p.cut_shapes for t, p in self.tree_programs.items()}
-        # a change of shape chains on the last call's drafts through a cut (not under a mesh: the
-        # cut's executables are built for one device's arrays)
-        self.cuts = DraftCuts(programs_kw["jit"]) if self.auto and programs_kw["mesh"] is None else None
+        # a change of shape, and a prefill's first verify call, chain on the last call's drafts through
+        # a cut (not under a mesh: the cut's executables are built for one device's arrays)
+        self.cuts = DraftCuts(programs_kw["jit"]) if self.device_drafter and programs_kw["mesh"] is None else None
         self.spec_costs = StepCosts()  # timed by warmup()
         self.spec_policy = None
         if self.auto:
@@ -79,12 +79,16 @@ class TreeSizing:
 
     def cut_specs(self) -> list:
         """(rows, drafted nodes, tree, nodes) of every cut a chained change of shape may take (drafted
-        1: the roots after plain steps that kept the heads in step), and (rows, width) of every
-        verify call's next roots a chained plain call may take."""
+        1: the roots after plain steps that kept the heads in step; the drafter's own tree: a prefill
+        chunk's drafts, in the prefill shapes' rows), and (rows, width) of every verify call's next
+        roots a chained plain call may take."""
         out = []
+        prefill_rows = {r for r, _ in self.prefill_shapes}
         for rows in self.row_buckets:
             shapes = self._verify_shapes(rows)
             out += [(rows, a.num_draft_tokens, b, n) for a, _ in shapes for b, n in shapes if b != a]
+            if rows in prefill_rows:
+                out += [(rows, self.drafter.tree.num_draft_tokens, b, n) for b, n in shapes]
             if self._keeps_heads_at(rows):
                 out += [(rows, 1, b, n) for b, n in shapes] + [(rows, bucket(n, TREE_BUCKETS)) for _, n in shapes]
         return out
@@ -239,8 +243,9 @@ class TreeSizing:
 
 class DraftCuts:
     """cut_drafts compiled for each (batch bucket, drafted nodes, next shape) a chained change of
-    shape takes, and the roots of each (batch bucket, tree width) a chained plain call takes after
-    a verify call: built at warm-up beside the programs; one compiled after it is late."""
+    shape or a prefill's chained first verify call takes, and the roots of each (batch bucket, tree
+    width) a chained plain call takes after a verify call: built at warm-up beside the programs; one
+    compiled after it is late."""
 
     def __init__(self, jit: bool = True):
         self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
