@@ -117,6 +117,7 @@ def timed_run(gen, prompts, batch, max_tokens, admission):
                 emitted=st["emitted"] - s0["emitted"], steps=st["steps"] - s0["steps"],
                 chained=st["chained_steps"] - s0["chained_steps"], switches=st["chained_switches"] - s0["chained_switches"],
                 closed_plain=st["closed_plain_calls"] - s0["closed_plain_calls"],
+                prefill_chains=st["prefill_chains"] - s0["prefill_chains"],
                 host=getattr(drafter, "host_time", 0.0) - h0, overlapped=getattr(drafter, "overlapped_time", 0.0) - o0,
                 phases={k: st[k] - s0[k] for k in PHASES})
 
@@ -294,7 +295,8 @@ def main():
                                phases={k: round(sum(r["phases"][k] for r in runs), 4) for k in PHASES},
                                calls=sum(r["steps"] for r in runs), chained_calls=sum(r["chained"] for r in runs),
                                calls_runs=[r["steps"] for r in runs], chained_calls_runs=[r["chained"] for r in runs],
-                               closed_plain_calls_runs=[r["closed_plain"] for r in runs])  # (a round's calls: its speed)
+                               closed_plain_calls_runs=[r["closed_plain"] for r in runs],  # (a round's calls: its speed)
+                               prefill_chains=sum(r["prefill_chains"] for r in runs))  # first calls chained on a prefill
                     if base is None:
                         base = (tps, [o.token_ids for o in outs], runs)
                     else:
