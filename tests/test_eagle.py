@@ -683,7 +683,7 @@ def test_packed_rows_give_the_loss_of_one_sequence_a_row(tiny):
         pack_rows(tokens, lengths, starts, 8)
 
 
-@pytest.mark.parametrize("algo", ["plain", "EAGLE3", "EAGLE3 auto", "DFLASH auto"])
+@pytest.mark.parametrize("algo", ["plain", "EAGLE3", "DFLASH auto"])
 def test_a_prefilled_batchs_first_call_chains_on_its_prefill(tiny, tiny_eagle3, tiny_dflash, algo):
     """A batch whose prompts one prefill chunk ends starts its first decode or verify call from that
     chunk's device outputs before reading them (scheduler._chain_on_prefill): greedy and sampled
