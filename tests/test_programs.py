@@ -137,8 +137,11 @@ def test_a_cold_start_builds_its_programs_in_worker_processes(tiny, tmp_path):
         progs.store = str(tmp_path)
     events, recording = [], [True]
     jax.monitoring.register_event_listener(lambda e, **_: recording[0] and events.append(e))
-    cuts = gen.scheduler.cuts  # (the prefill's tiny cut programs are compiled here, after the workers' programs)
-    cuts.build = lambda specs, build=cuts.build: recording.clear() or recording.append(False) or build(specs)
+
+    def cuts_build(specs, build=gen.scheduler.cuts.build):
+        recording[0] = False  # the prefill's tiny cut programs are compiled here, after the workers' programs
+        return build(specs)
+    gen.scheduler.cuts.build = cuts_build
     info = gen.scheduler.warmup()
     assert len(list(tmp_path.glob("*.jaxexport"))) == info["programs"]
     assert sum(p.store_reads for p in groups) == info["programs"], "the engine traced a program itself"

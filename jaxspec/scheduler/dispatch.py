@@ -167,19 +167,16 @@ class Dispatch:
                 or bucket(len(reqs), BATCH_BUCKETS) != rows or any(r.todo != n for r, n in batch)
                 or any(r.params.max_tokens < 2 for r in reqs) or (self.drafter is not None and not self.device_drafter)):
             return False
-        for r, n in batch:  # the host's bookkeeping of the chunk, ahead of its read-back
-            r.kv_len += n
         tree, nodes = self._choice_for(reqs)
-        self._decided = (rows, (tree, nodes))  # (the next step's, should this one not chain)
         verify = nodes > 1 and f.outputs[4] is not None and self.cuts is not None
         steps = self._verify_steps_now(reqs) if verify else self._decode_steps_now(reqs)
+        # (kv_len + todo: the same before and after the chunk, every request's todo being its chunk)
         need = [self._pages_needed(r, self._span(tree, nodes, steps) if verify else steps) - len(r.pages) for r in reqs]
         if (nodes > 1 and not verify) or sum(max(0, x) for x in need) > self.pool.available:
-            for r, n in batch:
-                r.kv_len -= n
+            self._decided = (rows, (tree, nodes))  # the next step's: one decision a call
             return False
-        self._decided = None
-        for r, x in zip(reqs, need):
+        for (r, n), x in zip(batch, need):
+            r.kv_len += n  # the host's bookkeeping of the chunk, ahead of its read-back
             if x > 0:
                 r.pages += self.pool.alloc(x)
         if verify:
@@ -203,21 +200,20 @@ class Dispatch:
         """A verify call of `nodes`-node trees over reqs (a device drafter's programs draft `tree`).
         after: the prefill call whose drafted trees it verifies, cut on the device (_chain_on_prefill)."""
         t0, launched = time.perf_counter(), self._launch_clock()
-        n = bucket(nodes, TREE_BUCKETS)
-        tokens = np.zeros((rows, n), np.int32)
-        parents = np.full((rows, n), -1, np.int32)
-        num_nodes = np.ones(rows, np.int32)
         kv_lens = np.array([r.kv_len for r in reqs] + [0] * (rows - len(reqs)), np.int32)
-        depth = {} if tree is None else {"max_depth": tree.steps}
-        for i, r in enumerate([] if after else reqs):
-            d_tok, d_par = self.drafter.propose(r, nodes, **depth)
-            m = 1 + len(d_tok)
-            tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
-            tokens[i, 1:m] = d_tok
-            parents[i, 1:m] = d_par
-            num_nodes[i] = m
-        if after is not None:
+        if after is not None:  # the prefill's drafted trees, cut on the device
             tokens, parents, num_nodes = self.cuts(*after.outputs[4], tree, nodes)
+        else:
+            n = bucket(nodes, TREE_BUCKETS)
+            tokens, parents, num_nodes = np.zeros((rows, n), np.int32), np.full((rows, n), -1, np.int32), np.ones(rows, np.int32)
+            depth = {} if tree is None else {"max_depth": tree.steps}
+            for i, r in enumerate(reqs):
+                d_tok, d_par = self.drafter.propose(r, nodes, **depth)
+                m = 1 + len(d_tok)
+                tokens[i, 0] = r.token_slice(r.kv_len, r.kv_len + 1)[0]
+                tokens[i, 1:m] = d_tok
+                parents[i, 1:m] = d_par
+                num_nodes[i] = m
         self.stats["draft_time"] += time.perf_counter() - t0
         flags = SamplerFlags.of([r.params for r in reqs])
         budget, stop_ids = self._budgets_and_stops(reqs, rows, ahead=after is not None)

@@ -91,7 +91,7 @@ class TreeSizing:
                 out += [(rows, self.drafter.tree.num_draft_tokens, b, n) for b, n in shapes]
             if self._keeps_heads_at(rows):
                 out += [(rows, 1, b, n) for b, n in shapes] + [(rows, bucket(n, TREE_BUCKETS)) for _, n in shapes]
-        return out
+        return list(dict.fromkeys(out))
 
     def tree_size(self, batch: int) -> int:
         """Nodes a step of the fixed policy verifies at this batch size: by its batch bucket, so
