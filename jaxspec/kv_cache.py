@@ -62,6 +62,11 @@ def write_layer(pages, layer, new, page, offset):
     return pages.at[layer, page, offset].set(new.astype(pages.dtype), mode="drop", unique_indices=True)
 
 
+def write_layers(pages, new, page, offset):
+    """write_layer for every layer at once: new [L, B, T, kvh, hd]."""
+    return pages.at[:, page, offset].set(new.astype(pages.dtype), mode="drop", unique_indices=True)
+
+
 def move_slots(cache: KVCache, page_table, kv_lens, src, dst_count):
     """Copy slot kv_len+src[b,i] to kv_len+i for i < dst_count[b] in every layer (tree compaction).
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxspec import attention, sampling
 from jaxspec.drafters.eagle_step import coupled, first_round, next_inputs, next_round, select_tree, with_root
-from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer
+from jaxspec.kv_cache import KVCache, slot_coordinates, write_layer, write_layers
 from jaxspec.models.llama import rope_frequencies, rope_table
 from jaxspec.programs import decode_loop
 from jaxspec.verify import verify_and_accept
@@ -34,11 +34,10 @@ def write_context(head, dcache: KVCache, features, page_table, kv_lens, q_lens):
     ctx = head.context(features)
     rope = rope_table(kv_lens[:, None] + jnp.arange(t)[None], rope_frequencies(head.cfg))
     page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, dcache.page_size)
-    kp, vp = dcache.k, dcache.v
-    for li, layer in enumerate(head.layers):
-        k, v = layer.kv(ctx, rope)
-        kp, vp = write_layer(kp, li, k, page, offset), write_layer(vp, li, v, page, offset)
-    return KVCache(kp, vp)
+    # every drafter layer's K/V in one scatter each (a plain step that keeps the drafter in step
+    # paid 2 scatters a drafter layer)
+    k, v = (jnp.stack(x) for x in zip(*(layer.kv(ctx, rope) for layer in head.layers)))
+    return KVCache(write_layers(dcache.k, k, page, offset), write_layers(dcache.v, v, page, offset))
 
 
 def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, live, tree, attn_impl, coupling=None):
@@ -60,15 +59,18 @@ def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, liv
         kp, vp = write_layer(kp, li, k, page, offset), write_layer(vp, li, v, page, offset)
         o = attention.paged_attention(q, kp, vp, li, page_table, prefix_len, q_lens, everything, impl=attn_impl)
         x = layer.finish(x, o)
-    logits = head.logits(target, x[:, 1:])  # [B, steps, V]
+    # a chain reads only its first n - 1 block positions: a short chain of a long block (15:1:4 at
+    # large batches) leaves most of the [B, steps, V] float32 logits unwritten
+    drafted_positions = tree.num_draft_tokens - 1 if tree.topk == 1 else width - 1
+    logits = head.logits(target, x[:, 1:1 + drafted_positions])  # [B, drafted_positions, V]
     coupled_logits = logits
     if coupling is not None:
         sb, first = coupling
-        pos = first[:, None] + jnp.arange(width - 1)[None]
+        pos = first[:, None] + jnp.arange(drafted_positions)[None]
         coupled_logits = sampling.coupled_draft_logits(logits, sb, pos, logits.shape[-1])
     if tree.topk == 1:
         n = tree.num_draft_tokens
-        drafted = jnp.argmax(coupled_logits[:, :n - 1], axis=-1).astype(jnp.int32)
+        drafted = jnp.argmax(coupled_logits, axis=-1).astype(jnp.int32)
         return with_root(root, drafted, jnp.broadcast_to(jnp.arange(n - 1, dtype=jnp.int32), (b, n - 1))), KVCache(kp, vp)
     lp = jax.nn.log_softmax(logits)
     if coupling is not None:  # a sampled row's draw ranks first at each position, as in draft_tree
