@@ -33,9 +33,9 @@ over its shape's multiple (one of logs sank on the calls that accept nothing: sp
 where nothing is verified, it moves back toward the drafts' long-run mean at that rate. Plain averages (level_rate 0)
 compare shapes on whatever requests each met. Differences counted on the same steps by its trees' cuts
 (shape_links.py) replace them once known, unless use_links is unset. The level's unit is then the links' smallest
-shape (it restarts at the first call the links place), else the shape whose calls first set it; a run of calls before
-any level counts no difference (against itself a shape reads none whatever it accepts), and a shape without one in the
-level's unit is expected its own average.
+shape (it restarts at the first call the links place), else the shape whose calls first set it; a run (compared over its
+first PROBE_CALLS calls and TRUSTED_LEVEL_ROW_STEPS row-steps) before a level of that many row-steps counts no difference
+(a level of one row-step that accepted nothing placed a tree at 30x it), and a shape without one expects its own average.
 
 The choice. A call at bucket `rows` verifies the shape with the most expected tokens per ms, the mean over its
 requests of expected(tree, key) / cost(rows, tree), where plain decoding emits one token per plain step. Every shape a
@@ -82,6 +82,7 @@ HOST_KEPT_STEPS = 64  # a host drafter's: its verify calls are rare, each one st
 KEPT_ROW_STEPS = 2048  # a shape's row-steps beyond which its accept sums are halved (the requests move)
 HOLD_CALLS = 8  # calls a bucket keeps a shape it moved to
 LEVEL_RATE, LEVEL_ROW_STEPS = 0.5, 8  # weight of 8 of a device drafter's row-steps in the requests' level (0: plain averages)
+TRUSTED_LEVEL_ROW_STEPS = 2 * LEVEL_ROW_STEPS  # row-steps behind a level that places a run, and a run compares (Acceptance)
 MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
 USE_LINKS = True  # shapes compared by their cuts' counts where known (shape_links.py; spec-policy-links-)
@@ -130,7 +131,7 @@ class SpecPolicy:
         self.diffs: dict = {}  # tree -> [drafts accepted, the level's drafts, row-steps] summed over its compared calls
         self.unit = None  # the level's unit: the tree whose first calls set it, or LINKED (the links' smallest shape)
         self.links, self.use_links = ShapeLinks([t for ts in trees_at.values() for t in ts], kept, MIN_DRAFTS), USE_LINKS
-        self._compared = (None, 0, None)  # (the tree of the latest calls, how many in a row, the level before them)
+        self._compared = (None, 0, None, 0)  # (the latest calls' tree, how many in a row, the level before them, row-steps)
         self.seen: collections.Counter = collections.Counter()  # tree -> verify calls averaged
         self.accepts: dict = collections.defaultdict(collections.Counter)  # tree -> {tokens a row-step: times}
         self.calls, self.chosen = collections.Counter(), collections.Counter()  # bucket / (bucket, label) -> decisions
@@ -235,15 +236,15 @@ class SpecPolicy:
         drafts = max(mean - 1.0, 0.0)
         chained = self.links.diff(tree) if self.use_links else None
         if chained is not None and self.unit is not LINKED:  # the level restarts in the links' unit (differences too)
-            self.drafts, self.long, self._compared, self.diffs = None, [0.0, 0], (None, 0, None), {}
+            self.drafts, self.long, self._compared, self.diffs = None, [0.0, 0], (None, 0, None, 0), {}
         if self.drafts is None:  # the level's first call sets its unit
             self.unit = LINKED if chained is not None else tree
-        last, calls, base = self._compared
-        if tree != last:  # no level yet: the links place the run, or nothing but the run itself does
-            calls, base = 0, (self.level if self.level is not None or chained is None
-                              else math.log(max(drafts, MIN_DRAFTS)) - chained)
-        self._compared = (tree, calls + 1, base)
-        if base is not None and (calls < PROBE_CALLS or tree not in self.diffs):  # its drafts and the level's
+        last, calls, base, rows = self._compared
+        if tree != last:  # no level (of enough row-steps) yet: the links place the run, or nothing but the run itself does
+            calls, rows, base = 0, 0, (self.level if self.level is not None and self.long[1] >= TRUSTED_LEVEL_ROW_STEPS
+                                       else None if chained is None else math.log(max(drafts, MIN_DRAFTS)) - chained)
+        self._compared = (tree, calls + 1, base, rows + n)
+        if base is not None and (calls < PROBE_CALLS or rows < TRUSTED_LEVEL_ROW_STEPS or tree not in self.diffs):
             _add(self.diffs.setdefault(tree, [0.0, 0.0, 0]), n * drafts, n * math.exp(base), n, kept=self.kept)
         own = self._diff(tree) if tree in self.diffs else 0.0
         y = drafts * math.exp(-(own if chained is None else chained))  # drafts, not logs: see above
@@ -266,8 +267,9 @@ class SpecPolicy:
             return None
         if key is None and self.level_rate and self.level is not None:  # a device drafter's: the level and the difference
             diff = self.links.diff(tree) if self.use_links else None
-            if diff is None and tree in self.diffs:
-                diff = max(self._diff(t) for t in self.diffs if contains(tree, t))
+            if diff is None and tree in self.diffs:  # (a contained shape's own: its links' where known)
+                diff = max(self._diff(t) if (d := self.links.diff(t) if self.use_links else None) is None else d
+                           for t in self.diffs if contains(tree, t))
             if diff is None and self.unit == tree:  # its calls alone set the level
                 diff = 0.0
             if diff is not None:
@@ -299,8 +301,7 @@ class SpecPolicy:
         return self.costs.ms.get(("decode", rows, None) if label == PLAIN else ("verify", rows, label))
 
     def rate(self, rows: int, tree, keys=(None,), ms: float | None = None) -> float | None:
-        """Tokens a row emits per ms of a verify step of `tree` at this bucket, averaged over the
-        rows' keys (per verify step where no cost is known), or None before the shape was seen (ms: its cost, if known)."""
+        """Tokens a row emits per ms (ms: of a step, if known) of `tree` here over the rows' keys; None before it was seen."""
         exp = [self.expected(tree, k) for k in keys]
         if any(e is None for e in exp):
             return None
@@ -315,8 +316,7 @@ class SpecPolicy:
     def choose(self, rows: int, keys: list | None = None):
         """The tree a call at this bucket verifies, or None: plain decoding (where the bucket has no
         tree; with a host drafter, where no tree pays). keys: a host drafter's requests' match keys."""
-        trees = self.trees_at.get(rows, ())
-        if not trees:
+        if not (trees := self.trees_at.get(rows, ())):
             return None
         pick, why = (self._gate(rows, trees, keys), "gate") if self.plain else self._rank(rows, trees)
         self.chosen[(rows, PLAIN if pick is None else pick.label)] += 1

@@ -274,6 +274,32 @@ def test_a_first_run_is_not_compared_with_itself():
     assert policy.expected(tree) == pytest.approx(3.5, abs=0.05)  # the level's comparison agrees
 
 
+def test_a_level_of_a_few_row_steps_places_no_run():
+    """DFLASH at batch 64 (spec-dflash-s85-): a call of one row-step that accepted nothing (its other
+    rows' first steps verified another shape's drafts) restarted the level at its floor; the tree's
+    run after it read 30x the level's drafts, and once chains brought the level back the tree was
+    expected the 16 tokens its depth allows where it accepted ~2.4 (7.5-11 in the bench). A level of
+    fewer than TRUSTED_LEVEL_ROW_STEPS row-steps places no run, and a run is compared over that many
+    row-steps at least, not only its first calls (three tiny ones that accepted nothing made a
+    shape's difference the floor's, and its next calls pushed the level up 20x)."""
+    c4, c8, c16, tree = TreeShape(15, 1, 4), TreeShape(15, 1, 8), TreeShape(15, 1, 16), TreeShape(15, 4, 32)
+    policy = SpecPolicy(StepCosts(), {64: [c4, c8, c16, tree]})
+    policy.verified(c8, [1], cut=((c4,), np.array([[1, 1]])))  # links known: the level restarts, here at its floor
+    policy.verified(tree, [3, 2] * 32)
+    policy.verified(tree, [2, 2, 1, 2, 2])
+    policy.verified(c4, [2, 3, 2, 2] * 62)  # 1.25 drafts a step, on 248 row-steps
+    assert policy.expected(tree) == pytest.approx(2.42, abs=0.25)  # its own calls averaged 2.42 tokens a step
+    policy = SpecPolicy(StepCosts(), {64: [c4, c8, c16, tree]})
+    for _ in range(4):
+        policy.verified(c4, [2] * 64)
+    for emitted in ([1], [1] * 5, [1]):  # a run of the tree opens on three tiny calls that accept nothing
+        policy.verified(tree, emitted)
+    for _ in range(3):
+        policy.verified(tree, [3, 2] * 32)
+    assert policy.level < 0.5  # (the tree drafts 1.5 a step where c4 drafts 1: log 1.5 = 0.41)
+    assert policy.expected(tree) < 3.0
+
+
 def test_a_shape_whose_calls_vary_is_compared_by_its_drafts_not_their_logs():
     """A probed shape's calls vary far more at batch 1 (a few steps each) than the level does: an
     average of its calls' logs against the level's fell below what it accepted (DFLASH's tree at
