@@ -10,7 +10,8 @@
         a last /auto chooses the tree every call among the drafter's shapes by measured costs:
         spec_policy.py, rows' `policy`, `auto_choices`, `step_costs`; /auto-avg compares the shapes'
         plain averages, level_rate 0; /auto-level against the level alone, not by their cuts' counts on
-        the same steps, shape_links.py; /auto-open without the closed batch's rule, closed_wave.py)
+        the same steps (shape_links.py; nor do its programs count them); /auto-open without the closed
+        batch's rule, closed_wave.py)
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, results_tag, run_torch_anchor, write_results
-from jaxspec import SamplingParams, SpecConfig
+from jaxspec import SamplingParams, SpecConfig, spec_policy
 from jaxspec.speculative import shipped_drafter
 from jaxspec.generator import Generator
 from jaxspec.models.loading import load
@@ -221,15 +222,17 @@ def main():
             kw["verify_steps"] = int(vsteps)
         if probe:
             kw["spec_probe_every"] = int(probe)
+        links_before = spec_policy.USE_LINKS
+        if links is not None:  # the level alone: nor do its programs count their trees' cuts
+            spec_policy.USE_LINKS = links
         gens[(name, label)] = Generator(model, tok, drafter=drafter, max_batch=args.max_batch, max_seq_len=1024,
                                         page_size=16, num_pages=args.num_pages or 1 + args.max_batch * (1024 + 128) // 16,
                                         warmup=not args.lazy, warmup_flags=[SamplerFlags.of([greedy(1)])], **kw)
+        spec_policy.USE_LINKS = links_before
         if plain_avg:  # the policy comparing shapes by plain averages, not against the requests' level
             gens[(name, label)].scheduler.spec_policy.level_rate = 0.0
         if per_step:  # a closed batch ranked by tokens a ms of a step like any other (closed_wave.py)
             gens[(name, label)].scheduler.closed_batch_rule = False
-        if links is not None:  # the policy comparing shapes by the level alone, not their cuts' counts
-            gens[(name, label)].scheduler.spec_policy.use_links = links
     rows = []
     for ds in args.datasets.split(","):
         if ds == "humaneval":

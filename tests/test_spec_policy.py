@@ -717,3 +717,15 @@ def test_time_call_gives_the_time_of_one_call_among_calls_launched_back_to_back(
     ms = time_call(call, reps=3, calls=4)
     assert len(made) == 1 + 3 * 4  # one untimed call first
     assert 3.5 < ms < 12
+
+
+def test_an_engine_comparing_by_the_level_alone_counts_no_cuts(tiny, monkeypatch):
+    """With the links off (USE_LINKS, bench/spec.py's /auto-level) the verify programs count no
+    cut's emitted tokens: nothing would read them (the counts cost every auto verify step kernels)."""
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    for links, cuts in ((True, {"1:1:2": (), "3:2:6": (SMALL,)}), (False, {"1:1:2": (), "3:2:6": ()})):
+        monkeypatch.setattr(spec_policy, "USE_LINKS", links)
+        gen = Generator(tiny, None, drafter=EagleDrafter(head, BIG), spec_policy="auto", spec_trees=(SMALL, BIG),
+                        warmup=False, max_batch=2, max_seq_len=64, num_pages=20)
+        assert {t.label: c for t, c in gen.scheduler.cut_shapes.items()} == cuts
+        assert gen.scheduler.spec_policy.use_links is links

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxspec.kv_cache import KVCache
 from jaxspec import program_workers
+from jaxspec import spec_policy as spec_policy_module
 from jaxspec.paging import PagePool, pages_that_fit
 from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
 from jaxspec.program_store import enable_compilation_cache
@@ -76,7 +77,7 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         self.draft_slots = getattr(drafter, "draft_slots", 0)
         auto_trees = (tuple(spec_trees or drafter.auto_trees())
                       if spec_policy == "auto" and getattr(drafter, "head", None) is not None else None)
-        if auto_trees:  # its verify calls also count what the cuts of their trees would have emitted
+        if auto_trees and spec_policy_module.USE_LINKS:  # its verify calls also count what their trees' cuts would emit
             drafter = drafter.with_policy_shapes(auto_trees)
         nodes = max(t.num_draft_tokens for t in auto_trees) if auto_trees else getattr(drafter, "num_nodes", 1)
         slack = bucket(nodes, TREE_BUCKETS) + self.draft_slots
