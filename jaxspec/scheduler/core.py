@@ -263,8 +263,8 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
         """Each program of the set once, a step of live rows on zeros (their K/V to the trash page): a
         GPU executable's first run also loads its kernels and records its command buffers, a stall the
         first call to meet it would pay. Where the step costs came from the store no program ran at
-        warm-up; spec-dflash-s84's calls not chained took 13-39 ms past their steps at some buckets
-        against ~4.5 at others (first runs not confirmed as the cause: spec_policy_notes.md)."""
+        warm-up: DFLASH's calls not chained at batch 64 took 69.5 / 27.2 ms past their steps at buckets
+        4 / 32 without these runs, 4.8-7.5 ms at every bucket with them (spec-dflash-s85-base-b64-, -s85-)."""
         for progs, name, flags, _, args in specs:
             rows, n = args[0].shape
             if name == "decode":
