@@ -38,11 +38,20 @@ def _kernels_for(impl) -> bool:
     return impl in ("pallas", "mosaic", "fused") or (impl == "auto" and jax.default_backend() == "gpu")
 
 
+def defers_kv_write(num_tokens: int, k_pages, tree_mask, impl="auto") -> bool:
+    """Whether a step of num_tokens a request may attend with its new K/V beside the pages instead of in
+    them (new_kv below): a decode step (T = 1, causal) on the Triton kernel, on one device. The
+    model then writes every layer's K/V in one scatter after its last layer: two a layer before
+    cost the 8B batch-1 step 0.146 ms of 4.43 on the H200 (layer_ablation-kvwrite-)."""
+    return (num_tokens == 1 and tree_mask is None and _kernels_for(impl) and kernel_supports(None, k_pages, None)
+            and jax.sharding.get_abstract_mesh().size <= 1)
+
+
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
-                    token_rows=None, tokens=None, counts=None):
+                    token_rows=None, tokens=None, counts=None, new_kv=None):
     """Under a tensor-parallel mesh (sharding.py) with heads that divide over it, each shard attends
     with its own query and KV heads (shard_map): the kernels never see the mesh. See
-    local_paged_attention for the arguments."""
+    local_paged_attention for the arguments; new_kv only where defers_kv_write."""
     from jaxspec import sharding
     mesh = jax.sharding.get_abstract_mesh()
     tp = sharding.tp_size(mesh)
@@ -56,7 +65,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                                                               q_lens, tree_mask)
         return _finish(out, token_rows, counts)
     return local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, impl,
-                                 token_rows, tokens, counts)
+                                 token_rows, tokens, counts, new_kv)
 
 
 def _by_request(q, b, t, d):
@@ -71,13 +80,14 @@ def _finish(out, token_rows, counts):
 
 
 def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
-                          token_rows=None, tokens=None, counts=None):
+                          token_rows=None, tokens=None, counts=None, new_kv=None):
     """q [B, T, Hq, D], or with `tokens` = T the fused layers' [rows, Hq * D] (row b * T + t); k_pages/
     v_pages [L, N, ps, Hkv, D] (all layers) -> [B, T, Hq, D], or with token_rows that layout,
     [token_rows, Hq * D] (pallas/paged_attention.py). The Triton kernel reads the token layout as it
     is (a slice of the padded rows cost a copy a layer); the other paths slice it. counts: the Triton
     kernel's arrival counts (pallas/paged_attention.py's COUNT_SLOTS zeros), passed from layer to
-    layer: given, the result is (output, counts).
+    layer: given, the result is (output, counts). new_kv: (k, v) [B, Hkv, D] of a decode step's token,
+    in no page (defers_kv_write).
 
     impl: 'auto' (the kernels on GPU), 'pallas' (the Triton kernel; interpreted off-GPU), 'fused'
     (attention as 'pallas'; models.llama also fuses its layers), 'ref'
@@ -99,7 +109,9 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
     if _kernels_for(impl) and kernel_supports(q, k_pages, tree_mask):  # it writes the token layout itself
         from jaxspec.pallas import paged_attention as triton  # looked up per call: tests swap it
         return triton.paged_attention(rows, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
-                                       interpret=not on_gpu, token_rows=token_rows, tokens=tokens, counts=counts)
+                                       interpret=not on_gpu, token_rows=token_rows, tokens=tokens, counts=counts,
+                                       new_kv=new_kv)
+    assert new_kv is None, "new_kv needs the Triton kernel (attention.defers_kv_write)"
     return _finish(paged_attention_chunked(q, k_pages[layer], v_pages[layer], page_table, kv_lens, q_lens, tree_mask),
                    token_rows, counts)
 

@@ -113,3 +113,35 @@ def test_engine_on_fused_layers_equals_unfused_plain_and_eagle3(model):
     assert got == want
     assert [c.token_ids for c in spec.generate(prompts, params)] == want
     assert spec.scheduler.pool.in_use == 0
+
+
+@pytest.mark.parametrize("b", [1, 3], ids=["kernel-merge", "xla-merge"])
+def test_decode_on_the_kernel_writes_kv_after_the_last_layer(b, monkeypatch):
+    """A decode step on the attention kernel passes each layer's new K/V beside the pages and writes
+    every layer's after the last one (attention.defers_kv_write): the final and a kept hidden state
+    and every cache slot as the jnp path's, and as the kernel's with the K/V written layer by layer
+    before each attention; split-K partials merged by the kernel (batch 1) or by XLA."""
+    from jaxspec import attention
+    from jaxspec.models import llama
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, max_position=512, eos_token_ids=(63,))
+    model = Llama(cfg, rngs=nnx.Rngs(5))
+    ps, width = 16, 16
+    rng = np.random.default_rng(b)
+    tokens = jnp.asarray(rng.integers(0, 64, (b, 1)), jnp.int32)
+    kv_lens = jnp.asarray([130, 0, 37][:b], jnp.int32)
+    page_table = jnp.asarray(1 + np.arange(b * width).reshape(b, width), jnp.int32)
+    pages = jnp.asarray(rng.standard_normal((2, b * width + 1, ps, 2, 64)), jnp.float32)
+    assert attention.defers_kv_write(1, pages, None, "pallas") and not attention.defers_kv_write(2, pages, None, "pallas")
+    outs = {}
+    for name, impl, defer in (("ref", "ref", True), ("deferred", "pallas", True), ("eager", "pallas", False)):
+        monkeypatch.setattr(llama, "DEFER_KV_WRITE", defer)
+        outs[name] = model(tokens, kv_lens[:, None], KVCache(pages, -pages), page_table, kv_lens,
+                           jnp.ones(b, jnp.int32), hidden_layers=(0,), attn_impl=impl)
+    for name in ("deferred", "eager"):
+        close(outs[name][0], outs["ref"][0])
+        close(outs[name][2], outs["ref"][2])
+        close(outs[name][1].k, outs["ref"][1].k)
+        close(outs[name][1].v, outs["ref"][1].v)
+    written = np.asarray(outs["deferred"][1].k) != np.asarray(pages)
+    assert written.any(axis=(2, 3, 4)).sum() == 2 * b  # each request's new slot, in both layers, and nothing else

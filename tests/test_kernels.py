@@ -79,7 +79,18 @@ def test_prefix_attention_kernel_matches_reference(b, t, hq, hkv, d, dtype):
                                                       interpret=jax.default_backend() != "gpu")[0]), np.asarray(out))
 
 
-def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, **blocking):
+@pytest.mark.parametrize("case,splits,merge_in_kernel,softcap", [
+    (0, 1, None, None), (1, 3, True, None), (1, 3, False, None), (0, 4, False, None), (1, 1, None, 5.0),
+    (1, 3, True, 5.0), (0, 4, False, 5.0)])
+def test_decode_with_the_new_key_out_of_the_pages_matches_reference(case, splits, merge_in_kernel, softcap):
+    """new_kv: a decode step's own key and value passed beside the pages, which hold only the prefix
+    (the slot the token would take holds garbage): the same output as with them written, whichever
+    path finishes the softmax (the kernel's one split, its merge, XLA's merge), capped or not."""
+    check_kernel(*CASES[case], splits=splits, merge_in_kernel=merge_in_kernel, new_kv=True, softcap=softcap,
+                 q_gain=1.0 if softcap is None else 4.0)
+
+
+def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, new_kv=False, **blocking):
     rng = np.random.default_rng(b * 100 + t)
     n_pages, width, layers = 48, 6, 2
     k = jnp.asarray(rng.standard_normal((layers, n_pages, ps, hkv, d)), dtype)
@@ -99,7 +110,13 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, **
     # (on a GPU, JAX_PLATFORMS=cuda, the kernel runs compiled, and the reference's float32 dots are
     # asked for full precision: XLA's GPU default is TF32)
     on_gpu = jax.default_backend() == "gpu"
-    out = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap, **blocking)
+    pages_in, extra = (k, v), {}
+    if new_kv:  # the token's K/V taken out of its slot, which then holds garbage the kernel must not read
+        page, slot = pt[np.arange(b), kv_lens // ps], kv_lens % ps
+        extra["new_kv"] = (k[1, page, slot], v[1, page, slot])
+        pages_in = (k.at[1, page, slot].set(1e4), v.at[1, page, slot].set(-1e4))
+    out = paged_attention(q, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap,
+                          **blocking, **extra)
     with jax.default_matmul_precision("highest"):
         ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
                                   kv_lens, q_lens, mask, softcap=softcap)
@@ -110,8 +127,8 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, **
     err = np.abs(np.where(valid, out - ref, 0)).max()
     assert err < tol, err
     if blocking.get("merge_in_kernel") and b * hkv <= COUNT_SLOTS:  # arrival counts passed in come back zero
-        again, counts = paged_attention(q, k, v, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap,
-                                        counts=jnp.zeros(COUNT_SLOTS, jnp.int32), **blocking)
+        again, counts = paged_attention(q, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu,
+                                        softcap=softcap, counts=jnp.zeros(COUNT_SLOTS, jnp.int32), **blocking, **extra)
         assert np.array_equal(np.asarray(again, np.float32), out) and not np.asarray(counts).any()
 
 

@@ -13,6 +13,9 @@ part's cost on the critical path is the step's time with it less its time withou
   gemms      all four left out: the GEMMs, residual adds and sampling that remain
   blocking:PxS  nothing left out, the attention kernel's blocking forced to P pages a tile and S
              splits (pallas/paged_attention.choose_blocking's choice at batch 1, context 1024: 4x16)
+  kv_eager   nothing left out, each layer's K/V written into the pages before its attention, as before
+             attention.defers_kv_write (the step attends with them beside the pages and writes them after
+             its last layer)
   kv_inbounds  nothing left out, each K/V write a scatter promised in bounds (padding rows sent to the
              trash page) rather than kv_cache.write_layer's mode="drop": XLA's bounds check for a drop
              is a read, a select and a write a layer more
@@ -64,6 +67,9 @@ def leave_out(variant):
             return pages.at[layer, page, offset].set(new.astype(pages.dtype), mode="promise_in_bounds",
                                                      unique_indices=True)
         llama.write_layer = write_layer
+        return
+    if variant == "kv_eager":  # each layer's K/V written before its attention (the decode step wrote them after the last)
+        llama.DEFER_KV_WRITE = False
         return
     if variant.startswith("blocking:"):
         ppb, splits = map(int, variant.split(":")[1].split("x"))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import attention
-from jaxspec.kv_cache import DROP_PAGE, KVCache, slot_coordinates, write_layer
+from jaxspec.kv_cache import DROP_PAGE, KVCache, slot_coordinates, write_layer, write_layers
 from jaxspec.models.config import ModelConfig
 from jaxspec.pallas.gated_up import gated_up
 from jaxspec.pallas.matmul_residual import matmul_residual
@@ -199,6 +199,9 @@ class Llama(nnx.Module):
         kept = {}
         counts = jnp.zeros((COUNT_SLOTS,), jnp.int32)  # the attention kernel's, passed from layer to layer
         fused = fused_layers(cfg, b * t, attn_impl)
+        # a decode step's K/V written after the last layer, all layers in one scatter each for K and V
+        defer = DEFER_KV_WRITE and not fused and attention.defers_kv_write(t, cache.k, tree_mask, attn_impl)
+        new_k, new_v = [], []
         if fused:
             # rows padded once for the whole stack; each row's rope table and cache slot (-1: padding)
             mp = padded_rows(b * t)
@@ -213,16 +216,25 @@ class Llama(nnx.Module):
                                                                v_pages, jnp.int32(li), page_table, kv_lens, q_lens,
                                                                tree_mask, counts, b, t)
             else:
-                x, k_pages, v_pages, counts = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages,
-                                                         jnp.int32(li), page, offset, page_table, kv_lens, q_lens,
-                                                         tree_mask, counts)
+                x, k_pages, v_pages, counts, new = _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages,
+                                                              jnp.int32(li), page, offset, page_table, kv_lens,
+                                                              q_lens, tree_mask, counts, defer)
+                if defer:
+                    new_k.append(new[0])
+                    new_v.append(new[1])
             if li in hidden_layers:
                 kept[li] = x
+        if defer:
+            k_pages, v_pages = write_layers(k_pages, jnp.stack(new_k), page, offset), write_layers(
+                v_pages, jnp.stack(new_v), page, offset)
         if fused:
             x = x[:b * t].reshape(b, t, -1)
             kept = {li: h[:b * t].reshape(b, t, -1) for li, h in kept.items()}
         hidden = jnp.stack([kept[i] for i in hidden_layers]) if hidden_layers else None
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), KVCache(k_pages, v_pages), hidden
+
+
+DEFER_KV_WRITE = True  # attention.defers_kv_write's steps write their K/V after the last layer
 
 
 def causal_mask(t: int, segments=None):
@@ -255,22 +267,29 @@ def dense_forward(model: Llama, tokens, hidden_layers: tuple = (), segments=None
     return rms_norm(x, model.final_norm[...], cfg.rms_norm_eps), hidden
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1, 15))
 def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, page, offset, page_table, kv_lens,
-               q_lens, tree_mask, counts):
-    """One layer, its K/V written into the pages at `layer` (a traced index). Jitted so that a
-    program traces and lowers the layer once, not once per layer: identical calls hit JAX's trace
-    cache and share one lowered function, which XLA inlines (the executable is the unrolled one).
-    counts: the attention kernel's (attention.local_paged_attention), returned for the next layer."""
+               q_lens, tree_mask, counts, defer):
+    """One layer, its K/V written into the pages at `layer` (a traced index), or with `defer`
+    passed to the attention beside them and returned, (k, v), for the caller to write. Jitted so
+    that a program traces and lowers the layer once, not once per layer: identical calls hit JAX's
+    trace cache and share one lowered function, which XLA inlines (the executable is the unrolled
+    one). counts: the attention kernel's (attention.local_paged_attention), returned for the next layer."""
+    new = None
+
     def attend(q, k, v):
-        nonlocal k_pages, v_pages, counts
-        k_pages = write_layer(k_pages, layer, k, page, offset)
-        v_pages = write_layer(v_pages, layer, v, page, offset)
+        nonlocal k_pages, v_pages, counts, new
+        if defer:
+            new = (k, v)
+        else:
+            k_pages = write_layer(k_pages, layer, k, page, offset)
+            v_pages = write_layer(v_pages, layer, v, page, offset)
         out, counts = attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
-                                                impl=attn_impl, counts=counts)
+                                                impl=attn_impl, counts=counts,
+                                                new_kv=(k[:, 0], v[:, 0]) if defer else None)
         return out
     x = nnx.merge(graphdef, state)(x, rope, attend)
-    return x, k_pages, v_pages, counts
+    return x, k_pages, v_pages, counts, new
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 15, 16))

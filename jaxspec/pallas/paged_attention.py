@@ -13,6 +13,11 @@ themselves is either causal (computed) or a draft tree, passed bit-packed: bit j
 tree_bits[b, t, j // 32] says query t may read new token j, so a [T, T] mask never leaves the
 tree-mask program as bools.
 
+A decode step (one new token a request) may leave its K/V out of the pages (`new_kv`): the kernel
+reads the cached prefix and folds the new key in where it finishes the softmax, so that a model
+writes every layer's new K/V in one scatter after its last layer rather than two a layer before
+each attention (kv_cache.write_layers).
+
 `paged_attention_ref` in attention_ref.py is the reference; tests run this with interpret=True.
 """
 from __future__ import annotations
@@ -57,7 +62,9 @@ def _exp2(x, approx):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *out_refs,
             group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
-            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret):
+            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret, fold_new):
+    if fold_new:  # the new token's key and value [B, Hkv, D], in no page (q_lens 0: the prefix alone)
+        new_k_ref, new_v_ref, *out_refs = out_refs
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
     kv_len, q_len = kv_lens_ref[b], q_lens_ref[b]
@@ -136,12 +143,25 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     carry = jax.lax.fori_loop(0, unmasked, functools.partial(tile, masked=False), init)
     m, l, acc = jax.lax.fori_loop(unmasked, num_blocks, functools.partial(tile, masked=True), carry)
 
+    def with_new_key(total, norm, m_total):
+        """(total, norm, max) with the new key as one more score of each row (merged as a split's
+        partial is); as they are without new_kv."""
+        if not fold_new:
+            return total, norm, m_total
+        kn, vn = new_k_ref[b, h, :].astype(jnp.float32), new_v_ref[b, h, :].astype(jnp.float32)
+        s_new = jnp.sum(q.astype(jnp.float32) * kn[None, :], axis=1)
+        if softcap is not None:
+            s_new = (softcap * LOG2E) * jnp.tanh(s_new / softcap)
+        m_all = jnp.maximum(m_total, s_new)
+        w_old, w_new = jnp.exp2(m_total - m_all), jnp.exp2(s_new - m_all)
+        return total * w_old[:, None] + w_new[:, None] * vn[None, :], norm * w_old + w_new, m_all
+
     def store(out_ref, total, norm):  # the rows of the real tokens, [tokens * Hq, D]
         out = (total / jnp.maximum(norm, 1e-30)[:, None]).astype(out_ref.dtype)
         plgpu.store(out_ref.at[row[:, None], jnp.arange(d)[None, :]], out, mask=(t < num_tokens)[:, None])
 
     if splits == 1:
-        store(out_refs[0], acc, l)
+        store(out_refs[0], *with_new_key(acc, l, m)[:2])
         return
     # split-K: each split leaves its partial result. With `merge`, the last of a group's splits to
     # finish merges them: at batch 1 the 8B decode step took 5.84 ms against 6.10 with XLA's merge
@@ -150,6 +170,9 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     # batch 8 SmolLM2's took 1.09 against XLA's 1.05 (decode-merge-*.json)
     acc_ref, m_ref, l_ref = out_refs[2:5] if merge else out_refs
     r0 = qb * block_rows
+    if fold_new and not merge:  # XLA merges the partials: the first split's carries the new key
+        folded = with_new_key(acc, l, m)
+        acc, l, m = (jnp.where(split == 0, x, y) for x, y in zip(folded, (acc, l, m)))
     acc_ref[b, h, split, pl.ds(r0, block_rows), :] = acc
     m_ref[b, h, split, pl.ds(r0, block_rows)] = m
     l_ref[b, h, split, pl.ds(r0, block_rows)] = l
@@ -171,7 +194,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
             w = jnp.exp2(ms[s] - m_all)
             total = total + part(acc_ref, s, slice(None)) * w[:, None]
             norm = norm + part(l_ref, s) * w
-        store(o_ref, total, norm)
+        store(o_ref, *with_new_key(total, norm, m_all)[:2])
         count_ref[group_id] = 0  # ready for the next call
 
 
@@ -204,13 +227,16 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
                     pages_per_block=None, splits=None, grid_order=None, token_rows=None, merge_in_kernel=None,
-                    partials=False, tokens=None, counts=None):
+                    partials=False, tokens=None, counts=None, new_kv=None):
     """q [B, T, Hq, D], or with `tokens` = T the fused layers' token layout [rows, Hq * D] (row
     b * T + t; rows past B * T ignored); k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar ->
     [B, T, Hq, D], or with token_rows, [token_rows, Hq * D] (that layout; rows past B * T unspecified).
     counts: COUNT_SLOTS int32 zeros, the merging splits' arrival counts, which the kernel leaves zero:
     given, it returns (output, counts) for the next layer's call (zeroed anew, they cost a memset a
     layer: 0.9 us of the 8B batch-1 step's each).
+
+    new_kv: (k, v) [B, Hkv, D] of a decode step's one new token (T = 1, causal), not in the pages:
+    each request attends to its kv_lens cached keys and this one (q_lens only says which rows are live).
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
@@ -235,6 +261,10 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     # split-K partials merged by the kernel's last split (default: at batch 1, where it measured faster)
     merge = not partials and splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
     causal = tree_mask is None
+    fold_new = new_kv is not None
+    if fold_new:
+        assert t == 1 and causal and not partials, "new_kv is a decode step's: one token a request, causal"
+        q_lens = jnp.zeros_like(q_lens)  # the pages hold the prefix alone
     bits = jnp.zeros((b, 1, 2), jnp.int32) if causal else pack_tree_mask(tree_mask)
     # Triton takes power-of-two arrays only (a 40-token tree's [40] words failed to lower on the
     # H100); extra tokens repeat the last one's words, as the kernel's padding rows read them
@@ -248,11 +278,13 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
                                grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret,
                                num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks, merge=merge,
-                               interpret=interpret)
+                               interpret=interpret, fold_new=fold_new)
 
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
     args = [layer, page_table, kv_lens, q_lens, bits, q, k_rows, v_rows]
+    if fold_new:
+        args += [new_kv[0].astype(k_rows.dtype), new_kv[1].astype(v_rows.dtype)]
     outs = [out]
     if splits > 1:  # the partials (acc, m, l), in place of the output unless the kernel merges them
         part = (b, hkv, splits, padded)
@@ -270,7 +302,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         in_specs=[full(a) for a in args],
         out_specs=[full(o) for o in outs],
         out_shape=outs,
-        input_output_aliases={8: 4} if merge else {},
+        input_output_aliases={len(args) - 1: 4} if merge else {},
         interpret=interpret,
         compiler_params=None if interpret else triton_params(num_warps, num_stages),
     )(*args)
