@@ -75,8 +75,8 @@ def _side_by_side(names, first: str, device: str = "NVIDIA-H200") -> str:
 
 
 def drafters() -> str:
-    """The shipped DFLASH drafter (its chain, and the auto policy over its shapes) beside EAGLE-3, one run."""
-    return _side_by_side(("spec-dflash-b1-64",), "drafter")
+    """The shipped DFLASH drafter (the auto policy over its shapes) beside EAGLE-3's fixed 6:4:24, one run."""
+    return _side_by_side(("spec-dflash-s86-new",), "drafter")
 
 
 def policy() -> str:

@@ -19,6 +19,9 @@
 # The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
 #   bash bench/train_head.sh dflash GGUF RUN MINUTES
+# Its stage 3 (shipped): the shipped drafter, 8,000 more steps on the three committed corpora, answers only
+# (307 s on an H200; XLA's SKIP_TEMP command-buffer mode off for orbax's saves, as in stage 4 above):
+#   bash bench/train_head.sh dflash3 GGUF RUN MINUTES
 # Data and training run in separate processes on purpose (the training step once ran ~60x slower in
 # the process that had generated the data; bench/results/train-attempts/).
 set -euo pipefail
@@ -53,5 +56,10 @@ case $stage in
   dflash) python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" --data data/smollm2-135m-selfgen-seed0/data.npz \
           --seq-len 384 --steps 14000 --batch 16 --anchors 64 --lr 8e-4 --block-size 16 --draft-layers 3 \
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal or dflash" >&2; exit 2 ;;
+  dflash3) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
+          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
+          --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 8000 --batch 16 --anchors 64 \
+          --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
+          --max-minutes "$4" --export "$run/head" ;;
+  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, dflash or dflash3" >&2; exit 2 ;;
 esac
