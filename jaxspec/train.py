@@ -135,6 +135,8 @@ def parse_args(argv=None):
     ap.add_argument("--export-dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-only", action="store_true", help="generate the run's data.npz and stop")
+    ap.add_argument("--topics", action="store_true",
+                    help="invented prompts also name a subject (train_data.TOPICS) in a system message")
     ap.add_argument("--data", default=None,
                     help="train on this data.npz (e.g. a corpus in data/) rather than the run's; several, comma-separated, "
                          "are concatenated in order")
@@ -190,7 +192,7 @@ def train(args, target=None, tokenizer=None):
         data_path = data_paths[0]
         t0 = time.time()
         seqs, plens = build_data(target, tokenizer, args.num_prompts, args.max_new_tokens, args.sampled_fraction,
-                                 args.seed, args.gen_batch)
+                                 args.seed, args.gen_batch, topics=args.topics)
         tokens, lengths = pack(seqs, args.seq_len)
         plens, first_len = np.array(plens, np.int32), len(lengths)
         data_seconds = time.time() - t0

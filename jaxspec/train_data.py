@@ -34,6 +34,37 @@ OPENERS = [
 ]
 
 
+# Subjects a system message names while the target invents a prompt (--topics): each opener meets
+# each subject in turn, so that the invented prompts spread over more than the openers' few themes
+# (the corpora before seed 4 were made without them). Written for this list, not taken from any
+# benchmark; the leak check runs on the corpus as on the others.
+TOPICS = [
+    "photosynthesis", "black holes", "plate tectonics", "the immune system", "climate change", "volcanoes",
+    "the water cycle", "DNA replication", "vaccines", "renewable energy", "the periodic table", "ocean currents",
+    "the Roman Empire", "the Industrial Revolution", "ancient Egypt", "the Cold War", "the Renaissance",
+    "the printing press", "the Silk Road", "the French Revolution", "medieval castles", "the Apollo program",
+    "compound interest", "personal budgeting", "inflation", "the stock market", "starting a small business",
+    "supply and demand", "cryptocurrency", "job interviews", "negotiating a salary", "remote work",
+    "sorting algorithms", "binary search trees", "recursion", "REST APIs", "database indexes", "unit testing",
+    "regular expressions", "memory leaks", "hash tables", "concurrency and threads", "git branches",
+    "object-oriented design", "linked lists", "dynamic programming", "web accessibility", "password security",
+    "prime numbers", "probability puzzles", "geometry of triangles", "linear equations", "percentages",
+    "statistics and averages", "logic puzzles", "the Pythagorean theorem", "fractions", "matrices",
+    "marathon training", "healthy breakfast ideas", "sleep habits", "meditation", "home workouts", "nutrition",
+    "gardening tomatoes", "baking bread", "vegetarian cooking", "coffee brewing", "wine tasting", "spices",
+    "travel in Japan", "a weekend in Paris", "hiking in the mountains", "camping gear", "road trips", "museums",
+    "learning a new language", "public speaking", "time management", "writing a resume", "study techniques",
+    "raising children", "adopting a dog", "caring for cats", "friendship", "moving to a new city", "weddings",
+    "Shakespeare's plays", "poetry forms", "science fiction novels", "film noir", "jazz history",
+    "classical music", "street photography", "oil painting", "video game design", "board games",
+    "chess openings", "the Olympic Games", "soccer tactics", "basketball", "electric cars", "smartphones",
+    "artificial intelligence", "social media", "online privacy", "space exploration", "robots",
+    "philosophy of mind", "ethics of technology", "democracy", "human rights", "world religions", "mythology",
+    "urban planning", "architecture", "fashion trends", "customer service", "marketing a product",
+    "team leadership", "conflict at work", "email etiquette", "event planning", "volunteering",
+]
+
+
 def _pick(model, h, temperature, seeds, i, top_k: int):
     """Greedy where temperature is 0, else a Gumbel-max sample (top-k when top_k > 0); keyed by
     (seed, output position) so a row's sample does not depend on its batch."""
@@ -119,19 +150,31 @@ def eos_of(target, tokenizer):
     return sorted(ids)
 
 
-def invent_prompts(target, tokenizer, n: int, seed: int, batch: int, max_tokens: int = 48) -> list[str]:
-    """User prompts written by the target: sampled (T=0.8) after the chat template's user header."""
-    marker = "\x00"
-    templ = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                          add_generation_prompt=False)
-    header = templ[:templ.index(marker)]
+def invent_prompts(target, tokenizer, n: int, seed: int, batch: int, max_tokens: int = 48,
+                   topics: bool = False) -> list[str]:
+    """User prompts written by the target: sampled (T=0.8) after the chat template's user header,
+    each from an opener; with topics, after a system message naming one of TOPICS (opener i % O
+    with topic (i // O) % len(TOPICS): every pair once before any twice). The prompt kept is the
+    user text alone."""
     starts = [OPENERS[i % len(OPENERS)] for i in range(n)]
-    ids = [tokenizer.encode(header + s, add_special_tokens=False) for s in starts]
+    subjects = [TOPICS[i // len(OPENERS) % len(TOPICS)] if topics else None for i in range(n)]
+    headers = {t: user_header(tokenizer, t) for t in set(subjects)}
+    ids = [tokenizer.encode(headers[t] + s, add_special_tokens=False) for s, t in zip(starts, subjects)]
     outs = self_generate(target, ids, np.full(n, 0.8), seed, max_tokens, eos_of(target, tokenizer), batch,
                          desc="invent prompts")
     eos = set(eos_of(target, tokenizer))
     texts = [(s + tokenizer.decode([t for t in o if t not in eos])).strip() for s, o in zip(starts, outs)]
     return [t for t, s in zip(texts, starts) if len(t) > len(s) + 8]
+
+
+def user_header(tokenizer, topic: str | None = None) -> str:
+    """The chat template's text up to a user message's content (after a system message naming
+    the topic, where one is given)."""
+    marker = "\x00"
+    system = [{"role": "system", "content": f"The user asks about {topic}."}] if topic else []
+    templ = tokenizer.apply_chat_template(system + [{"role": "user", "content": marker}], tokenize=False,
+                                          add_generation_prompt=False)
+    return templ[:templ.index(marker)]
 
 
 def answer_temperatures(n: int, sampled_fraction: float):
@@ -147,14 +190,15 @@ def distill(target, prompts, max_new_tokens: int, sampled_fraction: float, seed:
 
 
 def build_data(target, tokenizer, num_prompts: int, max_new_tokens: int, sampled_fraction: float, seed: int,
-               batch: int):
-    """(sequences, prompt lengths) written by the target. Without a tokenizer (tests): random prompts."""
+               batch: int, topics: bool = False):
+    """(sequences, prompt lengths) written by the target (prompts from openers, with topics from
+    TOPICS too). Without a tokenizer (tests): random prompts."""
     if tokenizer is None:
         rng = np.random.default_rng(seed)
         prompts = [list(map(int, rng.integers(0, target.cfg.vocab_size, int(rng.integers(4, 16)))))
                    for _ in range(num_prompts)]
     else:
-        texts = invent_prompts(target, tokenizer, num_prompts, seed, batch)
+        texts = invent_prompts(target, tokenizer, num_prompts, seed, batch, topics=topics)
         prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                                   add_generation_prompt=True),
                                     add_special_tokens=False) for t in texts]

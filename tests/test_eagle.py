@@ -59,6 +59,33 @@ def test_training_data_generator_matches_engine_greedy(tiny):
     assert all(len(o) == 12 or o[-1] == 63 for o in outs)
 
 
+def test_invented_prompts_pair_each_opener_with_each_topic(smollm, monkeypatch):
+    """With topics, the target writes each prompt after a system message naming a subject (opener
+    i % O, subject i // O), and the prompt kept is its user text alone; without, the ids it writes
+    after are the chat template's user header and the opener, as the committed corpora were made."""
+    from jaxspec import train_data
+    target, tok = smollm
+    seen = []
+
+    def fake_generate(target, ids, temps, seed, max_tokens, eos, batch, desc=""):
+        seen.append([tok.decode(x) for x in ids])
+        return [tok.encode(" the ideas in this request, in detail", add_special_tokens=False) for _ in ids]
+
+    monkeypatch.setattr(train_data, "self_generate", fake_generate)
+    o = len(train_data.OPENERS)
+    plain = train_data.invent_prompts(target, tok, 2 * o, 0, 8)
+    topical = train_data.invent_prompts(target, tok, 2 * o, 0, 8, topics=True)
+    assert plain == topical and plain[o] == plain[0] and plain[0].startswith(train_data.OPENERS[0])
+    assert "asks about" not in plain[0]
+    templ = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False)
+    assert seen[0][0] == templ[:templ.index("\x00")] + train_data.OPENERS[0]
+    for i in (0, 1, o, o + 1):
+        subject = train_data.TOPICS[i // o]
+        assert f"The user asks about {subject}." in seen[1][i] and seen[1][i].endswith(train_data.OPENERS[i % o])
+        assert "asks about" not in seen[0][i]
+    assert train_data.TOPICS[0] != train_data.TOPICS[1]
+
+
 def test_training_resumes_from_checkpoint(tmp_path, tiny):
     head_a, step = train_tiny_head(tmp_path / "a", "eagle", tiny, steps=6)
     assert step == 6
