@@ -85,7 +85,7 @@ LEVEL_RATE, LEVEL_ROW_STEPS = 0.5, 8  # weight of 8 of a device drafter's row-st
 TRUSTED_LEVEL_ROW_STEPS = 2 * LEVEL_ROW_STEPS  # row-steps behind a level that places a run, and a run compares (Acceptance)
 MIN_DRAFTS = 0.05  # a call's drafts accepted a row-step, floored before its log (a call may accept none)
 NESTED_COST = 1.03  # a bigger shape of the same depth and branching costing at most this much more replaces a smaller
-USE_LINKS = True  # shapes compared by their cuts' counts where known (shape_links.py; spec-policy-links-)
+USE_LINKS = True  # shapes compared by their cuts' counts where known (shape_links.py; spec-policy-links-, spec-s86-)
 LINKED = "links"  # the level's unit once a shape's link difference placed a call (shape_links.py)
 CALL_RATE = 0.1  # weight of a call in a bucket's moving fraction of calls not chained, and in its steps a call
 
