@@ -1,5 +1,5 @@
 """The step costs the policy starts from: ms a step of every decode and verify program of an
-engine's start-up set, timed at warm-up (scheduler/trees.py) and kept in the program store."""
+engine's start-up set, timed at warm-up (scheduler/startup.py) and kept in the program store."""
 from __future__ import annotations
 
 import dataclasses

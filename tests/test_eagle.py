@@ -59,13 +59,16 @@ def test_training_data_generator_matches_engine_greedy(tiny):
     assert all(len(o) == 12 or o[-1] == 63 for o in outs)
 
 
-def test_invented_prompts_pair_each_opener_with_each_topic(smollm, monkeypatch):
+def test_invented_prompts_pair_each_opener_with_each_topic(tiny, monkeypatch):
     """With topics, the target writes each prompt after a system message naming a subject (opener
     i % O, subject i // O), and the prompt kept is its user text alone; without, the ids it writes
-    after are the chat template's user header and the opener, as the committed corpora were made."""
+    after are the chat template's user header and the opener, as the committed corpora were made.
+    SmolLM2's tokenizer and chat template; the target's writing is recorded, not run."""
     from jaxspec import train_data
-    target, tok = smollm
-    seen = []
+    from jaxspec.models.gguf_file import GGUFFile
+    from jaxspec.models.loading import gguf_tokenizer, resolve
+    path = resolve("smollm2-135m")
+    tok, target, seen = gguf_tokenizer(GGUFFile(path).metadata, path), tiny, []
 
     def fake_generate(target, ids, temps, seed, max_tokens, eos, batch, desc=""):
         seen.append([tok.decode(x) for x in ids])

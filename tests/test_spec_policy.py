@@ -508,17 +508,17 @@ def test_step_costs_time_calls_whose_rows_run_every_step(tiny, monkeypatch):
     """The cost table times decode and verify calls in which every row is live for all the call's
     steps: a call leaves its loop once no row is alive, so idle rows timed a launch (at e4329d1 the
     measured policy then kept a batch-1 EAGLE-3 server decoding plainly)."""
-    import jaxspec.scheduler.trees as trees
+    import jaxspec.scheduler.startup as startup
     from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
     from jaxspec.programs import MAX_DECODE_STEPS
     _, _, _, gen = _plain_and_auto(tiny, 3, 1, 4, 2)
     sched, seen, chained = gen.scheduler, [], []
-    monkeypatch.setattr(trees, "time_call", lambda call, reps=3, calls=1: (
+    monkeypatch.setattr(startup, "time_call", lambda call, reps=3, calls=1: (
         chained.append(calls), seen.append(np.asarray(call()[1])))[-1] or 1.0)
     costs = sched._time_steps(sched.program_specs())
     assert set(costs.ms) == {(kind, rows, tree) for rows in (1, 2) for kind, tree in
                              (("decode", None), ("verify", "1:1:2"), ("verify", "3:2:6"))}
-    assert set(chained) == {trees.TIMED_CALLS} and trees.TIMED_CALLS > 1  # launched back to back, as calls chain
+    assert set(chained) == {startup.TIMED_CALLS} and startup.TIMED_CALLS > 1  # launched back to back, as calls chain
     decode_counts = [c for c in seen if c.ndim == 1]  # decode: tokens a row emitted in the call
     verify_counts = [c for c in seen if c.ndim == 2]  # verify_steps: tokens a row emitted at each step
     assert len(decode_counts) == 2 and len(verify_counts) == 4
@@ -530,12 +530,12 @@ def test_a_host_drafters_costs_are_timed_at_warmup_with_every_row_verifying(tiny
     """NGRAM's policy gets a cost table too (plain decode and verify_tree per bucket), timed on
     calls whose rows all verify a full tree: without it the policy priced verify calls from the
     first few it saw, slow ones, and decoded plainly nearly always."""
-    import jaxspec.scheduler.trees as trees
+    import jaxspec.scheduler.startup as startup
     from jaxspec import SpecConfig
     gen = Generator(tiny, None, drafter=SpecConfig("NGRAM", num_draft_tokens=4).build(tiny), max_batch=2,
                     max_seq_len=256)
     sched, seen, chained = gen.scheduler, [], []
-    monkeypatch.setattr(trees, "time_call", lambda call, reps=3, calls=1: (
+    monkeypatch.setattr(startup, "time_call", lambda call, reps=3, calls=1: (
         chained.append(calls), seen.append(np.asarray(call()[1])))[-1] or 1.0)
     costs = sched._time_steps(sched.program_specs())
     assert set(costs.ms) == {(kind, rows, tree) for rows in (1, 2) for kind, tree in

@@ -30,7 +30,7 @@ from common import print_table, smollm2_and_head, write_results  # noqa: E402
 from jaxspec import Generator, SpecConfig  # noqa: E402
 from jaxspec.programs import MAX_DECODE_STEPS  # noqa: E402
 from jaxspec.sampling import SamplerFlags  # noqa: E402
-from jaxspec.scheduler.trees import TIMING_CONTEXT  # noqa: E402
+from jaxspec.scheduler.startup import TIMING_CONTEXT  # noqa: E402
 from jaxspec.step_costs import time_call  # noqa: E402
 
 COLS = ["drafter", "batch", "in_step_ms", "target_ms", "in_step_over_target"]

@@ -18,26 +18,26 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 
 import jax
 import numpy as np
 
 from jaxspec.kv_cache import KVCache
-from jaxspec import program_workers
 from jaxspec import spec_policy as spec_policy_module
 from jaxspec.paging import PagePool, pages_that_fit
 from jaxspec.drafters.eagle_step import MAX_VERIFY_STEPS
 from jaxspec.program_store import enable_compilation_cache
-from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, STOP_ID_SLOTS, TREE_BUCKETS, Programs, bucket, prefill_shapes
-from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
+from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket, prefill_shapes
+from jaxspec.sampling import SamplingParams
 from jaxspec.scheduler.admission import Admission
+from jaxspec.scheduler.chaining import Chaining
 from jaxspec.scheduler.dispatch import Dispatch
 from jaxspec.scheduler.outputs import Outputs
 from jaxspec.scheduler.trees import PLAIN, TreeSizing
 from jaxspec.sharding import cache_sharding
 from jaxspec.scheduler.request import InFlight, Request
+from jaxspec.scheduler.startup import StartUp
 
 
 VERIFY_STEPS = 4  # a verify call's steps while the batch is steady (launch cost against tokens past a stop)
@@ -45,7 +45,7 @@ AUTO_MAX_VERIFY_TOKENS = 4096  # spec_policy 'auto''s tree-node budget a verify 
 DEFAULT_SPEC_MIN_GAIN = 1.1  # see Scheduler.__init__ (tests set it to 0: drafting always pays)
 
 
-class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
+class Scheduler(Admission, Dispatch, Chaining, Outputs, TreeSizing, StartUp):
     clock = staticmethod(time.perf_counter)  # times steps for the drafting policy (tests drive it)
 
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
@@ -169,118 +169,6 @@ class Scheduler(Admission, Dispatch, Outputs, TreeSizing):
                           closed_plain_calls=0, prefill_chains=0)
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
-
-    def program_specs(self, flag_sets=None) -> list:
-        """(programs, name, flags, cache, args) of every program this engine can launch with the
-        given sampler flags (default: greedy, and sampling with filters; programs.SHARED_SAMPLER
-        serve both with one): prefill shapes, a decode step per batch bucket, and a verify step per
-        batch bucket that gets a tree. Penalties and top logprobs add programs that are compiled
-        when first asked for."""
-        flag_sets = flag_sets or (SamplerFlags(), SamplerFlags(sample=True, filter=True))
-        decode, target_cache = self.programs, self.cache
-        if self.device_drafter:
-            decode, target_cache = self.plain_programs, self.cache[0]
-        specs = []
-        plain_prefill = self._no_tree_at(self.max_batch)  # then a prefill may run the target alone
-        for flags in flag_sets:
-            for rows, t in self.prefill_shapes:
-                specs.append((self.programs, "extend", flags, self.cache, self._dummy_inputs(rows, t)))
-                if plain_prefill:
-                    specs.append((decode, "extend", flags, target_cache, self._dummy_inputs(rows, t)))
-            for rows in self.row_buckets:
-                keep = self._keeps_heads_at(rows)  # (its plain decoding keeps the heads in step)
-                specs.append((self.programs if keep else decode, "decode", flags, self.cache if keep else target_cache,
-                              self._dummy_decode(rows)))
-                for tree, nodes in self._verify_shapes(rows):
-                    specs.append((self.tree_programs.get(tree, self.programs), self._verify_name, flags, self.cache,
-                                  self._dummy_verify(rows, bucket(nodes, TREE_BUCKETS))))
-        return specs
-
-    def _dummy_inputs(self, rows, t, tree=False):
-        """Zeros shaped as an extend call's inputs of rows x t tokens (or, with tree, a verify_tree
-        call's): what the programs are built for."""
-        z = lambda *shape: np.zeros(shape, np.int32)
-        second = z(rows, t) if tree else z(rows)  # parents, or next_tokens
-        return (z(rows, t), second, z(rows, self.max_pages_per_seq), z(rows), z(rows),
-                SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows))
-
-    @property
-    def _verify_name(self):
-        return "verify_steps" if self.device_drafter else "verify_tree"
-
-    def _dummy_verify(self, rows, n, num_steps=1, alive=False):
-        """alive: every row verifies n nodes a step, budget to spare (a call leaves its loop once no
-        row is alive: idle rows timed a launch). Else zeros."""
-        args, full = self._dummy_inputs(rows, n, tree=True), lambda v: np.full(rows, v * alive, np.int32)
-        if not self.device_drafter:  # verify_tree's: alive, a tree of n nodes, each drafted below the root
-            parents = np.zeros((rows, n), np.int32)
-            parents[:, 0] = -1
-            return args if not alive else (args[0], parents, *args[2:4], full(n), args[5])
-        return args[:4] + (
-            full(n), full(1 << 20), np.full((rows, STOP_ID_SLOTS), -1, np.int32), np.int32(num_steps),
-            np.int32(n if alive else 1)) + args[5:]
-
-    def _dummy_decode(self, rows, num_steps=1, alive=False):
-        tokens, _, page_table, kv_lens, _, sb = self._dummy_inputs(rows, 1)
-        return (tokens, page_table, kv_lens, np.full(rows, (1 << 20) * alive, np.int32),
-                np.full((rows, STOP_ID_SLOTS), -1, np.int32), np.int32(num_steps), sb)
-
-    def warmup(self, flag_sets=None, progress=False) -> dict:
-        """Compile the whole program set now (see program_specs); a compile after this is counted
-        in late_compiles. Programs the store lacks are first built by worker processes, when
-        there are enough of them (program_workers.py). Returns {programs, seconds, and each
-        phase's seconds}; with progress, also says them on stderr."""
-        t0 = time.perf_counter()
-        specs = self.program_specs(flag_sets)
-        groups = list({id(p): p for p, *_ in specs}.values())
-        missing, workers = {}, 0
-        if groups[0].jit and groups[0].store:
-            missing = {progs.entry(*spec): (groups.index(progs), *spec)
-                       for progs, *spec in specs if not progs.stored(*spec)}
-            workers = program_workers.default_workers(len(missing)) if self.build_workers is None else self.build_workers
-            if workers and missing:
-                program_workers.build(groups, list(missing.values()), workers)
-        t1 = time.perf_counter()
-        for progs in groups:
-            progs.build([s[1:] for s in specs if s[0] is progs], progress=progress)
-        if self.cuts is not None:
-            self.cuts.build(self.cut_specs())
-        if self.first_runs and groups[0].jit:
-            self._run_once(specs)
-        t2 = time.perf_counter()
-        if self.spec_policy is not None and groups[0].jit:
-            self.spec_costs.ms.update(self._step_costs(specs).ms)  # the table the policy reads
-        t3 = time.perf_counter()
-        out = dict(programs=sum(len(p.table) for p in groups), seconds=t3 - t0, workers_s=t1 - t0, build_s=t2 - t1,
-                   costs_s=t3 - t2)
-        if progress:
-            print(f"{out['programs']} programs ready in {t3 - t0:.1f} s: {len(missing)} missing from the store built "
-                  f"by {workers if missing else 0} worker processes in {t1 - t0:.1f} s, the set built or loaded in "
-                  f"{t2 - t1:.1f} s, step costs in {t3 - t2:.1f} s", file=sys.stderr, flush=True)
-        return out
-
-    def _run_once(self, specs) -> None:
-        """Each program of the set once, a step of live rows on zeros (their K/V to the trash page): a
-        GPU executable's first run also loads its kernels and records its command buffers, a stall the
-        first call to meet it would pay. Where the step costs came from the store no program ran at
-        warm-up: DFLASH's calls not chained at batch 64 took 69.5 / 27.2 ms past their steps at buckets
-        4 / 32 without these runs, 4.8-7.5 ms at every bucket with them (spec-dflash-s85-base-b64-, -s85-)."""
-        for progs, name, flags, _, args in specs:
-            rows, n = args[0].shape
-            if name == "decode":
-                args = self._dummy_decode(rows, 1, alive=True)
-            elif name != "extend":
-                args = self._dummy_verify(rows, n, 1, alive=True)
-            target_only = self.device_drafter and progs is self.plain_programs
-            *_, cache = progs.run(name, flags, self.cache[0] if target_only else self.cache, args)
-            self.cache = (cache, self.cache[1]) if target_only else cache
-        jax.block_until_ready(self.cache)
-
-    @property
-    def late_compiles(self) -> list:
-        """Programs compiled after warm-up: each made some request wait for a compile."""
-        cuts = [] if self.cuts is None else self.cuts.late_compiles
-        return [key for g in self.program_groups for key in g.late_compiles] + cuts
 
     def check(self, prompt_ids, params: SamplingParams) -> list:
         """The prompt as a list of ints, or a ValueError naming what the request gets wrong."""

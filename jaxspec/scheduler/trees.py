@@ -19,12 +19,12 @@ import os
 import jax
 import numpy as np
 
-from jaxspec import closed_wave, program_store
+from jaxspec import closed_wave
 from jaxspec.drafters.device import cut_drafts
 from jaxspec.drafters.eagle_step import nodes_that_fit
-from jaxspec.programs import BATCH_BUCKETS, MAX_DECODE_STEPS, TREE_BUCKETS, Programs, bucket
+from jaxspec.programs import BATCH_BUCKETS, TREE_BUCKETS, Programs, bucket
 from jaxspec.spec_policy import PLAIN as PLAIN_LABEL
-from jaxspec.spec_policy import PLAIN_CHOICE, HostTree, SpecPolicy, StepCosts, match_key, time_call
+from jaxspec.spec_policy import PLAIN_CHOICE, HostTree, SpecPolicy, StepCosts, match_key
 
 PLAIN = (None, 1)
 TIMING_CONTEXT = 256  # tokens of context each row attends to while the step costs are timed
@@ -172,73 +172,6 @@ class TreeSizing:
         match_length = getattr(self.drafter, "match_length", None)
         return [match_key(match_length(r)) if match_length else 1 for r in reqs]
 
-    # -- the cost table ----------------------------------------------------------------------------------
-    def _step_costs(self, specs) -> StepCosts:
-        """The step costs an earlier start of this engine kept in the program store (same source,
-        jax, device, configs and program shapes), or timed now and kept there."""
-        store = self.programs.store
-        if store is None:
-            return self._time_steps(specs)
-        shapes = sorted((name, str(getattr(progs.tree, "label", "")), tuple(args[0].shape))
-                        for progs, name, _, _, args in specs)
-        path = os.path.join(store, program_store.entry_name(self.programs.config_key, "step_costs", shapes,
-                                                             self.max_pages_per_seq) + ".costs.json")
-        costs = StepCosts.load(path)
-        if costs is None:
-            costs = self._time_steps(specs)
-            os.makedirs(store, exist_ok=True)
-            costs.save(path)
-        return costs
-
-    def _time_steps(self, specs) -> StepCosts:
-        """ms a step of each greedy decode and verify program of the set, every row live on zeros
-        over a context of TIMING_CONTEXT tokens (the programs' work does not depend on the values),
-        timed at the most steps a call runs and divided: a steady batch runs that many, and one
-        step a call also timed the call's launch and read-back (which made verifying look cheap
-        against decoding at batch 32: spec-policy-NVIDIA-H200.json, 0091df7). A device drafter's
-        calls are timed TIMED_CALLS at a time, launched back to back as its chained calls run, so
-        that no launch is in its costs. A host drafter's verify_tree runs one step a call and
-        cannot chain (its calls are timed one at a time); without this table its policy priced
-        verify calls from the first few it saw (SpecPolicy.arrived says how that went wrong).
-        Buckets that never verify are not timed (no choice is made there)."""
-        costs, reps, calls = StepCosts(), 3, TIMED_CALLS if self.device_drafter else 1
-        # pages no request holds (at a warm-up: any), else no context
-        context = min(TIMING_CONTEXT, self.max_seq_len // 2) if not (self.running or self.pool.cached) else 0
-        pages = min(-(-(context + 2 * self._span(None, 64, self.verify_steps)) // self.page_size), self.pool.num_pages - 1,
-                    self.max_pages_per_seq) if context else 0
-        for progs, name, flags, cache, args in specs:
-            rows, n = args[0].shape
-            if flags.sample or name not in ("decode", "verify_steps", "verify_tree"):
-                continue
-            if name == "decode" and not self._verify_shapes(rows):
-                continue  # a bucket without trees decodes plainly: no choice reads its cost
-            steps = {"decode": MAX_DECODE_STEPS, "verify_steps": self.verify_steps}.get(name, 1)
-            args = list(self._dummy_decode(rows, steps, alive=True) if name == "decode"
-                        else self._dummy_verify(rows, n, steps, alive=True))
-            at = 1 if name == "decode" else 2  # the page table, then the kv lengths
-            args[at] = args[at].copy()
-            args[at][:, :pages] = 1 + np.arange(pages)  # no request holds a page at warm-up
-            args[at + 1] = np.full_like(args[at + 1], context)
-            args = tuple(args)
-
-            def call(progs=progs, name=name, flags=flags):
-                if name != "verify_steps":  # a device drafter's decode runs the target alone, or keeps its heads
-                    plain = name == "decode" and self.device_drafter and not self._keeps_heads_at(rows)
-                    return self._call(name, plain, inputs.pop(), flags)
-                *out, self.cache = progs.verify_steps(self.cache, *inputs.pop(), flags=flags)
-                return out
-            # the programs donate some inputs: a copy a call. The first program runs SPIN_CALLS more
-            # first, so that no program is timed on a GPU idle since its compiles
-            spin = 0 if costs.ms or jax.default_backend() == "cpu" else SPIN_CALLS  # (a GPU's clocks)
-            inputs = [jax.device_put(args) for _ in range(reps * calls + 1 + spin)]
-            for _ in range(spin):
-                jax.block_until_ready(call())
-            if name == "decode":
-                key = ("decode", rows, None)
-            else:
-                key = ("verify", rows, (progs.tree if self.device_drafter else HostTree(self.tree_size(rows))).label)
-            costs.ms[key] = time_call(call, reps=reps, calls=calls) / steps
-        return costs
 
 
 class DraftCuts:
