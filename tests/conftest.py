@@ -98,6 +98,7 @@ SAME_WORKER = {"tests/test_closed_wave.py": "eagle-engines", "tests/test_spec_po
                "tests/test_rollout.py": "dflash-engines"}
 
 
+@pytest.hookimpl(optionalhook=True)  # (xdist's hook: a run without xdist has no such hook)
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None
