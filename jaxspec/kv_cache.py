@@ -62,9 +62,12 @@ def write_layer(pages, layer, new, page, offset):
     return pages.at[layer, page, offset].set(new.astype(pages.dtype), mode="drop", unique_indices=True)
 
 
-def write_layers(pages, new, page, offset):
-    """write_layer for every layer at once: new [L, B, T, kvh, hd]."""
-    return pages.at[:, page, offset].set(new.astype(pages.dtype), mode="drop", unique_indices=True)
+def write_layers(k_pages, v_pages, kvs, page, offset):
+    """write_layer for every layer at once: kvs, each layer's (k, v) [B, T, kvh, hd], in one scatter
+    for K and one for V -> (k_pages, v_pages)."""
+    k, v = (jnp.stack(x) for x in zip(*kvs))
+    put = lambda pages, new: pages.at[:, page, offset].set(new.astype(pages.dtype), mode="drop", unique_indices=True)
+    return put(k_pages, k), put(v_pages, v)
 
 
 def move_slots(cache: KVCache, page_table, kv_lens, src, dst_count):

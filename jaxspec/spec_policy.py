@@ -234,7 +234,7 @@ class SpecPolicy:
         difference is from the first PROBE_CALLS calls of each run of it, against the level where the run
         began; within a run the level follows the calls (a shape held alone would share every move of the requests)."""
         drafts = max(mean - 1.0, 0.0)
-        chained = self.links.diff(tree) if self.use_links else None
+        chained = self._linked(tree)
         if chained is not None and self.unit is not LINKED:  # the level restarts in the links' unit (differences too)
             self.drafts, self.long, self._compared, self.diffs = None, [0.0, 0], (None, 0, None, 0), {}
         if self.drafts is None:  # the level's first call sets its unit
@@ -252,6 +252,7 @@ class SpecPolicy:
         _add(self.long, n * y, n, kept=self.kept)
 
     level = property(lambda self: None if self.drafts is None else math.log(max(self.drafts, MIN_DRAFTS)))  # (Acceptance)
+    def _linked(self, tree) -> float | None: return self.links.diff(tree) if self.use_links else None  # (shape_links.py)
 
     def _diff(self, tree) -> float:  # the log of its drafts over the level's at its calls: sums, not logs (Acceptance)
         drafts, level, _ = self.diffs[tree]
@@ -266,10 +267,9 @@ class SpecPolicy:
         if (tree, key) not in self.emitted:
             return None
         if key is None and self.level_rate and self.level is not None:  # a device drafter's: the level and the difference
-            diff = self.links.diff(tree) if self.use_links else None
+            diff = self._linked(tree)
             if diff is None and tree in self.diffs:  # (a contained shape's own: its links' where known)
-                diff = max(self._diff(t) if (d := self.links.diff(t) if self.use_links else None) is None else d
-                           for t in self.diffs if contains(tree, t))
+                diff = max(self._diff(t) if (d := self._linked(t)) is None else d for t in self.diffs if contains(tree, t))
             if diff is None and self.unit == tree:  # its calls alone set the level
                 diff = 0.0
             if diff is not None:

@@ -36,8 +36,7 @@ def write_context(head, dcache: KVCache, features, page_table, kv_lens, q_lens):
     page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, dcache.page_size)
     # every drafter layer's K/V in one scatter each (a plain step that keeps the drafter in step
     # paid 2 scatters a drafter layer)
-    k, v = (jnp.stack(x) for x in zip(*(layer.kv(ctx, rope) for layer in head.layers)))
-    return KVCache(write_layers(dcache.k, k, page, offset), write_layers(dcache.v, v, page, offset))
+    return KVCache(*write_layers(dcache.k, dcache.v, [layer.kv(ctx, rope) for layer in head.layers], page, offset))
 
 
 def draft_block(head, target, dcache: KVCache, page_table, prefix_len, root, live, tree, attn_impl, coupling=None):

@@ -201,7 +201,7 @@ class Llama(nnx.Module):
         fused = fused_layers(cfg, b * t, attn_impl)
         # a decode step's K/V written after the last layer, all layers in one scatter each for K and V
         defer = DEFER_KV_WRITE and not fused and attention.defers_kv_write(t, cache.k, tree_mask, attn_impl)
-        new_k, new_v = [], []
+        deferred = []  # with defer: each layer's (k, v)
         if fused:
             # rows padded once for the whole stack; each row's rope table and cache slot (-1: padding)
             mp = padded_rows(b * t)
@@ -220,13 +220,11 @@ class Llama(nnx.Module):
                                                               jnp.int32(li), page, offset, page_table, kv_lens,
                                                               q_lens, tree_mask, counts, defer)
                 if defer:
-                    new_k.append(new[0])
-                    new_v.append(new[1])
+                    deferred.append(new)
             if li in hidden_layers:
                 kept[li] = x
         if defer:
-            k_pages, v_pages = write_layers(k_pages, jnp.stack(new_k), page, offset), write_layers(
-                v_pages, jnp.stack(new_v), page, offset)
+            k_pages, v_pages = write_layers(k_pages, v_pages, deferred, page, offset)
         if fused:
             x = x[:b * t].reshape(b, t, -1)
             kept = {li: h[:b * t].reshape(b, t, -1) for li, h in kept.items()}
