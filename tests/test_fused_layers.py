@@ -115,17 +115,22 @@ def test_engine_on_fused_layers_equals_unfused_plain_and_eagle3(model):
     assert spec.scheduler.pool.in_use == 0
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["kernel-ropes", "roped-before"])
 @pytest.mark.parametrize("b", [1, 3], ids=["kernel-merge", "xla-merge"])
-def test_decode_on_the_kernel_writes_kv_after_the_last_layer(b, monkeypatch):
+def test_decode_on_the_kernel_writes_kv_after_the_last_layer(b, qk_norm, monkeypatch):
     """A decode step on the attention kernel passes each layer's new K/V beside the pages and writes
     every layer's after the last one (attention.defers_kv_write): the final and a kept hidden state
     and every cache slot as the jnp path's, and as the kernel's with the K/V written layer by layer
-    before each attention; split-K partials merged by the kernel (batch 1) or by XLA."""
+    before each attention; split-K partials merged by the kernel (batch 1) or by XLA; the kernel
+    roping the projection itself, or (q/k normed, Qwen3's) given them roped."""
     from jaxspec import attention
     from jaxspec.models import llama
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=64, max_position=512, eos_token_ids=(63,))
+                      num_kv_heads=2, head_dim=64, max_position=512, eos_token_ids=(63,), qk_norm=qk_norm)
     model = Llama(cfg, rngs=nnx.Rngs(5))
+    if qk_norm:  # norm weights away from one, so that a path that skipped them would differ
+        for blk in model.layers:
+            blk.q_norm[...], blk.k_norm[...] = blk.q_norm[...] * 1.5, blk.k_norm[...] * 0.5
     ps, width = 16, 16
     rng = np.random.default_rng(b)
     tokens = jnp.asarray(rng.integers(0, 64, (b, 1)), jnp.int32)

@@ -90,6 +90,14 @@ def test_decode_with_the_new_key_out_of_the_pages_matches_reference(case, splits
                  q_gain=1.0 if softcap is None else 4.0)
 
 
+@pytest.mark.parametrize("case,splits,merge_in_kernel", [(0, 1, None), (1, 3, True), (0, 4, False)])
+def test_decode_roping_its_projection_matches_reference(case, splits, merge_in_kernel):
+    """rope: the kernel reads a decode step's fused projection [B, (Hq + 2 Hkv) * D] unroped, ropes q
+    and the new key itself and folds that key and value in: the same output as roped q with the
+    roped K/V in the pages, whichever path finishes the softmax."""
+    check_kernel(*CASES[case], splits=splits, merge_in_kernel=merge_in_kernel, new_kv="rope")
+
+
 def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, new_kv=False, **blocking):
     rng = np.random.default_rng(b * 100 + t)
     n_pages, width, layers = 48, 6, 2
@@ -115,7 +123,15 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, ne
         page, slot = pt[np.arange(b), kv_lens // ps], kv_lens % ps
         extra["new_kv"] = (k[1, page, slot], v[1, page, slot])
         pages_in = (k.at[1, page, slot].set(1e4), v.at[1, page, slot].set(-1e4))
-    out = paged_attention(q, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap,
+    q_in = q
+    if new_kv == "rope":  # q and the new key unroped (rotated back), the projection's layout
+        from jaxspec.models.llama import rope_table, rotate
+        cos, sin = rope_table(jnp.asarray(kv_lens + 5)[:, None], 1e4 ** -(jnp.arange(0, d, 2) / d))
+        back = lambda x: rotate(x.astype(jnp.float32), (cos, -sin)).reshape(b, -1)
+        q_in = jnp.concatenate([back(q), back(extra["new_kv"][0][:, None]), extra.pop("new_kv")[1].reshape(b, -1)],
+                               axis=-1).astype(dtype)
+        extra["rope"] = (cos, sin)
+    out = paged_attention(q_in, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap,
                           **blocking, **extra)
     with jax.default_matmul_precision("highest"):
         ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
@@ -127,7 +143,7 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, ne
     err = np.abs(np.where(valid, out - ref, 0)).max()
     assert err < tol, err
     if blocking.get("merge_in_kernel") and b * hkv <= COUNT_SLOTS:  # arrival counts passed in come back zero
-        again, counts = paged_attention(q, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu,
+        again, counts = paged_attention(q_in, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu,
                                         softcap=softcap, counts=jnp.zeros(COUNT_SLOTS, jnp.int32), **blocking, **extra)
         assert np.array_equal(np.asarray(again, np.float32), out) and not np.asarray(counts).any()
 

@@ -81,24 +81,35 @@ class Block(nnx.Module):
         self.w_gate_up = _param(rngs, (H, 2 * F), H, dtype)
         self.w_down = _param(rngs, (F, H), F, dtype)
 
-    def __call__(self, x, rope, attend):
-        """x [B, T, H] -> x after the layer; attend(q, k, v [B, T, H*, D]) -> [B, T, Hq, D]."""
+    def project(self, x):
+        """The attention's input: x [B, T, H] normed and through wqkv (and its bias), [B, T, (Hq + 2 Hkv) * D]."""
+        qkv = rms_norm(x, self.attn_norm[...], self.cfg.rms_norm_eps) @ self.wqkv[...]
+        return qkv + self.bqkv[...] if self.cfg.qkv_bias else qkv
+
+    def heads(self, qkv):
+        """The projection's q [B, T, Hq, D], k, v [B, T, Hkv, D], unroped (q and k normed where the model norms them)."""
         cfg = self.cfg
-        b, t, _ = x.shape
+        b, t, _ = qkv.shape
         d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        qkv = rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps) @ self.wqkv[...]
-        if cfg.qkv_bias:
-            qkv = qkv + self.bqkv[...]
         g = cfg.shard_groups  # > 1: each shard's [q k v] together (sharding.py), so a column split is local
         q, k, v = jnp.split(qkv.reshape(b, t, g, -1), [hq // g * d, (hq + hkv) // g * d], axis=-1)
         q, k, v = q.reshape(b, t, hq, d), k.reshape(b, t, hkv, d), v.reshape(b, t, hkv, d)
         if cfg.qk_norm:
             q, k = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        q, k = rotate(q, rope), rotate(k, rope)
-        x = x + attend(q, k, v).reshape(b, t, hq * d) @ self.wo[...]
-        gate_up = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps) @ self.w_gate_up[...]
-        gate, up = jnp.split(gate_up.reshape(b, t, g, -1), 2, axis=-1)
+        return q, k, v
+
+    def finish(self, x, attn):
+        """The rest of the layer, from the attention's output attn [B, T, Hq, D]."""
+        b, t, _ = x.shape
+        x = x + attn.reshape(b, t, -1) @ self.wo[...]
+        gate_up = rms_norm(x, self.mlp_norm[...], self.cfg.rms_norm_eps) @ self.w_gate_up[...]
+        gate, up = jnp.split(gate_up.reshape(b, t, self.cfg.shard_groups, -1), 2, axis=-1)
         return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
+
+    def __call__(self, x, rope, attend):
+        """x [B, T, H] -> x after the layer; attend(q, k, v [B, T, H*, D], roped) -> [B, T, Hq, D]."""
+        q, k, v = self.heads(self.project(x))
+        return self.finish(x, attend(rotate(q, rope), rotate(k, rope), v))
 
     def fused(self, x, cos, sin, slots, k_pages, v_pages, layer, attend, interpret):
         """The layer as four Pallas kernels around attention (pallas/qkv_project.py, gated_up.py,
@@ -233,6 +244,7 @@ class Llama(nnx.Module):
 
 
 DEFER_KV_WRITE = True  # attention.defers_kv_write's steps write their K/V after the last layer
+ROPE_IN_KERNEL = True  # and, where the model norms neither q nor k, their attention kernel ropes them
 
 
 def causal_mask(t: int, segments=None):
@@ -273,6 +285,18 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
     that a program traces and lowers the layer once, not once per layer: identical calls hit JAX's
     trace cache and share one lowered function, which XLA inlines (the executable is the unrolled
     one). counts: the attention kernel's (attention.local_paged_attention), returned for the next layer."""
+    block = nnx.merge(graphdef, state)
+    kw = dict(impl=attn_impl, counts=counts)
+    if defer and ROPE_IN_KERNEL and not (block.cfg.qk_norm or block.cfg.shard_groups > 1):
+        # the kernel reads the projection as it is and ropes q and the new key itself: XLA's rope
+        # between the projection and the attention cost a kernel a layer (0.21 ms of the 8B
+        # batch-1 step's 4.61 on the H200, layer_ablation-); the key written after the last layer
+        # is roped where it is written (one fusion for all layers)
+        qkv = block.project(x)
+        _, k, v = block.heads(qkv)
+        out, counts = attention.paged_attention(qkv.reshape(x.shape[0], -1), k_pages, v_pages, layer, page_table,
+                                                kv_lens, q_lens, rope=rope, **kw)
+        return block.finish(x, out), k_pages, v_pages, counts, (rotate(k, rope), v)
     new = None
 
     def attend(q, k, v):
@@ -283,10 +307,9 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
             k_pages = write_layer(k_pages, layer, k, page, offset)
             v_pages = write_layer(v_pages, layer, v, page, offset)
         out, counts = attention.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask,
-                                                impl=attn_impl, counts=counts,
-                                                new_kv=(k[:, 0], v[:, 0]) if defer else None)
+                                                new_kv=(k[:, 0], v[:, 0]) if defer else None, **kw)
         return out
-    x = nnx.merge(graphdef, state)(x, rope, attend)
+    x = block(x, rope, attend)
     return x, k_pages, v_pages, counts, new
 
 

@@ -62,8 +62,10 @@ def _exp2(x, approx):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *out_refs,
             group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
-            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret, fold_new):
-    if fold_new:  # the new token's key and value [B, Hkv, D], in no page (q_lens 0: the prefix alone)
+            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret, fold_new, rope):
+    if rope:  # q_ref holds a decode step's projection, [B * (Hq + 2 Hkv), D]: q, the new k and v, unroped
+        cos_ref, sin_ref, *out_refs = out_refs
+    elif fold_new:  # the new token's key and value [B, Hkv, D], in no page (q_lens 0: the prefix alone)
         new_k_ref, new_v_ref, *out_refs = out_refs
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
     layer = layer_ref[0]
@@ -78,9 +80,24 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     # (1.4 us a layer of the 8B batch-1 step on the H200), and so did the fused layers' slice of
     # their padded rows
     row = (b * num_tokens + t) * num_q_heads + h * group + rows % group
-    q = q_ref[row - jnp.maximum(t - num_tokens + 1, 0) * num_q_heads, :]
     # scores in base 2 (log2(e) folded into q's scale): exp2 is the hardware's exponential
-    q = (q.astype(jnp.float32) * (scale if softcap is not None else scale * LOG2E)).astype(k_ref.dtype)
+    q_scale = scale if softcap is not None else scale * LOG2E
+    d = q_ref.shape[1]
+    if rope:  # rotate-half: x * [cos, cos] + x with its halves swapped * [-sin, sin], all gathered as loaded
+        stride = num_q_heads + 2 * (num_q_heads // group)
+        cols = jnp.arange(d)
+        swapped, half = (cols + d // 2) % d, cols % (d // 2)
+        cos, sin = cos_ref[b, half], jnp.where(cols < d // 2, -1.0, 1.0) * sin_ref[b, half]
+
+        def roped(r):  # rows r [n] (or one row) of the projection, roped, float32
+            lift = (lambda a: a[None, :]) if r.ndim else (lambda a: a)  # (Triton broadcasts nothing itself)
+            r = r[:, None] if r.ndim else r
+            load = lambda c: q_ref[r, lift(c)].astype(jnp.float32)
+            return load(cols) * lift(cos) + load(swapped) * lift(sin)
+        q = roped(b * stride + h * group + rows % group)
+    else:
+        q = q_ref[row - jnp.maximum(t - num_tokens + 1, 0) * num_q_heads, :].astype(jnp.float32)
+    q = (q * q_scale).astype(k_ref.dtype)
     if not causal:
         w0 = bits_ref[b, :, 0]
         w1 = bits_ref[b, :, 1]
@@ -134,7 +151,6 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
                                                         preferred_element_type=jnp.float32, precision=precision)
         return m_new, l, acc
 
-    d = q.shape[1]
     init = (jnp.full((block_rows,), NEG_INF, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
             jnp.zeros((block_rows, d), jnp.float32))
     # tiles wholly inside the cached prefix need no mask (every query reads all of it): only the
@@ -148,7 +164,11 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         partial is); as they are without new_kv."""
         if not fold_new:
             return total, norm, m_total
-        kn, vn = new_k_ref[b, h, :].astype(jnp.float32), new_v_ref[b, h, :].astype(jnp.float32)
+        if rope:  # the new key and value: the projection's rows past the queries'
+            kv_row = b * stride + num_q_heads + h
+            kn, vn = roped(kv_row), q_ref[kv_row + num_q_heads // group, :].astype(jnp.float32)
+        else:
+            kn, vn = new_k_ref[b, h, :].astype(jnp.float32), new_v_ref[b, h, :].astype(jnp.float32)
         s_new = jnp.sum(q.astype(jnp.float32) * kn[None, :], axis=1)
         if softcap is not None:
             s_new = (softcap * LOG2E) * jnp.tanh(s_new / softcap)
@@ -227,7 +247,7 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
                     pages_per_block=None, splits=None, grid_order=None, token_rows=None, merge_in_kernel=None,
-                    partials=False, tokens=None, counts=None, new_kv=None):
+                    partials=False, tokens=None, counts=None, new_kv=None, rope=None):
     """q [B, T, Hq, D], or with `tokens` = T the fused layers' token layout [rows, Hq * D] (row
     b * T + t; rows past B * T ignored); k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar ->
     [B, T, Hq, D], or with token_rows, [token_rows, Hq * D] (that layout; rows past B * T unspecified).
@@ -237,6 +257,10 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
 
     new_kv: (k, v) [B, Hkv, D] of a decode step's one new token (T = 1, causal), not in the pages:
     each request attends to its kv_lens cached keys and this one (q_lens only says which rows are live).
+    rope: (cos, sin) [B, D/2] float32, for a decode step whose q is its layer's fused projection
+    [B, (Hq + 2 Hkv) * D] (heads [q | k | v], unroped; no shard groups): the kernel ropes q and the
+    new key itself, which it reads with the value from there (new_kv implied), so that no XLA kernel
+    sits between the projection and the attention.
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
@@ -244,7 +268,10 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     By default q comes first where there are several query blocks (a 64-token tree at GQA 4: 771 vs
     903 us and 745 vs 898 us on the H100, kernels-focus-v16/-v17), and requests first otherwise."""
     _, _, ps, hkv, d = k_pages.shape
-    b, t, hq = (kv_lens.shape[0], tokens, q.shape[1] // d) if tokens else q.shape[:3]
+    if rope is not None:
+        b, t, hq = kv_lens.shape[0], 1, q.shape[-1] // d - 2 * hkv
+    else:
+        b, t, hq = (kv_lens.shape[0], tokens, q.shape[1] // d) if tokens else q.shape[:3]
     q = q.reshape(-1, d)  # [rows * Hq, D]: no copy of either layout
     g = hq // hkv
     rows = t * g
@@ -261,7 +288,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     # split-K partials merged by the kernel's last split (default: at batch 1, where it measured faster)
     merge = not partials and splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
     causal = tree_mask is None
-    fold_new = new_kv is not None
+    fold_new = new_kv is not None or rope is not None
     if fold_new:
         assert t == 1 and causal and not partials, "new_kv is a decode step's: one token a request, causal"
         q_lens = jnp.zeros_like(q_lens)  # the pages hold the prefix alone
@@ -278,12 +305,14 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
                                grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret,
                                num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks, merge=merge,
-                               interpret=interpret, fold_new=fold_new)
+                               interpret=interpret, fold_new=fold_new, rope=rope is not None)
 
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
     args = [layer, page_table, kv_lens, q_lens, bits, q, k_rows, v_rows]
-    if fold_new:
+    if rope is not None:
+        args += [c.reshape(b, d // 2).astype(jnp.float32) for c in rope]
+    elif fold_new:
         args += [new_kv[0].astype(k_rows.dtype), new_kv[1].astype(v_rows.dtype)]
     outs = [out]
     if splits > 1:  # the partials (acc, m, l), in place of the output unless the kernel merges them
