@@ -48,10 +48,10 @@ def defers_kv_write(num_tokens: int, k_pages, tree_mask, impl="auto") -> bool:
 
 
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
-                    token_rows=None, tokens=None, counts=None, new_kv=None, rope=None):
+                    token_rows=None, tokens=None, counts=None, new_kv=None, projection=None, eps=1e-5):
     """Under a tensor-parallel mesh (sharding.py) with heads that divide over it, each shard attends
     with its own query and KV heads (shard_map): the kernels never see the mesh. See
-    local_paged_attention for the arguments; new_kv and rope only where defers_kv_write."""
+    local_paged_attention for the arguments; new_kv and projection only where defers_kv_write."""
     from jaxspec import sharding
     mesh = jax.sharding.get_abstract_mesh()
     tp = sharding.tp_size(mesh)
@@ -65,7 +65,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                                                               q_lens, tree_mask)
         return _finish(out, token_rows, counts)
     return local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask, impl,
-                                 token_rows, tokens, counts, new_kv, rope)
+                                 token_rows, tokens, counts, new_kv, projection, eps)
 
 
 def _by_request(q, b, t, d):
@@ -80,15 +80,16 @@ def _finish(out, token_rows, counts):
 
 
 def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, impl="auto",
-                          token_rows=None, tokens=None, counts=None, new_kv=None, rope=None):
+                          token_rows=None, tokens=None, counts=None, new_kv=None, projection=None, eps=1e-5):
     """q [B, T, Hq, D], or with `tokens` = T the fused layers' [rows, Hq * D] (row b * T + t); k_pages/
     v_pages [L, N, ps, Hkv, D] (all layers) -> [B, T, Hq, D], or with token_rows that layout,
     [token_rows, Hq * D] (pallas/paged_attention.py). The Triton kernel reads the token layout as it
     is (a slice of the padded rows cost a copy a layer); the other paths slice it. counts: the Triton
     kernel's arrival counts (pallas/paged_attention.py's COUNT_SLOTS zeros), passed from layer to
     layer: given, the result is (output, counts). new_kv: (k, v) [B, Hkv, D] of a decode step's token,
-    in no page (defers_kv_write). rope: (cos, sin) [B, 1, 1, D/2], a decode step whose q is its layer's
-    fused projection [B, (Hq + 2 Hkv) * D], unroped (defers_kv_write; the Triton kernel ropes it).
+    in no page (defers_kv_write). projection: (x, cos, sin), a decode step whose q is its layer's
+    fused projection of x, neither normed nor roped (defers_kv_write; the Triton kernel does both
+    and also returns the new K/V: pallas/paged_attention.py).
 
     impl: 'auto' (the kernels on GPU), 'pallas' (the Triton kernel; interpreted off-GPU), 'fused'
     (attention as 'pallas'; models.llama also fuses its layers), 'ref'
@@ -97,10 +98,10 @@ def local_paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_len
     kernel at 16, 32 and 64 tokens in every run of kernels-focus-v31..v39, and the engine's outputs
     with it equal the Triton run's (mosaic_engine_check-*)."""
     on_gpu = jax.default_backend() == "gpu"
-    if rope is not None:
+    if projection is not None:
         from jaxspec.pallas import paged_attention as triton
         return triton.paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, interpret=not on_gpu,
-                                       counts=counts, rope=rope)
+                                       counts=counts, projection=projection, eps=eps)
     rows, q = q, q if tokens is None else _by_request(q, kv_lens.shape[0], tokens, k_pages.shape[-1])
     mosaic = impl == "mosaic" or (impl == "auto" and on_gpu and on_hopper())
     if mosaic and q.shape[1] > 1:

@@ -91,11 +91,12 @@ def test_decode_with_the_new_key_out_of_the_pages_matches_reference(case, splits
 
 
 @pytest.mark.parametrize("case,splits,merge_in_kernel", [(0, 1, None), (1, 3, True), (0, 4, False)])
-def test_decode_roping_its_projection_matches_reference(case, splits, merge_in_kernel):
-    """rope: the kernel reads a decode step's fused projection [B, (Hq + 2 Hkv) * D] unroped, ropes q
-    and the new key itself and folds that key and value in: the same output as roped q with the
-    roped K/V in the pages, whichever path finishes the softmax."""
-    check_kernel(*CASES[case], splits=splits, merge_in_kernel=merge_in_kernel, new_kv="rope")
+def test_decode_norming_and_roping_its_projection_matches_reference(case, splits, merge_in_kernel):
+    """projection: the kernel reads a decode step's fused projection [B, (Hq + 2 Hkv) * D] neither
+    normed nor roped, scales it by its input's 1 / rms and ropes q and the new key itself, and
+    folds that key and value in: the same output as normed, roped q with the K/V in the pages,
+    whichever path finishes the softmax; and it returns the new K/V as the pages hold them."""
+    check_kernel(*CASES[case], splits=splits, merge_in_kernel=merge_in_kernel, new_kv="projection")
 
 
 def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, new_kv=False, **blocking):
@@ -123,16 +124,23 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, ne
         page, slot = pt[np.arange(b), kv_lens // ps], kv_lens % ps
         extra["new_kv"] = (k[1, page, slot], v[1, page, slot])
         pages_in = (k.at[1, page, slot].set(1e4), v.at[1, page, slot].set(-1e4))
-    q_in = q
-    if new_kv == "rope":  # q and the new key unroped (rotated back), the projection's layout
+    q_in, wanted_kv = q, extra.get("new_kv")
+    if new_kv == "projection":  # q and the new K/V rotated back and divided by 1 / rms(x) of an input x
         from jaxspec.models.llama import rope_table, rotate
+        eps, x = 1e-5, jnp.asarray(rng.standard_normal((b, 96)) * 3, dtype)  # 96: the norm's loads 3 x 32
+        scale = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1) + eps)[:, None]
         cos, sin = rope_table(jnp.asarray(kv_lens + 5)[:, None], 1e4 ** -(jnp.arange(0, d, 2) / d))
-        back = lambda x: rotate(x.astype(jnp.float32), (cos, -sin)).reshape(b, -1)
-        q_in = jnp.concatenate([back(q), back(extra["new_kv"][0][:, None]), extra.pop("new_kv")[1].reshape(b, -1)],
-                               axis=-1).astype(dtype)
-        extra["rope"] = (cos, sin)
+        back = lambda a: rotate(a.astype(jnp.float32), (cos, -sin)).reshape(b, -1) / scale
+        new_k, new_v = extra.pop("new_kv")
+        q_in = jnp.concatenate([back(q), back(new_k[:, None]), new_v.reshape(b, -1) / scale], axis=-1).astype(dtype)
+        extra.update(projection=(x, cos, sin), eps=eps)
     out = paged_attention(q_in, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap,
                           **blocking, **extra)
+    if new_kv == "projection":
+        out, got_kv = out
+        kv_tol = 1e-4 if dtype == jnp.float32 else 5e-2
+        for got, want in zip(got_kv, wanted_kv):
+            assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() < kv_tol
     with jax.default_matmul_precision("highest"):
         ref = paged_attention_ref(q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), pt,
                                   kv_lens, q_lens, mask, softcap=softcap)
@@ -145,6 +153,7 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, ne
     if blocking.get("merge_in_kernel") and b * hkv <= COUNT_SLOTS:  # arrival counts passed in come back zero
         again, counts = paged_attention(q_in, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu,
                                         softcap=softcap, counts=jnp.zeros(COUNT_SLOTS, jnp.int32), **blocking, **extra)
+        again = again[0] if new_kv == "projection" else again
         assert np.array_equal(np.asarray(again, np.float32), out) and not np.asarray(counts).any()
 
 

@@ -68,8 +68,8 @@ def leave_out(variant):
                                                      unique_indices=True)
         llama.write_layer = write_layer
         return
-    if variant == "rope_xla":  # a decode step's q and new key roped by XLA before the kernel (it roped them itself)
-        llama.ROPE_IN_KERNEL = False
+    if variant == "xla_norm_rope":  # XLA's norm before a decode step's projection and rope after it (the kernel's)
+        llama.NORM_ROPE_IN_KERNEL = False
         return
     if variant == "kv_eager":  # each layer's K/V written before its attention (the decode step wrote them after the last)
         llama.DEFER_KV_WRITE = False

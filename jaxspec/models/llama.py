@@ -4,7 +4,9 @@ Each layer is its own `Block` with its own arrays, and the forward is a Python l
 A `lax.scan` over weights stacked on a layer axis made XLA copy each layer's slice out before
 every multi-row GEMM (the 8B step read its weights about three times: 16.6 ms against 6.9 ms
 unrolled on the H100). Q/K/V and gate/up are single fused matrices, concatenated at load: one
-GEMM reads the layer's input once. The KV cache is an explicit pytree passed in and returned.
+GEMM reads the layer's input once. The attention norm's weight is folded into wqkv's rows at load
+(loading.layer_weights), so that a decode step's attention kernel can take the norm's scale itself.
+The KV cache is an explicit pytree passed in and returned.
 """
 from __future__ import annotations
 
@@ -62,14 +64,13 @@ def _param(rngs, shape, fan_in, dtype):
 
 
 class Block(nnx.Module):
-    """One decoder layer; weights in [in, out] layout, wqkv = [wq | wk | wv], w_gate_up = [gate | up]
-    (per shard, with cfg.shard_groups > 1)."""
+    """One decoder layer; weights in [in, out] layout, wqkv = [wq | wk | wv] (each row scaled by the
+    attention norm's weight), w_gate_up = [gate | up] (per shard, with cfg.shard_groups > 1)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         H, F = cfg.hidden_size, cfg.intermediate_size
         hq, hk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.attn_norm = nnx.Param(jnp.ones((H,), dtype))
         self.wqkv = _param(rngs, (H, hq + 2 * hk), H, dtype)
         if cfg.qkv_bias:
             self.bqkv = nnx.Param(jnp.zeros((hq + 2 * hk,), dtype))
@@ -83,7 +84,7 @@ class Block(nnx.Module):
 
     def project(self, x):
         """The attention's input: x [B, T, H] normed and through wqkv (and its bias), [B, T, (Hq + 2 Hkv) * D]."""
-        qkv = rms_norm(x, self.attn_norm[...], self.cfg.rms_norm_eps) @ self.wqkv[...]
+        qkv = rms_norm(x, None, self.cfg.rms_norm_eps) @ self.wqkv[...]
         return qkv + self.bqkv[...] if self.cfg.qkv_bias else qkv
 
     def heads(self, qkv):
@@ -117,7 +118,7 @@ class Block(nnx.Module):
         k_pages, v_pages) -> [Mp, Hq*D]. Returns (x, k_pages, v_pages)."""
         cfg = self.cfg
         opt = lambda name: getattr(self, name)[...] if hasattr(self, name) else None
-        q, k_pages, v_pages = qkv_project(x, self.attn_norm[...], self.wqkv[...], opt("bqkv"), opt("q_norm"),
+        q, k_pages, v_pages = qkv_project(x, jnp.ones(x.shape[-1:], x.dtype), self.wqkv[...], opt("bqkv"), opt("q_norm"),
                                           opt("k_norm"), cos, sin, layer, slots, k_pages, v_pages,
                                           num_q=cfg.num_heads, num_kv=cfg.num_kv_heads, eps=cfg.rms_norm_eps,
                                           interpret=interpret)
@@ -244,7 +245,7 @@ class Llama(nnx.Module):
 
 
 DEFER_KV_WRITE = True  # attention.defers_kv_write's steps write their K/V after the last layer
-ROPE_IN_KERNEL = True  # and, where the model norms neither q nor k, their attention kernel ropes them
+NORM_ROPE_IN_KERNEL = True  # and, for models without q/k norms or a QKV bias, their attention kernel norms and ropes
 
 
 def causal_mask(t: int, segments=None):
@@ -287,16 +288,15 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
     one). counts: the attention kernel's (attention.local_paged_attention), returned for the next layer."""
     block = nnx.merge(graphdef, state)
     kw = dict(impl=attn_impl, counts=counts)
-    if defer and ROPE_IN_KERNEL and not (block.cfg.qk_norm or block.cfg.shard_groups > 1):
-        # the kernel reads the projection as it is and ropes q and the new key itself: XLA's rope
-        # between the projection and the attention cost a kernel a layer (0.21 ms of the 8B
-        # batch-1 step's 4.61 on the H200, layer_ablation-); the key written after the last layer
-        # is roped where it is written (one fusion for all layers)
-        qkv = block.project(x)
-        _, k, v = block.heads(qkv)
-        out, counts = attention.paged_attention(qkv.reshape(x.shape[0], -1), k_pages, v_pages, layer, page_table,
-                                                kv_lens, q_lens, rope=rope, **kw)
-        return block.finish(x, out), k_pages, v_pages, counts, (rotate(k, rope), v)
+    if defer and NORM_ROPE_IN_KERNEL and not (block.cfg.qk_norm or block.cfg.qkv_bias or block.cfg.shard_groups > 1):
+        # the kernel reads x's projection as it is, scales it by x's 1 / rms and ropes q and the new
+        # key itself: XLA's norm before the projection and rope after it cost a kernel each a layer
+        # (rope 0.21 ms of the 8B batch-1 step's 4.53 on the H200, layer_ablation-rope-8b-)
+        cos, sin = rope
+        (out, new), counts = attention.paged_attention(x @ block.wqkv[...], k_pages, v_pages, layer, page_table,
+                                                       kv_lens, q_lens, projection=(x, cos, sin),
+                                                       eps=block.cfg.rms_norm_eps, **kw)
+        return block.finish(x, out), k_pages, v_pages, counts, tuple(a[:, None] for a in new)
     new = None
 
     def attend(q, k, v):

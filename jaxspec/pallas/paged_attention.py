@@ -62,9 +62,10 @@ def _exp2(x, approx):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *out_refs,
             group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
-            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret, fold_new, rope):
-    if rope:  # q_ref holds a decode step's projection, [B * (Hq + 2 Hkv), D]: q, the new k and v, unroped
-        cos_ref, sin_ref, *out_refs = out_refs
+            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret, fold_new, rope, eps):
+    if rope:  # q_ref holds a decode step's projection, [B * (Hq + 2 Hkv), D]: q, the new k and v, raw
+        x_ref, cos_ref, sin_ref, *out_refs = out_refs
+        *out_refs, new_ref = out_refs  # the new K/V as the pages take them, [B, 2 Hkv, D]
     elif fold_new:  # the new token's key and value [B, Hkv, D], in no page (q_lens 0: the prefix alone)
         new_k_ref, new_v_ref, *out_refs = out_refs
     b, h, qb, split = _axes(grid_order, [pl.program_id(i) for i in range(4)])
@@ -83,18 +84,32 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     # scores in base 2 (log2(e) folded into q's scale): exp2 is the hardware's exponential
     q_scale = scale if softcap is not None else scale * LOG2E
     d = q_ref.shape[1]
-    if rope:  # rotate-half: x * [cos, cos] + x with its halves swapped * [-sin, sin], all gathered as loaded
+    if rope:
+        # the attention norm: its weight is in the projection's rows, its scale 1 / rms(x) taken here
+        hidden = x_ref.shape[1]
+        chunk = min(hidden & -hidden, 4096)  # power-of-two loads (Triton's), SmolLM2's 576 as 9 x 64
+        squares = sum(jnp.sum(jnp.square(x_ref[b, pl.ds(c * chunk, chunk)].astype(jnp.float32)))
+                      for c in range(hidden // chunk))
+        norm = jax.lax.rsqrt(squares / hidden + eps)
+        # rotate-half: x * [cos, cos] + x with its halves swapped * [-sin, sin], all gathered as loaded
         stride = num_q_heads + 2 * (num_q_heads // group)
         cols = jnp.arange(d)
         swapped, half = (cols + d // 2) % d, cols % (d // 2)
-        cos, sin = cos_ref[b, half], jnp.where(cols < d // 2, -1.0, 1.0) * sin_ref[b, half]
+        cos, sin = cos_ref[b, half] * norm, jnp.where(cols < d // 2, -norm, norm) * sin_ref[b, half]
 
-        def roped(r):  # rows r [n] (or one row) of the projection, roped, float32
+        def roped(r):  # rows r [n] (or one row) of the projection, normed and roped, float32
             lift = (lambda a: a[None, :]) if r.ndim else (lambda a: a)  # (Triton broadcasts nothing itself)
             r = r[:, None] if r.ndim else r
             load = lambda c: q_ref[r, lift(c)].astype(jnp.float32)
             return load(cols) * lift(cos) + load(swapped) * lift(sin)
         q = roped(b * stride + h * group + rows % group)
+        kv_row = b * stride + num_q_heads + h
+        k_new, v_new = roped(kv_row), q_ref[kv_row + num_q_heads // group, :].astype(jnp.float32) * norm
+
+        @pl.when(split == 0)
+        def _():
+            new_ref[b, h, :] = k_new.astype(new_ref.dtype)
+            new_ref[b, h + num_q_heads // group, :] = v_new.astype(new_ref.dtype)
     else:
         q = q_ref[row - jnp.maximum(t - num_tokens + 1, 0) * num_q_heads, :].astype(jnp.float32)
     q = (q * q_scale).astype(k_ref.dtype)
@@ -164,9 +179,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
         partial is); as they are without new_kv."""
         if not fold_new:
             return total, norm, m_total
-        if rope:  # the new key and value: the projection's rows past the queries'
-            kv_row = b * stride + num_q_heads + h
-            kn, vn = roped(kv_row), q_ref[kv_row + num_q_heads // group, :].astype(jnp.float32)
+        if rope:
+            kn, vn = k_new, v_new
         else:
             kn, vn = new_k_ref[b, h, :].astype(jnp.float32), new_v_ref[b, h, :].astype(jnp.float32)
         s_new = jnp.sum(q.astype(jnp.float32) * kn[None, :], axis=1)
@@ -243,11 +257,11 @@ def choose_blocking(batch, kv_heads, q_blocks, table_pages, page_size):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_rows", "softcap", "num_warps", "num_stages",
                                              "pages_per_block", "splits", "grid_order", "token_rows",
-                                             "merge_in_kernel", "partials", "tokens"))
+                                             "merge_in_kernel", "partials", "tokens", "eps"))
 def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tree_mask=None, *,
                     interpret=False, block_rows=None, softcap=None, num_warps=4, num_stages=2,
                     pages_per_block=None, splits=None, grid_order=None, token_rows=None, merge_in_kernel=None,
-                    partials=False, tokens=None, counts=None, new_kv=None, rope=None):
+                    partials=False, tokens=None, counts=None, new_kv=None, projection=None, eps=1e-5):
     """q [B, T, Hq, D], or with `tokens` = T the fused layers' token layout [rows, Hq * D] (row
     b * T + t; rows past B * T ignored); k_pages/v_pages [L, N, ps, Hkv, D]; layer: scalar ->
     [B, T, Hq, D], or with token_rows, [token_rows, Hq * D] (that layout; rows past B * T unspecified).
@@ -257,10 +271,12 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
 
     new_kv: (k, v) [B, Hkv, D] of a decode step's one new token (T = 1, causal), not in the pages:
     each request attends to its kv_lens cached keys and this one (q_lens only says which rows are live).
-    rope: (cos, sin) [B, D/2] float32, for a decode step whose q is its layer's fused projection
-    [B, (Hq + 2 Hkv) * D] (heads [q | k | v], unroped; no shard groups): the kernel ropes q and the
-    new key itself, which it reads with the value from there (new_kv implied), so that no XLA kernel
-    sits between the projection and the attention.
+    projection: (x [B, H], cos, sin [B, D/2] float32), for a decode step whose q is its layer's
+    fused projection of x [B, (Hq + 2 Hkv) * D] (heads [q | k | v]; no shard groups), not normed
+    (the norm's weight folded into wqkv's rows; eps its epsilon) and not roped: the kernel scales
+    by 1 / rms(x) and ropes q and the new key itself, reads that key and value from there (new_kv
+    implied) and returns them as the pages take them, (out, (k, v) [B, Hkv, D]), so that no XLA
+    kernel sits between the layer's input and its attention.
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks
@@ -268,7 +284,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     By default q comes first where there are several query blocks (a 64-token tree at GQA 4: 771 vs
     903 us and 745 vs 898 us on the H100, kernels-focus-v16/-v17), and requests first otherwise."""
     _, _, ps, hkv, d = k_pages.shape
-    if rope is not None:
+    if projection is not None:
         b, t, hq = kv_lens.shape[0], 1, q.shape[-1] // d - 2 * hkv
     else:
         b, t, hq = (kv_lens.shape[0], tokens, q.shape[1] // d) if tokens else q.shape[:3]
@@ -288,7 +304,7 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     # split-K partials merged by the kernel's last split (default: at batch 1, where it measured faster)
     merge = not partials and splits > 1 and (b == 1 if merge_in_kernel is None else merge_in_kernel)
     causal = tree_mask is None
-    fold_new = new_kv is not None or rope is not None
+    fold_new = new_kv is not None or projection is not None
     if fold_new:
         assert t == 1 and causal and not partials, "new_kv is a decode step's: one token a request, causal"
         q_lens = jnp.zeros_like(q_lens)  # the pages hold the prefix alone
@@ -305,13 +321,13 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
                                grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret,
                                num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks, merge=merge,
-                               interpret=interpret, fold_new=fold_new, rope=rope is not None)
+                               interpret=interpret, fold_new=fold_new, rope=projection is not None, eps=eps)
 
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
     args = [layer, page_table, kv_lens, q_lens, bits, q, k_rows, v_rows]
-    if rope is not None:
-        args += [c.reshape(b, d // 2).astype(jnp.float32) for c in rope]
+    if projection is not None:
+        args += [projection[0].reshape(b, -1)] + [c.reshape(b, d // 2).astype(jnp.float32) for c in projection[1:]]
     elif fold_new:
         args += [new_kv[0].astype(k_rows.dtype), new_kv[1].astype(v_rows.dtype)]
     outs = [out]
@@ -325,6 +341,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
         assert counts.shape[0] >= b * hkv * q_blocks, (counts.shape, b * hkv * q_blocks)
         args.append(counts)
         outs.append(jax.ShapeDtypeStruct(counts.shape, counts.dtype))
+    if projection is not None:
+        outs.append(jax.ShapeDtypeStruct((b, 2 * hkv, d), k_rows.dtype))
     res = pl.pallas_call(
         kernel,
         grid=tuple(dict(b=b, h=hkv, q=q_blocks, s=splits)[a] for a in grid_order),
@@ -338,12 +356,14 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     if partials:
         return tuple(res)
     if splits > 1 and not merge:
-        merged = combine_splits(*res)[:, :, :rows].astype(q.dtype)
+        merged = combine_splits(*res[:3])[:, :, :rows].astype(q.dtype)
         merged = merged.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
         out = merged if token_rows is None else token_layout(merged, token_rows)
     else:  # [out_rows, Hq * D]: row r * T + t holds token t of request r (rows past B * T are left unwritten)
         out = res[0].reshape(out_rows, hq * d) if token_rows else res[0].reshape(b, t, hq, d)
-    return out if given is None else (out, res[-1] if merge else given)
+    if projection is not None:
+        out = (out, (res[-1][:, :hkv], res[-1][:, hkv:]))
+    return out if given is None else (out, res[4] if merge else given)
 
 
 def combine_splits(acc, m, l, with_lse=False):

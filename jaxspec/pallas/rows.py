@@ -14,10 +14,11 @@ from jax.experimental.pallas import triton as plgpu
 
 def rms_norm(x, w, eps):
     """The decoders' RMS norm (models.llama uses this one): the reference the kernels' fused norm
-    is tested against, kept here so that the kernels' references need no model import."""
+    is tested against, kept here so that the kernels' references need no model import. w None:
+    no weight (one folded into the next matrix's rows)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    return (xf if w is None else xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
 def padded_rows(m: int) -> int:
