@@ -122,7 +122,7 @@ def test_decode_on_the_kernel_writes_kv_after_the_last_layer(b, qk_norm, monkeyp
     every layer's after the last one (attention.defers_kv_write): the final and a kept hidden state
     and every cache slot as the jnp path's, and as the kernel's with the K/V written layer by layer
     before each attention; split-K partials merged by the kernel (batch 1) or by XLA; the kernel
-    roping the projection itself, or (q/k normed, Qwen3's) given them roped."""
+    norming (batch 1) and roping the projection itself, or (q/k normed, Qwen3's) given them roped."""
     from jaxspec import attention
     from jaxspec.models import llama
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2, num_heads=4,
@@ -141,6 +141,7 @@ def test_decode_on_the_kernel_writes_kv_after_the_last_layer(b, qk_norm, monkeyp
     outs = {}
     for name, impl, defer in (("ref", "ref", True), ("deferred", "pallas", True), ("eager", "pallas", False)):
         monkeypatch.setattr(llama, "DEFER_KV_WRITE", defer)
+        monkeypatch.setattr(llama, "KERNEL_NORM_MAX_BATCH", 1)  # batch 3: XLA's norm, the kernel's rope
         outs[name] = model(tokens, kv_lens[:, None], KVCache(pages, -pages), page_table, kv_lens,
                            jnp.ones(b, jnp.int32), hidden_layers=(0,), attn_impl=impl)
     for name in ("deferred", "eager"):

@@ -90,16 +90,19 @@ def test_decode_with_the_new_key_out_of_the_pages_matches_reference(case, splits
                  q_gain=1.0 if softcap is None else 4.0)
 
 
+@pytest.mark.parametrize("normed", [False, True], ids=["kernel-norms", "normed-before"])
 @pytest.mark.parametrize("case,splits,merge_in_kernel", [(0, 1, None), (1, 3, True), (0, 4, False)])
-def test_decode_norming_and_roping_its_projection_matches_reference(case, splits, merge_in_kernel):
+def test_decode_norming_and_roping_its_projection_matches_reference(case, splits, merge_in_kernel, normed):
     """projection: the kernel reads a decode step's fused projection [B, (Hq + 2 Hkv) * D] neither
     normed nor roped, scales it by its input's 1 / rms and ropes q and the new key itself, and
     folds that key and value in: the same output as normed, roped q with the K/V in the pages,
-    whichever path finishes the softmax; and it returns the new K/V as the pages hold them."""
-    check_kernel(*CASES[case], splits=splits, merge_in_kernel=merge_in_kernel, new_kv="projection")
+    whichever path finishes the softmax; and it returns the new K/V as the pages hold them. With x
+    None the projection comes normed (larger batches: models.llama.KERNEL_NORM_MAX_BATCH)."""
+    check_kernel(*CASES[case], splits=splits, merge_in_kernel=merge_in_kernel,
+                 new_kv="projection-normed" if normed else "projection")
 
 
-def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, new_kv=False, **blocking):
+def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, new_kv="", **blocking):
     rng = np.random.default_rng(b * 100 + t)
     n_pages, width, layers = 48, 6, 2
     k = jnp.asarray(rng.standard_normal((layers, n_pages, ps, hkv, d)), dtype)
@@ -125,10 +128,13 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, ne
         extra["new_kv"] = (k[1, page, slot], v[1, page, slot])
         pages_in = (k.at[1, page, slot].set(1e4), v.at[1, page, slot].set(-1e4))
     q_in, wanted_kv = q, extra.get("new_kv")
-    if new_kv == "projection":  # q and the new K/V rotated back and divided by 1 / rms(x) of an input x
+    projection = str(new_kv).startswith("projection")
+    if projection:  # q and the new K/V rotated back and divided by 1 / rms(x) of an input x
         from jaxspec.models.llama import rope_table, rotate
         eps, x = 1e-5, jnp.asarray(rng.standard_normal((b, 96)) * 3, dtype)  # 96: the norm's loads 3 x 32
         scale = jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1) + eps)[:, None]
+        if new_kv == "projection-normed":
+            x, scale = None, 1.0
         cos, sin = rope_table(jnp.asarray(kv_lens + 5)[:, None], 1e4 ** -(jnp.arange(0, d, 2) / d))
         back = lambda a: rotate(a.astype(jnp.float32), (cos, -sin)).reshape(b, -1) / scale
         new_k, new_v = extra.pop("new_kv")
@@ -136,7 +142,7 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, ne
         extra.update(projection=(x, cos, sin), eps=eps)
     out = paged_attention(q_in, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu, softcap=softcap,
                           **blocking, **extra)
-    if new_kv == "projection":
+    if projection:
         out, got_kv = out
         kv_tol = 1e-4 if dtype == jnp.float32 else 5e-2
         for got, want in zip(got_kv, wanted_kv):
@@ -153,7 +159,7 @@ def check_kernel(b, t, hq, hkv, d, ps, tree, dtype, softcap=None, q_gain=1.0, ne
     if blocking.get("merge_in_kernel") and b * hkv <= COUNT_SLOTS:  # arrival counts passed in come back zero
         again, counts = paged_attention(q_in, *pages_in, 1, pt, kv_lens, q_lens, mask, interpret=not on_gpu,
                                         softcap=softcap, counts=jnp.zeros(COUNT_SLOTS, jnp.int32), **blocking, **extra)
-        again = again[0] if new_kv == "projection" else again
+        again = again[0] if projection else again
         assert np.array_equal(np.asarray(again, np.float32), out) and not np.asarray(counts).any()
 
 

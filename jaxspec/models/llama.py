@@ -246,6 +246,7 @@ class Llama(nnx.Module):
 
 DEFER_KV_WRITE = True  # attention.defers_kv_write's steps write their K/V after the last layer
 NORM_ROPE_IN_KERNEL = True  # and, for models without q/k norms or a QKV bias, their attention kernel norms and ropes
+KERNEL_NORM_MAX_BATCH = 8  # the attention norm taken in the kernel up to this many requests
 
 
 def causal_mask(t: int, segments=None):
@@ -289,13 +290,17 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
     block = nnx.merge(graphdef, state)
     kw = dict(impl=attn_impl, counts=counts)
     if defer and NORM_ROPE_IN_KERNEL and not (block.cfg.qk_norm or block.cfg.qkv_bias or block.cfg.shard_groups > 1):
-        # the kernel reads x's projection as it is, scales it by x's 1 / rms and ropes q and the new
-        # key itself: XLA's norm before the projection and rope after it cost a kernel each a layer
-        # (rope 0.21 ms of the 8B batch-1 step's 4.53 on the H200, layer_ablation-rope-8b-)
+        # the kernel reads the projection as it is and ropes q and the new key itself, and for a few
+        # requests takes x's norm too: XLA's rope after the projection cost a kernel a layer (0.21 ms
+        # of the 8B batch-1 step's 4.53 on the H200, layer_ablation-rope-8b-), the norm before it
+        # 0.08 more at batch 1; at batch 64 each program's norm of its request's x cost 0.5 ms a
+        # step more than XLA's one kernel for all (layer_ablation-normrope-8b-)
         cos, sin = rope
-        (out, new), counts = attention.paged_attention(x @ block.wqkv[...], k_pages, v_pages, layer, page_table,
-                                                       kv_lens, q_lens, projection=(x, cos, sin),
-                                                       eps=block.cfg.rms_norm_eps, **kw)
+        eps = block.cfg.rms_norm_eps
+        normed = x.shape[0] > KERNEL_NORM_MAX_BATCH
+        (out, new), counts = attention.paged_attention(
+            (rms_norm(x, None, eps) if normed else x) @ block.wqkv[...], k_pages, v_pages, layer, page_table,
+            kv_lens, q_lens, projection=(None if normed else x, cos, sin), eps=eps, **kw)
         return block.finish(x, out), k_pages, v_pages, counts, tuple(a[:, None] for a in new)
     new = None
 

@@ -31,18 +31,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.attention_ref import LOG2E, NEG_INF
 from jaxspec.pallas.rows import full, triton_params
+from jaxspec.pallas.tree_mask import pack_tree_mask
 
 SMS = 132  # H100 SXM multiprocessors: split-K aims to give each of them work
-
-
-def pack_tree_mask(tree_mask):
-    """[B, T, T] bool -> [B, T, 2] int32 bit words (T <= 64)."""
-    b, t, _ = tree_mask.shape
-    assert t <= 64, "tree verify supports at most 64 query tokens"
-    m = jnp.pad(tree_mask, ((0, 0), (0, 0), (0, 64 - t))).reshape(b, t, 2, 32).astype(jnp.uint32)
-    words = (m << jnp.arange(32, dtype=jnp.uint32)).sum(-1, dtype=jnp.uint32)
-    return jax.lax.bitcast_convert_type(words, jnp.int32)
-
 
 
 def _exp2(x, approx):
@@ -62,9 +53,9 @@ def _exp2(x, approx):
 
 def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, v_ref, *out_refs,
             group, page_size, block_rows, pages_per_block, splits, scale, causal, softcap, grid_order,
-            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret, fold_new, rope, eps):
+            exp2_approx, num_tokens, num_q_heads, num_q_blocks, merge, interpret, fold_new, rope, norm_x, eps):
     if rope:  # q_ref holds a decode step's projection, [B * (Hq + 2 Hkv), D]: q, the new k and v, raw
-        x_ref, cos_ref, sin_ref, *out_refs = out_refs
+        x_ref, cos_ref, sin_ref, *out_refs = out_refs if norm_x else [None, *out_refs]
         *out_refs, new_ref = out_refs  # the new K/V as the pages take them, [B, 2 Hkv, D]
     elif fold_new:  # the new token's key and value [B, Hkv, D], in no page (q_lens 0: the prefix alone)
         new_k_ref, new_v_ref, *out_refs = out_refs
@@ -85,12 +76,13 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     q_scale = scale if softcap is not None else scale * LOG2E
     d = q_ref.shape[1]
     if rope:
-        # the attention norm: its weight is in the projection's rows, its scale 1 / rms(x) taken here
-        hidden = x_ref.shape[1]
-        chunk = min(hidden & -hidden, 4096)  # power-of-two loads (Triton's), SmolLM2's 576 as 9 x 64
-        squares = sum(jnp.sum(jnp.square(x_ref[b, pl.ds(c * chunk, chunk)].astype(jnp.float32)))
-                      for c in range(hidden // chunk))
-        norm = jax.lax.rsqrt(squares / hidden + eps)
+        norm = 1.0
+        if x_ref is not None:  # the attention norm: its weight is in the projection's rows, 1 / rms(x) taken here
+            hidden = x_ref.shape[1]
+            chunk = min(hidden & -hidden, 4096)  # power-of-two loads (Triton's), SmolLM2's 576 as 9 x 64
+            squares = sum(jnp.sum(jnp.square(x_ref[b, pl.ds(c * chunk, chunk)].astype(jnp.float32)))
+                          for c in range(hidden // chunk))
+            norm = jax.lax.rsqrt(squares / hidden + eps)
         # rotate-half: x * [cos, cos] + x with its halves swapped * [-sin, sin], all gathered as loaded
         stride = num_q_heads + 2 * (num_q_heads // group)
         cols = jnp.arange(d)
@@ -273,8 +265,8 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
     each request attends to its kv_lens cached keys and this one (q_lens only says which rows are live).
     projection: (x [B, H], cos, sin [B, D/2] float32), for a decode step whose q is its layer's
     fused projection of x [B, (Hq + 2 Hkv) * D] (heads [q | k | v]; no shard groups), not normed
-    (the norm's weight folded into wqkv's rows; eps its epsilon) and not roped: the kernel scales
-    by 1 / rms(x) and ropes q and the new key itself, reads that key and value from there (new_kv
+    (the norm's weight folded into wqkv's rows; eps its epsilon; x None: normed already) and not
+    roped: the kernel scales by 1 / rms(x) and ropes q and the new key itself, reads that key and value from there (new_kv
     implied) and returns them as the pages take them, (out, (k, v) [B, Hkv, D]), so that no XLA
     kernel sits between the layer's input and its attention.
 
@@ -321,13 +313,16 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
                                splits=splits, scale=d ** -0.5, causal=causal, softcap=softcap,
                                grid_order=grid_order, exp2_approx=block_rows >= 128 and not interpret,
                                num_tokens=t, num_q_heads=hq, num_q_blocks=q_blocks, merge=merge,
-                               interpret=interpret, fold_new=fold_new, rope=projection is not None, eps=eps)
+                               interpret=interpret, fold_new=fold_new, rope=projection is not None,
+                               norm_x=projection is not None and projection[0] is not None, eps=eps)
 
     out_rows = token_rows or b * t
     out = jax.ShapeDtypeStruct((out_rows * hq, d), q.dtype)  # the token layout, stored by the kernel
     args = [layer, page_table, kv_lens, q_lens, bits, q, k_rows, v_rows]
     if projection is not None:
-        args += [projection[0].reshape(b, -1)] + [c.reshape(b, d // 2).astype(jnp.float32) for c in projection[1:]]
+        x, cos, sin = projection
+        args += [] if x is None else [x.reshape(b, -1)]
+        args += [c.reshape(b, d // 2).astype(jnp.float32) for c in (cos, sin)]
     elif fold_new:
         args += [new_kv[0].astype(k_rows.dtype), new_kv[1].astype(v_rows.dtype)]
     outs = [out]

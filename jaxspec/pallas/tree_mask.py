@@ -3,11 +3,12 @@
 A tree of N nodes is given by parent indices (parents[i] < i; -1 for the root and padding). Node i
 may attend to node j iff j is i or one of its ancestors; its RoPE position is kv_len + depth(i).
 Computed by pointer doubling: ceil(log2 N) rounds of row gathers, no loop over depth, and cheap
-next to the target forward it feeds. Bit-packing is left to the attention
-kernel, which only ever reads a [T, T] tile of this.
+next to the target forward it feeds. pack_tree_mask packs it into the bit words the attention
+kernels read (a [T, T] tile of it each).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -44,3 +45,12 @@ def capped_depths(parents, cap: int):
 def chain_parents(batch, n):
     """Parents of a chain (each node's parent is the previous one)."""
     return jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) - 1, (batch, n))
+
+
+def pack_tree_mask(tree_mask):
+    """[B, T, T] bool -> [B, T, 2] int32 bit words (T <= 64)."""
+    b, t, _ = tree_mask.shape
+    assert t <= 64, "tree verify supports at most 64 query tokens"
+    m = jnp.pad(tree_mask, ((0, 0), (0, 0), (0, 64 - t))).reshape(b, t, 2, 32).astype(jnp.uint32)
+    words = (m << jnp.arange(32, dtype=jnp.uint32)).sum(-1, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(words, jnp.int32)

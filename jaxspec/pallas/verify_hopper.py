@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.pallas.paged_attention import LOG2E, pack_tree_mask
+from jaxspec.pallas.attention_ref import LOG2E
+from jaxspec.pallas.tree_mask import pack_tree_mask
 
 from jaxspec.pallas.verify_hopper_kernel import PT_LANES, kernel
 
