@@ -19,6 +19,8 @@ part's cost on the critical path is the step's time with it less its time withou
   kv_inbounds  nothing left out, each K/V write a scatter promised in bounds (padding rows sent to the
              trash page) rather than kv_cache.write_layer's mode="drop": XLA's bounds check for a drop
              is a read, a select and a write a layer more
+  xla_norm_rope  nothing left out, XLA's norm before a decode step's projection and rope after it, the
+             new K/V passed to the kernel (llama.NORM_ROPE_IN_KERNEL off; the kernel takes both)
 Outputs are wrong in every variant but full, blocking and kv_inbounds: only times count.
 The first process after the machine starts runs slower: `full` first took 4.64 ms and 4.61 ms
 (layer_ablation-blocking-, layer_ablation- at 57afa8d), second on a warm machine 4.42
@@ -35,6 +37,10 @@ the call) / 4.453 (first), batch 8 at 4.706 / 4.713 against 4.653 / 4.655, SmolL
 1.516 (layer_ablation-normfold*-): not merged. Run by run the same program's batch-1 time moved 0.2 ms with its
 place in the call. On a warm machine (layer_ablation-kvwrite-, a6eb9b4) the K/V writes left out saved 0.146 ms
 at batch 1 (1.127x floor against 1.153x) and 0.079 at batch 8; promised in bounds they saved nothing.
+The kernel roping the projection itself (3573331) saved 0.21 / 0.07 / 0.15 ms at batch 1 / 8 / 64
+(layer_ablation-rope-8b-; SmolLM2 0.08 / 0.11: -rope-smol-); taking the norm too (dc239bb) 0.28 at batch 1
+and 0.06 at 8 but lost 0.36 at 64 (-normrope-8b-), so above 8 requests XLA norms (03ca4f6: -normrope-smol-,
+-normrope-8b-b1-).
     python bench/probes/layer_ablation.py [--batches 1,8] [--model llama3-8b] [--smoke]
 """
 from __future__ import annotations

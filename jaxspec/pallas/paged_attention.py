@@ -16,7 +16,8 @@ tree-mask program as bools.
 A decode step (one new token a request) may leave its K/V out of the pages (`new_kv`): the kernel
 reads the cached prefix and folds the new key in where it finishes the softmax, so that a model
 writes every layer's new K/V in one scatter after its last layer rather than two a layer before
-each attention (kv_cache.write_layers).
+each attention (kv_cache.write_layers). Or it passes its layer's raw projection (`projection`), and
+the kernel norms and ropes q and the new key itself and hands that K/V back for the write.
 
 `paged_attention_ref` in attention_ref.py is the reference; tests run this with interpret=True.
 """
