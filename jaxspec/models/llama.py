@@ -246,7 +246,7 @@ class Llama(nnx.Module):
 
 DEFER_KV_WRITE = True  # attention.defers_kv_write's steps write their K/V after the last layer
 NORM_ROPE_IN_KERNEL = True  # and, for models without q/k norms or a QKV bias, their attention kernel norms and ropes
-KERNEL_NORM_MAX_BATCH = 8  # the attention norm taken in the kernel up to this many requests
+KERNEL_NORM_MAX_BATCH = 1  # the attention norm taken in the kernel up to this many requests
 
 
 def causal_mask(t: int, segments=None):
@@ -290,11 +290,12 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
     block = nnx.merge(graphdef, state)
     kw = dict(impl=attn_impl, counts=counts)
     if defer and NORM_ROPE_IN_KERNEL and not (block.cfg.qk_norm or block.cfg.qkv_bias or block.cfg.shard_groups > 1):
-        # the kernel reads the projection as it is and ropes q and the new key itself, and for a few
-        # requests takes x's norm too: XLA's rope after the projection cost a kernel a layer (0.21 ms
+        # the kernel reads the projection as it is and ropes q and the new key itself, and for one
+        # request takes x's norm too: XLA's rope after the projection cost a kernel a layer (0.21 ms
         # of the 8B batch-1 step's 4.53 on the H200, layer_ablation-rope-8b-), the norm before it
-        # 0.08 more at batch 1; at batch 64 each program's norm of its request's x cost 0.5 ms a
-        # step more than XLA's one kernel for all (layer_ablation-normrope-8b-)
+        # 0.07 more at batch 1. Each program's norm of its request's x cost more than XLA's one kernel
+        # for all elsewhere: 0.36 ms of an 8B batch-64 step (layer_ablation-normrope-8b-), 0.03 of
+        # SmolLM2's batch-8 one (1.139 ms against 1.109, -normrope-smol- / -rope-smol-); level at 8B batch 8
         cos, sin = rope
         eps = block.cfg.rms_norm_eps
         normed = x.shape[0] > KERNEL_NORM_MAX_BATCH
