@@ -115,6 +115,22 @@ def test_engine_on_fused_layers_equals_unfused_plain_and_eagle3(model):
     assert spec.scheduler.pool.in_use == 0
 
 
+def test_engine_on_the_attention_kernel_equals_the_jnp_path():
+    """Generator decoding on the attention kernel, whose decode steps take their layer's raw
+    projection (norm at one request, rope always: models.llama._run_block): the jnp path's tokens,
+    at batch 2 and at batch 1, and no page left in use."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, max_position=512, eos_token_ids=(63,))
+    model = Llama(cfg, rngs=nnx.Rngs(6))
+    prompts, params = [[1, 2, 3, 4, 5], list(range(7, 30))], SamplingParams(max_tokens=10, ignore_eos=True)
+    kw = dict(max_batch=2, max_seq_len=64, num_pages=12, page_size=16)
+    want = [c.token_ids for c in Generator(model, None, attn_impl="ref", **kw).generate(prompts, params)]
+    kernel = Generator(model, None, attn_impl="pallas", **kw)
+    assert [c.token_ids for c in kernel.generate(prompts, params)] == want
+    assert kernel.generate([prompts[1]], params)[0].token_ids == want[1]
+    assert kernel.scheduler.pool.in_use == 0
+
+
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["kernel-ropes", "roped-before"])
 @pytest.mark.parametrize("b", [1, 3], ids=["kernel-merge", "xla-merge"])
 def test_decode_on_the_kernel_writes_kv_after_the_last_layer(b, qk_norm, monkeypatch):
