@@ -117,8 +117,8 @@ def test_engine_on_fused_layers_equals_unfused_plain_and_eagle3(model):
 
 def test_engine_on_the_attention_kernel_equals_the_jnp_path():
     """Generator decoding on the attention kernel, whose decode steps take their layer's raw
-    projection (norm at one request, rope always: models.llama._run_block): the jnp path's tokens,
-    at batch 2 and at batch 1, and no page left in use."""
+    projection (norm at one request, rope always: models.llama._run_block), and EAGLE-3 verifying
+    there: the jnp path's tokens, at batch 2 and at batch 1, and no page left in use."""
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=64, max_position=512, eos_token_ids=(63,))
     model = Llama(cfg, rngs=nnx.Rngs(6))
@@ -128,7 +128,10 @@ def test_engine_on_the_attention_kernel_equals_the_jnp_path():
     kernel = Generator(model, None, attn_impl="pallas", **kw)
     assert [c.token_ids for c in kernel.generate(prompts, params)] == want
     assert kernel.generate([prompts[1]], params)[0].token_ids == want[1]
-    assert kernel.scheduler.pool.in_use == 0
+    head = DraftHead(HeadConfig.for_target(cfg, "eagle3"), rngs=nnx.Rngs(7))  # and EAGLE-3 verifying on the kernels
+    spec = Generator(model, None, attn_impl="pallas", drafter=EagleDrafter(head, TreeShape(2, 2, 4)), **kw)
+    assert [c.token_ids for c in spec.generate(prompts, params)] == want
+    assert kernel.scheduler.pool.in_use == 0 and spec.scheduler.pool.in_use == 0
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["kernel-ropes", "roped-before"])
