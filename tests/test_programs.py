@@ -75,6 +75,25 @@ def test_eagle_engine_compiles_nothing_after_warmup_with_mixed_groups(tiny):
     assert sched.late_compiles == [] and compile_count() == before
 
 
+def test_auto_engine_whose_top_bucket_has_no_tree_compiles_nothing_as_its_batch_shrinks(tiny):
+    """Under 'auto' a batch of 16 gets no tree at this budget (bucket 8 does): its requests decode
+    plainly there, leaving their heads behind, and decode on by the target alone as finished ones
+    shrink the batch into buckets whose plain decoding keeps the heads in step: the start-up set
+    holds those buckets' target-alone programs too."""
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(1))
+    gen = Generator(tiny, None, drafter=EagleDrafter(head, TreeShape(3, 4, 8)), max_batch=16, max_seq_len=160,
+                    prefill_chunk=64, warmup=True, spec_min_nodes=4, spec_policy="auto", spec_max_verify_tokens=32,
+                    warmup_flags=(SamplerFlags(),))
+    sched = gen.scheduler
+    assert not sched._verify_shapes(16) and sched._keeps_heads_at(8) and sched._keeps_heads_at(4)
+    reqs = [sched.add([1 + i, 2, 3, 4], SamplingParams(max_tokens=4 if i % 4 else 40, ignore_eos=True))
+            for i in range(16)]
+    while sched.has_work:
+        sched.step()
+    assert all(r.finished and r.head_len is not None for r in reqs)
+    assert sched.late_compiles == []
+
+
 @pytest.fixture
 def without_jax_cache():
     """JAX's persistent cache (conftest shares one across the suite) off: every compile is XLA's own."""
