@@ -130,12 +130,16 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--tag", type=results_tag, default="", help="suffix of the results file name")
     ap.add_argument("--no-throwaway", action="store_true", help="skip the unrecorded first process (see above)")
+    ap.add_argument("--throwaway", action="store_true", help=argparse.SUPPRESS)  # (that process: steps, nothing kept)
     args = ap.parse_args()
+    first = args.models.split(",")[0], int(args.batches.split(",")[0])
+    if args.throwaway:
+        model = random_model(ModelConfig(**(SMOLLM2 if first[0] == "smollm2-135m" else LLAMA3_8B)), jax.numpy.bfloat16)
+        step_times(decode_steps(model, first[1], args.context, args.max_seq_len, args.page_size, args.impls.split(",")[0]), 8)
+        return
     if not args.no_throwaway:
-        first = args.models.split(",")[0]
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--models", first, "--batches", args.batches.split(",")[0],
-                        "--context", str(args.context), "--steps", "8", "--no-torch", "--no-throwaway"],
-                       env=dict(os.environ, BENCH_OUT=tempfile.mkdtemp()), check=False)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--models", first[0], "--batches", str(first[1]),
+                        "--context", str(args.context), "--throwaway"], check=False)
     anchor = [] if args.no_torch else run_torch_anchor(args.models, args.batches, args.context)
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
