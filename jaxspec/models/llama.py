@@ -300,7 +300,7 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
         eps = block.cfg.rms_norm_eps
         normed = x.shape[0] > KERNEL_NORM_MAX_BATCH
         (out, new), counts = attention.paged_attention(
-            (rms_norm(x, None, eps) if normed else x) @ block.wqkv[...], k_pages, v_pages, layer, page_table,
+            block.project(x) if normed else x @ block.wqkv[...], k_pages, v_pages, layer, page_table,
             kv_lens, q_lens, projection=(None if normed else x, cos, sin), eps=eps, **kw)
         return block.finish(x, out), k_pages, v_pages, counts, tuple(a[:, None] for a in new)
     new = None

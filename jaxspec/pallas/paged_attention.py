@@ -85,7 +85,8 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
                           for c in range(hidden // chunk))
             norm = jax.lax.rsqrt(squares / hidden + eps)
         # rotate-half: x * [cos, cos] + x with its halves swapped * [-sin, sin], all gathered as loaded
-        stride = num_q_heads + 2 * (num_q_heads // group)
+        kv_heads = num_q_heads // group
+        stride = num_q_heads + 2 * kv_heads
         cols = jnp.arange(d)
         swapped, half = (cols + d // 2) % d, cols % (d // 2)
         cos, sin = cos_ref[b, half] * norm, jnp.where(cols < d // 2, -norm, norm) * sin_ref[b, half]
@@ -97,12 +98,12 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
             return load(cols) * lift(cos) + load(swapped) * lift(sin)
         q = roped(b * stride + h * group + rows % group)
         kv_row = b * stride + num_q_heads + h
-        k_new, v_new = roped(kv_row), q_ref[kv_row + num_q_heads // group, :].astype(jnp.float32) * norm
+        k_new, v_new = roped(kv_row), q_ref[kv_row + kv_heads, :].astype(jnp.float32) * norm
 
         @pl.when(split == 0)
         def _():
             new_ref[b, h, :] = k_new.astype(new_ref.dtype)
-            new_ref[b, h + num_q_heads // group, :] = v_new.astype(new_ref.dtype)
+            new_ref[b, h + kv_heads, :] = v_new.astype(new_ref.dtype)
     else:
         q = q_ref[row - jnp.maximum(t - num_tokens + 1, 0) * num_q_heads, :].astype(jnp.float32)
     q = (q * q_scale).astype(k_ref.dtype)
@@ -264,12 +265,11 @@ def paged_attention(q, k_pages, v_pages, layer, page_table, kv_lens, q_lens, tre
 
     new_kv: (k, v) [B, Hkv, D] of a decode step's one new token (T = 1, causal), not in the pages:
     each request attends to its kv_lens cached keys and this one (q_lens only says which rows are live).
-    projection: (x [B, H], cos, sin [B, D/2] float32), for a decode step whose q is its layer's
-    fused projection of x [B, (Hq + 2 Hkv) * D] (heads [q | k | v]; no shard groups), not normed
-    (the norm's weight folded into wqkv's rows; eps its epsilon; x None: normed already) and not
-    roped: the kernel scales by 1 / rms(x) and ropes q and the new key itself, reads that key and value from there (new_kv
-    implied) and returns them as the pages take them, (out, (k, v) [B, Hkv, D]), so that no XLA
-    kernel sits between the layer's input and its attention.
+    projection: (x [B, H], cos, sin [B, D/2] float32), for a decode step whose q is its layer's fused
+    projection of x [B, (Hq + 2 Hkv) * D] (heads [q | k | v]; no shard groups), not normed (the norm's
+    weight folded into wqkv's rows; eps its epsilon; x None: normed already) and not roped: the kernel
+    scales by 1 / rms(x), ropes q and the new key, reads that key and value from there (new_kv implied)
+    and returns them as the pages take them, (out, (k, v) [B, Hkv, D]): no XLA kernel between the two.
 
     grid_order names the grid's axes (b request, h kv head, q query block, s split) in launch
     order, the first varying fastest: programs launched together share L2, so the query blocks

@@ -35,10 +35,10 @@ class StartUp:
         if self.device_drafter:
             decode, target_cache = self.plain_programs, self.cache[0]
         specs = []
-        plain_prefill = self._no_tree_at(self.max_batch)  # then a prefill may run the target alone
-        # requests whose heads fell behind in a bucket without trees decode on by the target alone in
-        # whatever bucket the batch shrinks to, one whose plain decoding otherwise keeps the heads in step
-        behind = self.device_drafter and any(not self._verify_shapes(rows) for rows in self.row_buckets)
+        # a bucket without trees (the largest lack them first): a prefill may run the target alone, and
+        # requests whose heads fell behind there decode on by the target alone in whatever bucket the
+        # batch shrinks to, one whose plain decoding otherwise keeps the heads in step
+        plain_prefill = self._no_tree_at(self.max_batch)
         for flags in flag_sets:
             for rows, t in self.prefill_shapes:
                 specs.append((self.programs, "extend", flags, self.cache, self._dummy_inputs(rows, t)))
@@ -48,7 +48,7 @@ class StartUp:
                 keep = self._keeps_heads_at(rows)  # (its plain decoding keeps the heads in step)
                 specs.append((self.programs if keep else decode, "decode", flags, self.cache if keep else target_cache,
                               self._dummy_decode(rows)))
-                if keep and behind:
+                if keep and plain_prefill:
                     specs.append((decode, "decode", flags, target_cache, self._dummy_decode(rows)))
                 for tree, nodes in self._verify_shapes(rows):
                     specs.append((self.tree_programs.get(tree, self.programs), self._verify_name, flags, self.cache,
