@@ -126,7 +126,8 @@ def init_drafter(target, cfg: DFlashConfig, seed: int) -> DFlashHead:
     f32 = lambda x: jnp.asarray(x[...], jnp.float32)
     hq = tc.num_heads * tc.head_dim
     for layer, src in zip(head.layers, list(target.layers)[-cfg.num_layers:]):
-        layer.input_norm[...], layer.post_norm[...] = jnp.ones_like(layer.input_norm[...]), f32(src.mlp_norm)  # (attn's in wqkv)
+        layer.input_norm[...], layer.post_norm[...] = (jnp.ones_like(n[...]) for n in (layer.input_norm, layer.post_norm))
+        # (the target's norm weights are in its wqkv's and w_gate_up's rows, which these take)
         layer.wq[...], layer.wkv[...] = f32(src.wqkv)[:, :hq], f32(src.wqkv)[:, hq:]
         layer.wo[...], layer.w_gate_up[...], layer.w_down[...] = f32(src.wo), f32(src.w_gate_up), f32(src.w_down)
         if tc.qk_norm:

@@ -7,6 +7,7 @@ import pytest
 from jaxspec.pallas.accept import accept_tree, accept_tree_ref
 from jaxspec.pallas.attention_ref import NEG_INF, paged_attention_ref, prefix_attention_ref
 from jaxspec.pallas.paged_attention import COUNT_SLOTS, paged_attention, prefix_attention
+from jaxspec.pallas.swiglu import swiglu, swiglu_ref
 from jaxspec.pallas.tree_mask import tree_attention_mask
 
 
@@ -275,3 +276,23 @@ def test_top_k_log_softmax_kernel_under_vmap():
     (vals, ids), (ref_vals, ref_ids) = step(x, promote), top_k_log_softmax_ref(x, 4, promote)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
     np.testing.assert_allclose(np.asarray(vals), np.asarray(ref_vals), atol=2e-6)
+
+
+@pytest.mark.parametrize("m,hidden,inter,dtype", [(1, 96, 48, jnp.float32), (3, 128, 1536, jnp.bfloat16)])
+def test_swiglu_takes_the_norm_scale_as_reference(m, hidden, inter, dtype):
+    """silu(s * gate) * (s * up), s = 1 / rms(x) taken in the kernel (x's row read in 3 x 32 at
+    hidden 96; 1536 columns in blocks of 512): as the reference, and as the unfused norm-then-gate."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(3 * rng.standard_normal((m, hidden)), dtype)
+    w = jnp.asarray(rng.standard_normal((hidden, 2 * inter)) / hidden ** 0.5, dtype)
+    gate_up = x @ w
+    out = swiglu(x, gate_up, eps=1e-5, interpret=jax.default_backend() != "gpu")
+    ref = swiglu_ref(x, gate_up, eps=1e-5)
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5)
+    gate, up = jnp.split(normed @ w.astype(jnp.float32), 2, axis=-1)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    for want in (ref, jax.nn.silu(gate) * up):
+        want = np.asarray(want, np.float32)
+        assert np.abs(np.asarray(out, np.float32) - want).max() < tol * max(1.0, np.abs(want).max())
+

@@ -4,8 +4,8 @@ Each layer is its own `Block` with its own arrays, and the forward is a Python l
 A `lax.scan` over weights stacked on a layer axis made XLA copy each layer's slice out before
 every multi-row GEMM (the 8B step read its weights about three times: 16.6 ms against 6.9 ms
 unrolled on the H100). Q/K/V and gate/up are single fused matrices, concatenated at load: one
-GEMM reads the layer's input once. The attention norm's weight is folded into wqkv's rows at load
-(loading.layer_weights), so that a decode step's attention kernel can take the norm's scale itself.
+GEMM reads the layer's input once. The norms' weights are folded into wqkv's and w_gate_up's rows at
+load (loading.layer_weights), so that a decode step's kernels can take the norms' scales themselves.
 The KV cache is an explicit pytree passed in and returned.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jaxspec.pallas.matmul_residual import matmul_residual
 from jaxspec.pallas.paged_attention import COUNT_SLOTS
 from jaxspec.pallas.qkv_project import qkv_project
 from jaxspec.pallas.rows import padded_rows, rms_norm
+from jaxspec.pallas.swiglu import swiglu
 
 
 def rope_frequencies(cfg: ModelConfig):
@@ -64,8 +65,8 @@ def _param(rngs, shape, fan_in, dtype):
 
 
 class Block(nnx.Module):
-    """One decoder layer; weights in [in, out] layout, wqkv = [wq | wk | wv] (each row scaled by the
-    attention norm's weight), w_gate_up = [gate | up] (per shard, with cfg.shard_groups > 1)."""
+    """One decoder layer; weights in [in, out] layout, wqkv = [wq | wk | wv] and w_gate_up = [gate | up]
+    (per shard, with cfg.shard_groups > 1), each row scaled by its norm's weight."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -78,7 +79,6 @@ class Block(nnx.Module):
             self.q_norm = nnx.Param(jnp.ones((cfg.head_dim,), dtype))
             self.k_norm = nnx.Param(jnp.ones((cfg.head_dim,), dtype))
         self.wo = _param(rngs, (hq, H), hq, dtype)
-        self.mlp_norm = nnx.Param(jnp.ones((H,), dtype))
         self.w_gate_up = _param(rngs, (H, 2 * F), H, dtype)
         self.w_down = _param(rngs, (F, H), F, dtype)
 
@@ -99,11 +99,14 @@ class Block(nnx.Module):
             q, k = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         return q, k, v
 
-    def finish(self, x, attn):
-        """The rest of the layer, from the attention's output attn [B, T, Hq, D]."""
+    def finish(self, x, attn, gating=None):
+        """The rest of the layer, from the attention's output attn [B, T, Hq, D]. gating(x, x @ w_gate_up):
+        the MLP's gating with its norm's scale taken in it (pallas/swiglu.py), or None: XLA's norm and gating."""
         b, t, _ = x.shape
         x = x + attn.reshape(b, t, -1) @ self.wo[...]
-        gate_up = rms_norm(x, self.mlp_norm[...], self.cfg.rms_norm_eps) @ self.w_gate_up[...]
+        if gating is not None:
+            return x + gating(x, x @ self.w_gate_up[...]) @ self.w_down[...]
+        gate_up = rms_norm(x, None, self.cfg.rms_norm_eps) @ self.w_gate_up[...]
         gate, up = jnp.split(gate_up.reshape(b, t, self.cfg.shard_groups, -1), 2, axis=-1)
         return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
 
@@ -123,7 +126,7 @@ class Block(nnx.Module):
                                           num_q=cfg.num_heads, num_kv=cfg.num_kv_heads, eps=cfg.rms_norm_eps,
                                           interpret=interpret)
         x = matmul_residual(attend(q, k_pages, v_pages), self.wo[...], x, interpret=interpret)
-        h = gated_up(x, self.mlp_norm[...], self.w_gate_up[...], eps=cfg.rms_norm_eps, interpret=interpret)
+        h = gated_up(x, jnp.ones(x.shape[-1:], x.dtype), self.w_gate_up[...], eps=cfg.rms_norm_eps, interpret=interpret)
         return matmul_residual(h, self.w_down[...], x, interpret=interpret), k_pages, v_pages
 
 
@@ -247,6 +250,7 @@ class Llama(nnx.Module):
 DEFER_KV_WRITE = True  # attention.defers_kv_write's steps write their K/V after the last layer
 NORM_ROPE_IN_KERNEL = True  # and, for models without q/k norms or a QKV bias, their attention kernel norms and ropes
 KERNEL_NORM_MAX_BATCH = 1  # the attention norm taken in the kernel up to this many requests
+MLP_NORM_IN_KERNEL = True  # and then the MLP norm's scale in the gating kernel (pallas/swiglu.py)
 
 
 def causal_mask(t: int, segments=None):
@@ -297,12 +301,16 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
         # for all elsewhere: 0.36 ms of an 8B batch-64 step (layer_ablation-normrope-8b-), 0.03 of
         # SmolLM2's batch-8 one (1.139 ms against 1.109, -normrope-smol- / -rope-smol-); level at 8B batch 8
         cos, sin = rope
-        eps = block.cfg.rms_norm_eps
-        normed = x.shape[0] > KERNEL_NORM_MAX_BATCH
+        eps, b = block.cfg.rms_norm_eps, x.shape[0]
+        normed = b > KERNEL_NORM_MAX_BATCH
         (out, new), counts = attention.paged_attention(
             block.project(x) if normed else x @ block.wqkv[...], k_pages, v_pages, layer, page_table,
             kv_lens, q_lens, projection=(None if normed else x, cos, sin), eps=eps, **kw)
-        return block.finish(x, out), k_pages, v_pages, counts, tuple(a[:, None] for a in new)
+        gating = None  # and for as few requests the MLP norm's scale is the gating kernel's
+        if not normed and MLP_NORM_IN_KERNEL:
+            gating = lambda x, gate_up: swiglu(x.reshape(b, -1), gate_up.reshape(b, -1), eps=eps,
+                                               interpret=jax.default_backend() != "gpu").reshape(b, 1, -1)
+        return block.finish(x, out, gating), k_pages, v_pages, counts, tuple(a[:, None] for a in new)
     new = None
 
     def attend(q, k, v):

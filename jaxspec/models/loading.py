@@ -106,13 +106,12 @@ def layer_weights(cfg: ModelConfig, get, source: str) -> dict:
 
     def layer(i):
         p, out = f"layers/{i}/", {}
-        out[p + "mlp_norm"] = need("mlp_norm", i)
-        # the attention norm's weight scales wqkv's rows (models.llama.Block): norm(x) @ W with the
+        # each norm's weight scales the next matrix's rows (models.llama.Block): norm(x) @ W with the
         # weight is the unweighted norm(x) @ (diag(weight) W), products taken in float32 before the cast
-        norm = np.asarray(need("attn_norm", i), np.float32)[:, None]
-        out[p + "wqkv"] = norm * np.concatenate([need(k, i) for k in ("q", "k", "v")], axis=1).astype(np.float32)
+        folded = lambda norm, mats: (np.asarray(need(norm, i), np.float32)[:, None]
+                                     * np.concatenate([need(k, i) for k in mats], axis=1).astype(np.float32))
+        out[p + "wqkv"], out[p + "w_gate_up"] = folded("attn_norm", ("q", "k", "v")), folded("mlp_norm", ("gate", "up"))
         out[p + "wo"], out[p + "w_down"] = need("o", i), need("down", i)
-        out[p + "w_gate_up"] = np.concatenate([need("gate", i), need("up", i)], axis=1)
         if cfg.qkv_bias:
             out[p + "bqkv"] = np.concatenate([need(k, i) for k in ("q_bias", "k_bias", "v_bias")])
         if cfg.qk_norm:
