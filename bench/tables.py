@@ -29,7 +29,7 @@ def _table(name, columns, device=DEVICE):
 
 def decode() -> str:
     # (no kernel count: under command buffers the profiler sees a few layers' kernels only)
-    d, out = _table("decode", ["model", "batch", "jaxspec ms (floor ratio)", "torch.compile ms (floor ratio)",
+    d, out = _table("decode-mlpnorm", ["model", "batch", "jaxspec ms (floor ratio)", "torch.compile ms (floor ratio)",
                                "jaxspec vs torch"], device="NVIDIA-H200")
     rows = {(r["model"], r["batch"], r["engine"]): r for r in d["rows"]}
     for (model, batch, engine), j in rows.items():
