@@ -16,9 +16,9 @@
 # Stage 4's 8,192-id head with its learning rate annealed (stage 4 stopped near its peak rate; the 16,384-id
 # ablation's schedule had mostly run down, and its held-out walk rose from 3.42 to 3.52, card-stage5-vocab16k):
 #   bash bench/train_head.sh anneal GGUF RUN MINUTES
-# Next (not yet run): a fifth corpus whose invented prompts also name a subject (--topics, train_data.TOPICS:
-# the corpora above spread over the openers' few themes, and the heads' held-out gains did not reach MT-bench),
-# then the stage-4 recipe on all four from the shipped head:
+# Stage 6: a fifth corpus whose invented prompts also name a subject (--topics, train_data.TOPICS: the corpora
+# above spread over the openers' few themes; committed as data/smollm2-135m-selfgen-seed4), then 1,200 steps of
+# the stage-4 recipe on all four from the stage-4 head (184 s on an H200):
 #   bash bench/train_head.sh seed4-data GGUF RUN6; bash bench/train_head.sh stage6 GGUF RUN6 MINUTES
 # The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
@@ -62,8 +62,8 @@ case $stage in
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   seed4-data) python -m jaxspec.train "${common[@]}" --num-prompts 36864 --seed 4 --topics --data-only ;;
   stage6) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 \
-          --ttt 6 --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,"$run"/data.npz \
-          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 4000 --loss-on answer --pack-len 768 \
+          --ttt 6 --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,data/smollm2-135m-selfgen-seed4/data.npz \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 1200 --loss-on answer --pack-len 768 \
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash3) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
           --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \

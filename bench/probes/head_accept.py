@@ -1,0 +1,62 @@
+"""EAGLE-3 heads side by side: the accept length each gets on the benchmarks' prompts, decoding greedily
+through the engine with one tree (accept length is a property of the head and the target's greedy text,
+not of the machine's speed, so a CPU measures it; float32 here, bf16 on a GPU may differ a little).
+
+    python bench/probes/head_accept.py --heads jaxspec/drafters/weights/smollm2-135m-eagle3,runs/x/head \
+        [--datasets mt-bench,humaneval] [--tree 6:4:24] [--batch 8] [--max-tokens 128] [--prompts 80]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from common import humaneval_prompts, mt_bench_prompts, print_table, results_tag, write_results  # noqa: E402
+
+COLS = ["head", "dataset", "tree", "prompts", "steps", "accept_length", "identical_to_first"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", required=True, help="EAGLE-3 head directories, comma-separated")
+    ap.add_argument("--datasets", default="mt-bench,humaneval")
+    ap.add_argument("--tree", default="6:4:24", help="steps:topk:draft tokens")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=None, help="the first N of each dataset (default: all)")
+    ap.add_argument("--tag", type=results_tag, default="")
+    args = ap.parse_args()
+
+    from jaxspec import Generator, SamplingParams, SpecConfig
+    from jaxspec.models.loading import load
+    model, tok = load("smollm2-135m")
+    steps, topk, nodes = map(int, args.tree.split(":"))
+    rows, first = [], {}
+    for head in args.heads.split(","):
+        drafter = SpecConfig("EAGLE3", draft_model_path=head, num_steps=steps, eagle_topk=topk,
+                             num_draft_tokens=nodes).build(model, "smollm2-135m")
+        gen = Generator(model, tok, drafter=drafter, max_batch=args.batch, max_seq_len=1024, page_size=16, warmup=False)
+        for ds in args.datasets.split(","):
+            prompts = (humaneval_prompts() if ds == "humaneval"
+                       else [[{"role": "user", "content": q}] for q in mt_bench_prompts()])[:args.prompts]
+            outs = []
+            for w in range(0, len(prompts), args.batch):
+                outs += gen.generate(prompts[w:w + args.batch], SamplingParams(max_tokens=args.max_tokens))
+            acc = [a for o in outs for a in o.accept_lengths]
+            texts = [o.token_ids for o in outs]
+            first.setdefault(ds, texts)  # greedy: every head's text is the target's
+            rows.append(dict(head=os.path.relpath(head) if os.path.isabs(head) else head, dataset=ds, tree=args.tree,
+                             prompts=len(prompts), steps=len(acc), accept_length=float(np.mean(acc)),
+                             identical_to_first=texts == first[ds], max_tokens=args.max_tokens))
+            print_table(rows[-1:], COLS)
+    print(write_results("head_accept" + args.tag, rows, dict(batch=args.batch)))
+    print_table(rows, COLS)
+
+
+if __name__ == "__main__":
+    main()
