@@ -20,6 +20,10 @@
 # above spread over the openers' few themes; committed as data/smollm2-135m-selfgen-seed4), then 1,200 steps of
 # the stage-4 recipe on all four from the stage-4 head (184 s on an H200):
 #   bash bench/train_head.sh seed4-data GGUF RUN6; bash bench/train_head.sh stage6 GGUF RUN6 MINUTES
+# Next (not yet run): a code corpus (the standard library's documented functions for the target to complete,
+# raw text, no chat template: the chat corpora held no code to complete, where the heads accept least), then
+# stage 6's recipe on the five, the code corpus four times over (it is small), from the shipped head:
+#   bash bench/train_head.sh code-data GGUF RUN7; bash bench/train_head.sh stage7 GGUF RUN7 MINUTES
 # The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
 #   bash bench/train_head.sh dflash GGUF RUN MINUTES
@@ -65,10 +69,15 @@ case $stage in
           --ttt 6 --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,data/smollm2-135m-selfgen-seed4/data.npz \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 1200 --loss-on answer --pack-len 768 \
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
+  code-data) python -m jaxspec.train "${common[@]}" --num-prompts 8192 --seed 5 --prompts code --data-only ;;
+  stage7) c="$run"/data.npz; JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" \
+          --seq-len 384 --batch 32 --ttt 6 --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,data/smollm2-135m-selfgen-seed4/data.npz,$c,$c,$c,$c \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 3000 --loss-on answer --pack-len 768 \
+          --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash3) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
           --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
           --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 8000 --batch 16 --anchors 64 \
           --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
           --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, seed4-data, stage6, dflash or dflash3" >&2; exit 2 ;;
+  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, seed4-data, stage6, code-data, stage7, dflash or dflash3" >&2; exit 2 ;;
 esac

@@ -137,6 +137,9 @@ def parse_args(argv=None):
     ap.add_argument("--data-only", action="store_true", help="generate the run's data.npz and stop")
     ap.add_argument("--topics", action="store_true",
                     help="invented prompts also name a subject (train_data.TOPICS) in a system message")
+    ap.add_argument("--prompts", choices=["chat", "code"], default="chat",
+                    help="what the target answers: chat prompts it invents, or the standard library's functions to "
+                         "complete (signature and docstring, no chat template; at most --num-prompts, distinct)")
     ap.add_argument("--data", default=None,
                     help="train on this data.npz (e.g. a corpus in data/) rather than the run's; several, comma-separated, "
                          "are concatenated in order")
@@ -192,7 +195,7 @@ def train(args, target=None, tokenizer=None):
         data_path = data_paths[0]
         t0 = time.time()
         seqs, plens = build_data(target, tokenizer, args.num_prompts, args.max_new_tokens, args.sampled_fraction,
-                                 args.seed, args.gen_batch, topics=args.topics)
+                                 args.seed, args.gen_batch, topics=args.topics, source=args.prompts)
         tokens, lengths = pack(seqs, args.seq_len)
         plens, first_len = np.array(plens, np.int32), len(lengths)
         data_seconds = time.time() - t0

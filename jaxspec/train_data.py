@@ -7,7 +7,11 @@ paging and the per-step host bookkeeping buy nothing.
 """
 from __future__ import annotations
 
+import ast
 import functools
+import os
+import sysconfig
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +171,43 @@ def invent_prompts(target, tokenizer, n: int, seed: int, batch: int, max_tokens:
     return [t for t, s in zip(texts, starts) if len(t) > len(s) + 8]
 
 
+# Standard-library folders whose functions read as tests, demos or tooling rather than library code.
+_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "site-packages", "dist-packages",
+              "__pycache__", "__phello__", "tkinter", "pydoc_data"}
+
+
+def code_prompts(n: int, seed: int, root: str | None = None, max_chars: int = 600) -> list[str]:
+    """Code-completion prompts from the running Python's standard library (root: another source tree):
+    each function's or method's signature and docstring as its file has them, and again with the first
+    half of a longer body, dedented (a completion model's prompt is a file's text, not a chat turn); at
+    most n of them, distinct, shuffled by seed.
+    The chat corpora never held raw code to complete, which the heads accepted least on."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    texts = set()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                source = f.read()
+            try:
+                tree = ast.parse(source)
+            except (SyntaxError, ValueError):
+                continue
+            lines = source.splitlines()
+            for node in ast.walk(tree):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(ast.get_docstring(node) or "") < 24:
+                    continue
+                # the docstring's end, and where the body has several statements its first half's too
+                ends = [node.body[0].end_lineno] + ([node.body[len(node.body) // 2].end_lineno] if len(node.body) > 3 else [])
+                for end in ends:
+                    text = textwrap.dedent("\n".join(lines[node.lineno - 1:end])) + "\n"
+                    if len(text) <= max_chars:
+                        texts.add(text)
+    texts = sorted(texts)
+    order = np.random.default_rng(seed).permutation(len(texts))[:n]
+    return [texts[i] for i in order]
+
+
 def user_header(tokenizer, topic: str | None = None) -> str:
     """The chat template's text up to a user message's content (after a system message naming
     the topic, where one is given)."""
@@ -190,13 +231,16 @@ def distill(target, prompts, max_new_tokens: int, sampled_fraction: float, seed:
 
 
 def build_data(target, tokenizer, num_prompts: int, max_new_tokens: int, sampled_fraction: float, seed: int,
-               batch: int, topics: bool = False):
-    """(sequences, prompt lengths) written by the target (prompts from openers, with topics from
-    TOPICS too). Without a tokenizer (tests): random prompts."""
+               batch: int, topics: bool = False, source: str = "chat"):
+    """(sequences, prompt lengths) written by the target: chat prompts it invents (from openers, with
+    topics from TOPICS too), or with source "code" the standard library's functions to complete
+    (code_prompts, no chat template). Without a tokenizer (tests): random prompts."""
     if tokenizer is None:
         rng = np.random.default_rng(seed)
         prompts = [list(map(int, rng.integers(0, target.cfg.vocab_size, int(rng.integers(4, 16)))))
                    for _ in range(num_prompts)]
+    elif source == "code":
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in code_prompts(num_prompts, seed)]
     else:
         texts = invent_prompts(target, tokenizer, num_prompts, seed, batch, topics=topics)
         prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,

@@ -89,6 +89,40 @@ def test_invented_prompts_pair_each_opener_with_each_topic(tiny, monkeypatch):
     assert train_data.TOPICS[0] != train_data.TOPICS[1]
 
 
+def test_code_prompts_are_signatures_and_docstrings_completed_without_chat(tiny, tmp_path, monkeypatch):
+    """--prompts code: a source tree's documented functions and methods, dedented, cut after the
+    docstring (and after half of a longer body), test folders and undocumented functions left out,
+    shuffled by seed; the target answers their raw tokens, no chat template around them."""
+    from jaxspec import train_data
+    from jaxspec.models.gguf_file import GGUFFile
+    from jaxspec.models.loading import gguf_tokenizer, resolve
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "test").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        'def area(w, h):\n    """The area of a w by h rectangle, in square units."""\n    return w * h\n\n'
+        'def bare(x):\n    return x\n\n'
+        'class Box:\n    def grow(self, k):\n        """Scale every side of the box by the factor k."""\n'
+        '        a = 1\n        b = 2\n        c = 3\n        return k\n')
+    (tmp_path / "test" / "t.py").write_text('def check():\n    """A test of something or other, ignored."""\n')
+    (tmp_path / "pkg" / "broken.py").write_text("def (:\n")
+    got = train_data.code_prompts(10, 0, root=str(tmp_path))
+    assert sorted(got) == sorted([
+        'def area(w, h):\n    """The area of a w by h rectangle, in square units."""\n',
+        'def grow(self, k):\n    """Scale every side of the box by the factor k."""\n',
+        'def grow(self, k):\n    """Scale every side of the box by the factor k."""\n    a = 1\n    b = 2\n'])
+    assert train_data.code_prompts(2, 0, root=str(tmp_path)) == got[:2]
+    assert {tuple(train_data.code_prompts(10, s, root=str(tmp_path))) for s in range(6)} != {tuple(got)}
+
+    path = resolve("smollm2-135m")
+    tok, seen = gguf_tokenizer(GGUFFile(path).metadata, path), []
+    monkeypatch.setattr(train_data, "code_prompts", lambda n, seed: got[:n])
+    monkeypatch.setattr(train_data, "self_generate",
+                        lambda target, ids, temps, *a, **k: seen.extend(ids) or [[7, 8] for _ in ids])
+    seqs, plens = train_data.build_data(tiny, tok, 2, 4, 0.25, 0, 8, source="code")
+    assert [tok.decode(s) for s in seen] == got[:2] and plens == [len(s) for s in seen]
+    assert seqs == [s + [7, 8] for s in seen]
+
+
 def test_training_resumes_from_checkpoint(tmp_path, tiny):
     head_a, step = train_tiny_head(tmp_path / "a", "eagle", tiny, steps=6)
     assert step == 6
