@@ -72,7 +72,7 @@ case $stage in
   code-data) python -m jaxspec.train "${common[@]}" --num-prompts 8192 --seed 5 --prompts code --data-only ;;
   stage7) c="$run"/data.npz; JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" \
           --seq-len 384 --batch 32 --ttt 6 --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,data/smollm2-135m-selfgen-seed4/data.npz,$c,$c,$c,$c \
-          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 3000 --loss-on answer --pack-len 768 \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 2000 --loss-on answer --pack-len 768 \
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash3) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
           --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \

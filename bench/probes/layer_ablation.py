@@ -21,6 +21,8 @@ part's cost on the critical path is the step's time with it less its time withou
              is a read, a select and a write a layer more
   xla_norm_rope  nothing left out, XLA's norm before a decode step's projection and rope after it, the
              new K/V passed to the kernel (llama.NORM_ROPE_IN_KERNEL off; the kernel takes both)
+  xla_norm   nothing left out, XLA's norms at every batch, the kernel roping (llama.KERNEL_NORM_MAX_BATCH 0:
+             at batch 1 the attention kernel and pallas/swiglu.py take neither norm's scale)
   xla_mlp_norm  nothing left out, XLA's MLP norm and gating (llama.MLP_NORM_IN_KERNEL off; at batch 1
              pallas/swiglu.py gates with the norm's scale in it)
 Outputs are wrong in every variant but full, blocking and kv_inbounds: only times count.
@@ -78,6 +80,9 @@ def leave_out(variant):
         return
     if variant == "xla_norm_rope":  # XLA's norm before a decode step's projection and rope after it (the kernel's)
         llama.NORM_ROPE_IN_KERNEL = False
+        return
+    if variant == "xla_norm":  # XLA's norms at batch 1 too, the kernel's rope kept
+        llama.KERNEL_NORM_MAX_BATCH = 0
         return
     if variant == "xla_mlp_norm":  # XLA's MLP norm and gating in a decode step (pallas/swiglu.py's)
         llama.MLP_NORM_IN_KERNEL = False
