@@ -30,6 +30,8 @@
 # Its stage 3 (shipped): the shipped drafter, 8,000 more steps on the three committed corpora, answers only
 # (307 s on an H200; XLA's SKIP_TEMP command-buffer mode off for orbax's saves, as in stage 4 above):
 #   bash bench/train_head.sh dflash3 GGUF RUN MINUTES
+# Next (not yet run): the shipped DFLASH drafter on the five corpora as stage 7 (RUN7's code corpus four times over):
+#   bash bench/train_head.sh dflash4 GGUF RUN7 MINUTES
 # Data and training run in separate processes on purpose (the training step once ran ~60x slower in
 # the process that had generated the data; bench/results/train-attempts/).
 set -euo pipefail
@@ -79,5 +81,10 @@ case $stage in
           --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 8000 --batch 16 --anchors 64 \
           --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
           --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, seed4-data, stage6, code-data, stage7, dflash or dflash3" >&2; exit 2 ;;
+  dflash4) c="$run"/data.npz; JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run"/dflash \
+          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,data/smollm2-135m-selfgen-seed4/data.npz,$c,$c,$c,$c \
+          --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 6000 --batch 16 --anchors 64 \
+          --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
+          --max-minutes "$4" --export "$run/dflash/head" ;;
+  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, seed4-data, stage6, code-data, stage7, dflash, dflash3 or dflash4" >&2; exit 2 ;;
 esac
