@@ -1,9 +1,11 @@
-"""EAGLE-3 heads side by side: the accept length each gets on the benchmarks' prompts, decoding greedily
-through the engine with one tree (accept length is a property of the head and the target's greedy text,
-not of the machine's speed, so a CPU measures it; float32 here, bf16 on a GPU may differ a little).
+"""EAGLE-3 heads (or DFLASH drafters) side by side: the accept length each gets on the benchmarks' prompts,
+decoding greedily through the engine with one tree (DFLASH: a chain of its block). Accept length is a property
+of the drafter and the target's greedy text, not of the machine's speed, so a CPU measures it (float32 here;
+bf16 on a GPU may differ a little).
 
     python bench/probes/head_accept.py --heads jaxspec/drafters/weights/smollm2-135m-eagle3,runs/x/head \
         [--datasets mt-bench,humaneval] [--tree 6:4:24] [--batch 8] [--max-tokens 128] [--prompts 80]
+    python bench/probes/head_accept.py --kind dflash --heads jaxspec/drafters/weights/smollm2-135m-dflash,runs/y/head
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ COLS = ["head", "dataset", "tree", "prompts", "steps", "accept_length", "identic
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--heads", required=True, help="EAGLE-3 head directories, comma-separated")
+    ap.add_argument("--heads", required=True, help="EAGLE-3 head (or DFLASH drafter) directories, comma-separated")
+    ap.add_argument("--kind", choices=["eagle3", "dflash"], default="eagle3")
     ap.add_argument("--datasets", default="mt-bench,humaneval")
-    ap.add_argument("--tree", default="6:4:24", help="steps:topk:draft tokens")
+    ap.add_argument("--tree", default=None, help="steps:topk:draft tokens (default 6:4:24; DFLASH: the block's chain)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=None, help="the first N of each dataset (default: all)")
@@ -35,11 +38,11 @@ def main():
     from jaxspec import Generator, SamplingParams, SpecConfig
     from jaxspec.models.loading import load
     model, tok = load("smollm2-135m")
-    steps, topk, nodes = map(int, args.tree.split(":"))
+    tree = args.tree or ("6:4:24" if args.kind == "eagle3" else None)
+    shape = dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), map(int, tree.split(":")))) if tree else {}
     rows, first = [], {}
     for head in args.heads.split(","):
-        drafter = SpecConfig("EAGLE3", draft_model_path=head, num_steps=steps, eagle_topk=topk,
-                             num_draft_tokens=nodes).build(model, "smollm2-135m")
+        drafter = SpecConfig(args.kind.upper(), draft_model_path=head, **shape).build(model, "smollm2-135m")
         gen = Generator(model, tok, drafter=drafter, max_batch=args.batch, max_seq_len=1024, page_size=16, warmup=False)
         for ds in args.datasets.split(","):
             prompts = (humaneval_prompts() if ds == "humaneval"
@@ -50,8 +53,8 @@ def main():
             acc = [a for o in outs for a in o.accept_lengths]
             texts = [o.token_ids for o in outs]
             first.setdefault(ds, texts)  # greedy: every head's text is the target's
-            rows.append(dict(head=os.path.relpath(head) if os.path.isabs(head) else head, dataset=ds, tree=args.tree,
-                             prompts=len(prompts), steps=len(acc), accept_length=float(np.mean(acc)),
+            rows.append(dict(head=os.path.relpath(head) if os.path.isabs(head) else head, dataset=ds, kind=args.kind,
+                             tree=tree or "chain", prompts=len(prompts), steps=len(acc), accept_length=float(np.mean(acc)),
                              identical_to_first=texts == first[ds], max_tokens=args.max_tokens))
             print_table(rows[-1:], COLS)
     print(write_results("head_accept" + args.tag, rows, dict(batch=args.batch)))
