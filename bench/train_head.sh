@@ -39,6 +39,9 @@ stage=$1 gguf=$2 run=$3
 common=(--model "$gguf" --kind eagle3 --run "$run" --num-prompts 49152 --gen-batch 1024 --max-new-tokens 256
         --seq-len 384 --draft-vocab 8192 --steps 8000 --batch 32 --ttt 6 --lr 1e-3 --save-every 1000
         --log-every 50 --pack-len 0)  # these stages ran one sequence a row (packing came later)
+d=data/smollm2-135m-selfgen  # the committed corpora
+three=$d-seed0/data.npz,$d-seed2/data.npz,$d-seed3/data.npz
+four=$three,$d-seed4/data.npz
 case $stage in
   data) python -m jaxspec.train "${common[@]}" --data-only ;;
   train) python -m jaxspec.train "${common[@]}" --max-minutes "$4" --export "$run/head" ;;
@@ -52,15 +55,15 @@ case $stage in
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   seed3-data) python -m jaxspec.train "${common[@]}" --num-prompts 36864 --seed 3 --data-only ;;
   stage4) python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 --ttt 6 \
-          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
+          --data $three \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 3e-4 --steps 20000 --loss-on answer --pack-len 768 \
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   stage5) python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 --ttt 6 \
-          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
+          --data $three \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --draft-vocab 16384 --lr 2e-4 --steps 3000 \
           --loss-on answer --pack-len 768 --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   anneal) python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 --ttt 6 \
-          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
+          --data $three \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 1.5e-4 --steps 3000 \
           --loss-on answer --pack-len 768 --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash) python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" --data data/smollm2-135m-selfgen-seed0/data.npz \
@@ -68,21 +71,21 @@ case $stage in
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   seed4-data) python -m jaxspec.train "${common[@]}" --num-prompts 36864 --seed 4 --topics --data-only ;;
   stage6) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" --seq-len 384 --batch 32 \
-          --ttt 6 --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,data/smollm2-135m-selfgen-seed4/data.npz \
+          --ttt 6 --data $four \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 1200 --loss-on answer --pack-len 768 \
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   code-data) python -m jaxspec.train "${common[@]}" --num-prompts 8192 --seed 5 --prompts code --data-only ;;
   stage7) c="$run"/data.npz; JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" \
-          --seq-len 384 --batch 32 --ttt 6 --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,data/smollm2-135m-selfgen-seed4/data.npz,$c,$c,$c,$c \
+          --seq-len 384 --batch 32 --ttt 6 --data $four,$c,$c,$c,$c \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 2000 --loss-on answer --pack-len 768 \
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash3) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
-          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz \
+          --data $three \
           --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 8000 --batch 16 --anchors 64 \
           --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
           --max-minutes "$4" --export "$run/head" ;;
   dflash4) c="$run"/data.npz; JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run"/dflash \
-          --data data/smollm2-135m-selfgen-seed0/data.npz,data/smollm2-135m-selfgen-seed2/data.npz,data/smollm2-135m-selfgen-seed3/data.npz,data/smollm2-135m-selfgen-seed4/data.npz,$c,$c,$c,$c \
+          --data $four,$c,$c,$c,$c \
           --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 6000 --batch 16 --anchors 64 \
           --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
           --max-minutes "$4" --export "$run/dflash/head" ;;

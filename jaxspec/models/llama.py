@@ -99,13 +99,16 @@ class Block(nnx.Module):
             q, k = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps), rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         return q, k, v
 
-    def finish(self, x, attn, gating=None):
-        """The rest of the layer, from the attention's output attn [B, T, Hq, D]. gating(x, x @ w_gate_up):
-        the MLP's gating with its norm's scale taken in it (pallas/swiglu.py), or None: XLA's norm and gating."""
+    def finish(self, x, attn, gating_kernel=False):
+        """The rest of the layer, from the attention's output attn [B, T, Hq, D]; with gating_kernel the
+        MLP's gating takes its norm's scale itself (pallas/swiglu.py; no shard groups), else XLA's norm and gating."""
         b, t, _ = x.shape
         x = x + attn.reshape(b, t, -1) @ self.wo[...]
-        if gating is not None:
-            return x + gating(x, x @ self.w_gate_up[...]) @ self.w_down[...]
+        if gating_kernel:
+            rows = lambda a: a.reshape(b * t, -1)
+            h = swiglu(rows(x), rows(x @ self.w_gate_up[...]), eps=self.cfg.rms_norm_eps,
+                       interpret=jax.default_backend() != "gpu")
+            return x + h.reshape(b, t, -1) @ self.w_down[...]
         gate_up = rms_norm(x, None, self.cfg.rms_norm_eps) @ self.w_gate_up[...]
         gate, up = jnp.split(gate_up.reshape(b, t, self.cfg.shard_groups, -1), 2, axis=-1)
         return x + (jax.nn.silu(gate) * up).reshape(b, t, -1) @ self.w_down[...]
@@ -301,16 +304,13 @@ def _run_block(graphdef, attn_impl, state, x, rope, k_pages, v_pages, layer, pag
         # for all elsewhere: 0.36 ms of an 8B batch-64 step (layer_ablation-normrope-8b-), 0.03 of
         # SmolLM2's batch-8 one (1.139 ms against 1.109, -normrope-smol- / -rope-smol-); level at 8B batch 8
         cos, sin = rope
-        eps, b = block.cfg.rms_norm_eps, x.shape[0]
-        normed = b > KERNEL_NORM_MAX_BATCH
+        normed = x.shape[0] > KERNEL_NORM_MAX_BATCH
         (out, new), counts = attention.paged_attention(
             block.project(x) if normed else x @ block.wqkv[...], k_pages, v_pages, layer, page_table,
-            kv_lens, q_lens, projection=(None if normed else x, cos, sin), eps=eps, **kw)
-        gating = None  # and for as few requests the MLP norm's scale is the gating kernel's
-        if not normed and MLP_NORM_IN_KERNEL:
-            gating = lambda x, gate_up: swiglu(x.reshape(b, -1), gate_up.reshape(b, -1), eps=eps,
-                                               interpret=jax.default_backend() != "gpu").reshape(b, 1, -1)
-        return block.finish(x, out, gating), k_pages, v_pages, counts, tuple(a[:, None] for a in new)
+            kv_lens, q_lens, projection=(None if normed else x, cos, sin), eps=block.cfg.rms_norm_eps, **kw)
+        # and for as few requests the MLP norm's scale is the gating kernel's
+        return (block.finish(x, out, gating_kernel=not normed and MLP_NORM_IN_KERNEL), k_pages, v_pages, counts,
+                tuple(a[:, None] for a in new))
     new = None
 
     def attend(q, k, v):

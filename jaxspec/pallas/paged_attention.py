@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.attention_ref import LOG2E, NEG_INF
-from jaxspec.pallas.rows import full, triton_params
+from jaxspec.pallas.rows import full, row_rms_scale, triton_params
 from jaxspec.pallas.tree_mask import pack_tree_mask
 
 SMS = 132  # H100 SXM multiprocessors: split-K aims to give each of them work
@@ -79,11 +79,7 @@ def _kernel(layer_ref, pt_ref, kv_lens_ref, q_lens_ref, bits_ref, q_ref, k_ref, 
     if rope:
         norm = 1.0
         if x_ref is not None:  # the attention norm: its weight is in the projection's rows, 1 / rms(x) taken here
-            hidden = x_ref.shape[1]
-            chunk = min(hidden & -hidden, 4096)  # power-of-two loads (Triton's), SmolLM2's 576 as 9 x 64
-            squares = sum(jnp.sum(jnp.square(x_ref[b, pl.ds(c * chunk, chunk)].astype(jnp.float32)))
-                          for c in range(hidden // chunk))
-            norm = jax.lax.rsqrt(squares / hidden + eps)
+            norm = row_rms_scale(x_ref, b, eps)
         # rotate-half: x * [cos, cos] + x with its halves swapped * [-sin, sin], all gathered as loaded
         kv_heads = num_q_heads // group
         stride = num_q_heads + 2 * kv_heads

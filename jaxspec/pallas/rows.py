@@ -21,6 +21,16 @@ def rms_norm(x, w, eps):
     return (xf if w is None else xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
+def row_rms_scale(x_ref, row, eps):
+    """1 / rms of row `row` of x_ref [M, H], float32, read in power-of-two chunks (Triton loads no
+    other size; SmolLM2's 576 as 9 x 64): a kernel taking a norm whose weight is folded into its matrix."""
+    hidden = x_ref.shape[1]
+    chunk = min(hidden & -hidden, 4096)
+    squares = sum(jnp.sum(jnp.square(x_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)))
+                  for c in range(hidden // chunk))
+    return jax.lax.rsqrt(squares / hidden + eps)
+
+
 def padded_rows(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 

@@ -15,16 +15,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxspec.pallas.rows import full, triton_params
+from jaxspec.pallas.rows import full, row_rms_scale, triton_params
 
 
 def _kernel(x_ref, gate_up_ref, o_ref, *, eps, bn, inter):
     row, j = pl.program_id(0), pl.program_id(1) * bn
-    hidden = x_ref.shape[1]
-    chunk = min(hidden & -hidden, 4096)  # power-of-two loads (Triton's), SmolLM2's 576 as 9 x 64
-    squares = sum(jnp.sum(jnp.square(x_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)))
-                  for c in range(hidden // chunk))
-    scale = jax.lax.rsqrt(squares / hidden + eps)
+    scale = row_rms_scale(x_ref, row, eps)
     gate = gate_up_ref[row, pl.ds(j, bn)].astype(jnp.float32) * scale
     up = gate_up_ref[row, pl.ds(inter + j, bn)].astype(jnp.float32) * scale
     o_ref[row, pl.ds(j, bn)] = (gate * jax.nn.sigmoid(gate) * up).astype(o_ref.dtype)
