@@ -4,6 +4,7 @@ the longest run of words it shares with any training prompt, and how many benchm
 a 13-word run (GPT-3's contamination test) with the data.
 
     python bench/probes/data_leak.py RUN_DIR [--model smollm2-135m] [--tag=-seed0]
+    python bench/probes/data_leak.py --code-prompts 8192 [--tag=-code]   # train_data.code_prompts, before generating
 """
 from __future__ import annotations
 
@@ -43,14 +44,20 @@ def longest_shared(ws: list[str], grams_by_n: dict) -> int:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("run")
+    ap.add_argument("run", nargs="?")
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--code-prompts", type=int, help="check this many of this machine's code prompts, no run")
     ap.add_argument("--tag", default="", help="suffix of the results file (one file per corpus)")
     args = ap.parse_args()
-    from jaxspec.models.loading import load
-    _, tok = load(args.model)
-    d = np.load(os.path.join(args.run, "data.npz"))
-    prompts = [tok.decode(row[:n].tolist()) for row, n in zip(d["tokens"], d["prompt_lengths"])]
+    if args.code_prompts:
+        from jaxspec.train_data import code_prompts
+        prompts, source = code_prompts(args.code_prompts, 0), f"code_prompts, Python {sys.version.split()[0]}"
+    else:
+        from jaxspec.models.loading import load
+        _, tok = load(args.model)
+        d = np.load(os.path.join(args.run, "data.npz"))
+        prompts = [tok.decode(row[:n].tolist()) for row, n in zip(d["tokens"], d["prompt_lengths"])]
+        source = os.path.basename(os.path.normpath(args.run))
     grams = {k: set() for k in range(1, N + 1)}
     for p in prompts:
         ws = words(p)
@@ -63,7 +70,7 @@ def main():
                          with_13_word_run=sum(x >= N for x in longest), median_longest_run=float(np.median(longest)),
                          max_longest_run=int(max(longest))))
     print_table(rows, list(rows[0]))
-    write_results(f"data_leak{args.tag}", rows, {"run": os.path.basename(os.path.normpath(args.run))})
+    write_results(f"data_leak{args.tag}", rows, {"run": source})
 
 
 if __name__ == "__main__":
