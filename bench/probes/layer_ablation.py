@@ -25,7 +25,8 @@ part's cost on the critical path is the step's time with it less its time withou
              at batch 1 the attention kernel and pallas/swiglu.py take neither norm's scale)
   xla_mlp_norm  nothing left out, XLA's MLP norm and gating (llama.MLP_NORM_IN_KERNEL off; at batch 1
              pallas/swiglu.py gates with the norm's scale in it)
-Outputs are wrong in every variant but full, blocking and kv_inbounds: only times count.
+  unfused    nothing left out, XLA's layers for one-row steps of small models too (llama.FUSED_MAX_HIDDEN 0)
+Outputs are wrong in every variant but full, blocking, kv_inbounds and the xla_* and unfused ones: only times count.
 The first process after the machine starts runs slower: `full` first took 4.64 ms and 4.61 ms
 (layer_ablation-blocking-, layer_ablation- at 57afa8d), second on a warm machine 4.42
 (layer_ablation-blocking2-, where blocking 8x8 ran level with the default 4x16, 8x4 0.06 ms slower).
@@ -80,6 +81,9 @@ def leave_out(variant):
         return
     if variant == "xla_norm_rope":  # XLA's norm before a decode step's projection and rope after it (the kernel's)
         llama.NORM_ROPE_IN_KERNEL = False
+        return
+    if variant == "unfused":  # no fused layer kernels at batch 1 (models.llama.fused_layers): XLA's layers
+        llama.FUSED_MAX_HIDDEN = 0
         return
     if variant == "xla_norm":  # XLA's norms at batch 1 too, the kernel's rope kept
         llama.KERNEL_NORM_MAX_BATCH = 0
