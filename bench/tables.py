@@ -14,6 +14,7 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 DEVICE = "NVIDIA-H100-80GB-HBM3"
+H200 = "NVIDIA-H200"
 
 
 def _load(name, device=DEVICE):
@@ -86,17 +87,17 @@ def policy() -> str:
 
 def heads() -> str:
     """EAGLE-3 heads side by side in one run, per tree: the shipped one (draft_model set) and the one before."""
-    d = _load("spec-head5")
+    d = _load("spec-stage7", H200)
     rows = [r for r in d["rows"] if r["algorithm"] == "eagle3"]
     cols = sorted({(r["dataset"], r["batch"]) for r in rows}, key=lambda c: (c[0] != "mt-bench", c[1]))
-    out = [f"`spec-head5-{DEVICE}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
+    out = [f"`spec-stage7-{H200}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
            "| head | tree | " + " | ".join(f"{ds} b{b}: vs plain (accept length)" for ds, b in cols) + " |",
            "|" + " --- |" * (len(cols) + 2)]
     for tree in dict.fromkeys(r["tree"] for r in rows):
         for shipped in (False, True):
             cells = [next(f"{r['speedup']:.2f}x ({r['accept_length']:.2f})" for r in rows if r["tree"] == tree
                           and (r["dataset"], r["batch"]) == c and bool(r.get("draft_model")) == shipped) for c in cols]
-            out.append(f"| {'stage 4 (shipped)' if shipped else 'stage 3'} | {tree} | " + " | ".join(cells) + " |")
+            out.append(f"| {'stage 7 (shipped)' if shipped else 'stage 4'} | {tree} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

@@ -20,9 +20,10 @@
 # above spread over the openers' few themes; committed as data/smollm2-135m-selfgen-seed4), then 1,200 steps of
 # the stage-4 recipe on all four from the stage-4 head (184 s on an H200):
 #   bash bench/train_head.sh seed4-data GGUF RUN6; bash bench/train_head.sh stage6 GGUF RUN6 MINUTES
-# Next (not yet run): a code corpus (the standard library's documented functions for the target to complete,
-# raw text, no chat template: the chat corpora held no code to complete, where the heads accept least), then
-# stage 6's recipe on the five, the code corpus four times over (it is small), from the shipped head:
+# Stage 7 (the shipped head): a code corpus (the standard library's documented functions for the target to
+# complete, raw text, no chat template: the chat corpora held no code to complete, where the heads accepted
+# least; committed as data/smollm2-135m-selfgen-code), then stage 6's recipe for 2,000 steps on the five, the
+# code corpus four times over (it is small), from the stage-4 head (294 s on an H200):
 #   bash bench/train_head.sh code-data GGUF RUN7; bash bench/train_head.sh stage7 GGUF RUN7 MINUTES
 # The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
@@ -30,8 +31,8 @@
 # Its stage 3 (shipped): the shipped drafter, 8,000 more steps on the three committed corpora, answers only
 # (307 s on an H200; XLA's SKIP_TEMP command-buffer mode off for orbax's saves, as in stage 4 above):
 #   bash bench/train_head.sh dflash3 GGUF RUN MINUTES
-# Next (not yet run): the shipped DFLASH drafter on the five corpora as stage 7 (RUN7's code corpus four times over):
-#   bash bench/train_head.sh dflash4 GGUF RUN7 MINUTES
+# Next (not yet run): the shipped DFLASH drafter on the five corpora as stage 7 (the code corpus four times over):
+#   bash bench/train_head.sh dflash4 GGUF RUN MINUTES
 # Data and training run in separate processes on purpose (the training step once ran ~60x slower in
 # the process that had generated the data; bench/results/train-attempts/).
 set -euo pipefail
@@ -42,6 +43,8 @@ common=(--model "$gguf" --kind eagle3 --run "$run" --num-prompts 49152 --gen-bat
 d=data/smollm2-135m-selfgen  # the committed corpora
 three=$d-seed0/data.npz,$d-seed2/data.npz,$d-seed3/data.npz
 four=$three,$d-seed4/data.npz
+code=$d-code/data.npz  # written by code-data into RUN, then committed
+five=$four,$code,$code,$code,$code
 case $stage in
   data) python -m jaxspec.train "${common[@]}" --data-only ;;
   train) python -m jaxspec.train "${common[@]}" --max-minutes "$4" --export "$run/head" ;;
@@ -75,8 +78,8 @@ case $stage in
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 1200 --loss-on answer --pack-len 768 \
           --save-every 1000 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   code-data) python -m jaxspec.train "${common[@]}" --num-prompts 8192 --seed 5 --prompts code --data-only ;;
-  stage7) c="$run"/data.npz; JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" \
-          --seq-len 384 --batch 32 --ttt 6 --data $four,$c,$c,$c,$c \
+  stage7) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind eagle3 --run "$run" \
+          --seq-len 384 --batch 32 --ttt 6 --data $five \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps 2000 --loss-on answer --pack-len 768 \
           --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash3) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
@@ -84,10 +87,10 @@ case $stage in
           --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 8000 --batch 16 --anchors 64 \
           --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
           --max-minutes "$4" --export "$run/head" ;;
-  dflash4) c="$run"/data.npz; JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run"/dflash \
-          --data $four,$c,$c,$c,$c \
+  dflash4) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
+          --data $five \
           --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 6000 --batch 16 --anchors 64 \
           --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
-          --max-minutes "$4" --export "$run/dflash/head" ;;
+          --max-minutes "$4" --export "$run/head" ;;
   *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, seed4-data, stage6, code-data, stage7, dflash, dflash3 or dflash4" >&2; exit 2 ;;
 esac

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, results_tag, write_results  # noqa: E402
 
-COLS = ["head", "dataset", "tree", "prompts", "steps", "accept_length", "identical_to_first"]
+COLS = ["head", "dataset", "tree", "prompts", "steps", "accept_length", "straggle", "identical_to_first"]
 
 
 def main():
@@ -51,11 +51,15 @@ def main():
             for w in range(0, len(prompts), args.batch):
                 outs += gen.generate(prompts[w:w + args.batch], SamplingParams(max_tokens=args.max_tokens))
             acc = [a for o in outs for a in o.accept_lengths]
+            # a closed wave runs until its slowest request ends: steps taken against a request's mean
+            waves = [[len(o.accept_lengths) for o in outs[w:w + args.batch]] for w in range(0, len(outs), args.batch)]
+            wave_steps = sum(max(s) for s in waves)
             texts = [o.token_ids for o in outs]
             first.setdefault(ds, texts)  # greedy: every head's text is the target's
             rows.append(dict(head=os.path.relpath(head) if os.path.isabs(head) else head, dataset=ds, kind=args.kind,
                              tree=tree or "chain", prompts=len(prompts), steps=len(acc), accept_length=float(np.mean(acc)),
-                             identical_to_first=texts == first[ds], max_tokens=args.max_tokens))
+                             identical_to_first=texts == first[ds], max_tokens=args.max_tokens,
+                             wave_steps=wave_steps, straggle=wave_steps / sum(np.mean(s) for s in waves)))
             print_table(rows[-1:], COLS)
     print(write_results("head_accept" + args.tag, rows, dict(batch=args.batch)))
     print_table(rows, COLS)

@@ -26,6 +26,8 @@ part's cost on the critical path is the step's time with it less its time withou
   xla_mlp_norm  nothing left out, XLA's MLP norm and gating (llama.MLP_NORM_IN_KERNEL off; at batch 1
              pallas/swiglu.py gates with the norm's scale in it)
   unfused    nothing left out, XLA's layers for one-row steps of small models too (llama.FUSED_MAX_HIDDEN 0)
+  xla_merge  nothing left out, the attention kernel's split-K partials merged by XLA at batch 1 too
+  a+b        variants a and b at once (e.g. unfused+xla_merge)
 Outputs are wrong in every variant but full, blocking, kv_inbounds and the xla_* and unfused ones: only times count.
 The first process after the machine starts runs slower: `full` first took 4.64 ms and 4.61 ms
 (layer_ablation-blocking-, layer_ablation- at 57afa8d), second on a warm machine 4.42
@@ -70,6 +72,15 @@ def leave_out(variant):
     from jaxspec import attention
     from jaxspec.models import llama
     from jaxspec.pallas import paged_attention
+    if "+" in variant:  # several at once, e.g. unfused+xla_merge
+        for part in variant.split("+"):
+            leave_out(part)
+        return
+    if variant == "xla_merge":  # split-K partials merged by XLA at batch 1 too (the kernel merges them there)
+        kernel = paged_attention.paged_attention
+        paged_attention.paged_attention = lambda *a, merge_in_kernel=False, **kw: kernel(
+            *a, merge_in_kernel=merge_in_kernel, **kw)
+        return
     if variant == "kv_inbounds":  # the K/V write as a plain in-bounds scatter: padding to the trash page, no drop
         from jaxspec.kv_cache import DROP_PAGE, TRASH_PAGE
 
