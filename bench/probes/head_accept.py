@@ -1,7 +1,9 @@
 """EAGLE-3 heads (or DFLASH drafters) side by side: the accept length each gets on the benchmarks' prompts,
 decoding greedily through the engine with one tree (DFLASH: a chain of its block). Accept length is a property
 of the drafter and the target's greedy text, not of the machine's speed, so a CPU measures it (float32 here;
-bf16 on a GPU may differ a little).
+bf16 on a GPU may differ a little). `straggle`: the steps the closed waves of --batch requests took (each as many as
+its slowest request) over their requests' mean steps; `plain_straggle` the same for plain decoding (a step a token).
+Their ratio is what a wave loses to speculation's spread between requests, against batch 1.
 
     python bench/probes/head_accept.py --heads jaxspec/drafters/weights/smollm2-135m-eagle3,runs/x/head \
         [--datasets mt-bench,humaneval] [--tree 6:4:24] [--batch 8] [--max-tokens 128] [--prompts 80]
@@ -20,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, results_tag, write_results  # noqa: E402
 
-COLS = ["head", "dataset", "tree", "prompts", "steps", "accept_length", "straggle", "identical_to_first"]
+COLS = ["head", "dataset", "tree", "prompts", "steps", "accept_length", "straggle", "plain_straggle",
+        "identical_to_first"]
 
 
 def main():
@@ -52,14 +55,17 @@ def main():
                 outs += gen.generate(prompts[w:w + args.batch], SamplingParams(max_tokens=args.max_tokens))
             acc = [a for o in outs for a in o.accept_lengths]
             # a closed wave runs until its slowest request ends: steps taken against a request's mean
+            # (plain decoding's waves straggle too where answers end early: one step a token)
             waves = [[len(o.accept_lengths) for o in outs[w:w + args.batch]] for w in range(0, len(outs), args.batch)]
+            lengths = [[len(o.token_ids) for o in outs[w:w + args.batch]] for w in range(0, len(outs), args.batch)]
             wave_steps = sum(max(s) for s in waves)
+            straggle = lambda ws: sum(max(s) for s in ws) / sum(np.mean(s) for s in ws)
             texts = [o.token_ids for o in outs]
             first.setdefault(ds, texts)  # greedy: every head's text is the target's
             rows.append(dict(head=os.path.relpath(head) if os.path.isabs(head) else head, dataset=ds, kind=args.kind,
                              tree=tree or "chain", prompts=len(prompts), steps=len(acc), accept_length=float(np.mean(acc)),
                              identical_to_first=texts == first[ds], max_tokens=args.max_tokens,
-                             wave_steps=wave_steps, straggle=wave_steps / sum(np.mean(s) for s in waves)))
+                             wave_steps=wave_steps, straggle=straggle(waves), plain_straggle=straggle(lengths)))
             print_table(rows[-1:], COLS)
     print(write_results("head_accept" + args.tag, rows, dict(batch=args.batch)))
     print_table(rows, COLS)
