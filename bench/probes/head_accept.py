@@ -46,7 +46,9 @@ def main():
     rows, first = [], {}
     for head in args.heads.split(","):
         drafter = SpecConfig(args.kind.upper(), draft_model_path=head, **shape).build(model, "smollm2-135m")
-        gen = Generator(model, tok, drafter=drafter, max_batch=args.batch, max_seq_len=1024, page_size=16, warmup=False)
+        # (a tree for every row at any --batch: the default budget, 128 nodes a call, decodes batch 32 plainly)
+        gen = Generator(model, tok, drafter=drafter, max_batch=args.batch, max_seq_len=1024, page_size=16, warmup=False,
+                        spec_max_verify_tokens=64 * args.batch)
         for ds in args.datasets.split(","):
             prompts = (humaneval_prompts() if ds == "humaneval"
                        else [[{"role": "user", "content": q}] for q in mt_bench_prompts()])[:args.prompts]
