@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from common import humaneval_prompts, mt_bench_prompts, print_table, results_tag, write_results  # noqa: E402
 
-COLS = ["head", "dataset", "tree", "prompts", "steps", "accept_length", "straggle", "plain_straggle",
+COLS = ["head", "dataset", "tree", "nodes", "prompts", "steps", "accept_length", "straggle", "plain_straggle",
         "identical_to_first"]
 
 
@@ -65,7 +65,8 @@ def main():
             texts = [o.token_ids for o in outs]
             first.setdefault(ds, texts)  # greedy: every head's text is the target's
             rows.append(dict(head=os.path.relpath(head) if os.path.isabs(head) else head, dataset=ds, kind=args.kind,
-                             tree=tree or "chain", prompts=len(prompts), steps=len(acc), accept_length=float(np.mean(acc)),
+                             tree=tree or "chain", nodes=gen.scheduler.tree_size(args.batch), prompts=len(prompts),
+                             steps=len(acc), accept_length=float(np.mean(acc)),
                              identical_to_first=texts == first[ds], max_tokens=args.max_tokens,
                              wave_steps=wave_steps, straggle=straggle(waves), plain_straggle=straggle(lengths)))
             print_table(rows[-1:], COLS)
