@@ -26,6 +26,11 @@ COLS = ["head", "dataset", "tree", "nodes", "prompts", "steps", "accept_length",
         "identical_to_first"]
 
 
+def straggle(waves) -> float:
+    """Steps closed waves take (each as many as its slowest request) over their requests' mean steps."""
+    return sum(max(s) for s in waves) / sum(np.mean(s) for s in waves)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", required=True, help="EAGLE-3 head (or DFLASH drafter) directories, comma-separated")
@@ -56,19 +61,17 @@ def main():
             for w in range(0, len(prompts), args.batch):
                 outs += gen.generate(prompts[w:w + args.batch], SamplingParams(max_tokens=args.max_tokens))
             acc = [a for o in outs for a in o.accept_lengths]
-            # a closed wave runs until its slowest request ends: steps taken against a request's mean
-            # (plain decoding's waves straggle too where answers end early: one step a token)
-            waves = [[len(o.accept_lengths) for o in outs[w:w + args.batch]] for w in range(0, len(outs), args.batch)]
-            lengths = [[len(o.token_ids) for o in outs[w:w + args.batch]] for w in range(0, len(outs), args.batch)]
-            wave_steps = sum(max(s) for s in waves)
-            straggle = lambda ws: sum(max(s) for s in ws) / sum(np.mean(s) for s in ws)
+            by_wave = lambda f: [[f(o) for o in outs[w:w + args.batch]] for w in range(0, len(outs), args.batch)]
+            waves = by_wave(lambda o: len(o.accept_lengths))  # steps; plain decoding's: one a token
+            lengths = by_wave(lambda o: len(o.token_ids))
             texts = [o.token_ids for o in outs]
             first.setdefault(ds, texts)  # greedy: every head's text is the target's
             rows.append(dict(head=os.path.relpath(head) if os.path.isabs(head) else head, dataset=ds, kind=args.kind,
                              tree=tree or "chain", nodes=gen.scheduler.tree_size(args.batch), prompts=len(prompts),
                              steps=len(acc), accept_length=float(np.mean(acc)),
                              identical_to_first=texts == first[ds], max_tokens=args.max_tokens,
-                             wave_steps=wave_steps, straggle=straggle(waves), plain_straggle=straggle(lengths)))
+                             wave_steps=sum(max(s) for s in waves), straggle=straggle(waves),
+                             plain_straggle=straggle(lengths)))
             print_table(rows[-1:], COLS)
     print(write_results("head_accept" + args.tag, rows, dict(batch=args.batch)))
     print_table(rows, COLS)
