@@ -89,7 +89,7 @@ case $stage in
           --max-minutes "$4" --export "$run/head" ;;
   dflash4) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
           --data $five \
-          --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 6000 --batch 16 --anchors 64 \
+          --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 9000 --batch 16 --anchors 64 \
           --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
           --max-minutes "$4" --export "$run/head" ;;
   *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, seed4-data, stage6, code-data, stage7, dflash, dflash3 or dflash4" >&2; exit 2 ;;

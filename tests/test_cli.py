@@ -32,10 +32,10 @@ def test_auto_picks_the_shipped_eagle3_head_or_no_drafter():
         return (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
                 args.speculative_num_draft_tokens, args.speculative_policy)
 
-    assert resolved("smollm2-135m") == ("EAGLE3", 6, 4, 24, "auto")  # the tree chosen every call
+    assert resolved("smollm2-135m") == ("EAGLE3", 6, 4, 32, "auto")  # the tree chosen every call
     assert resolved("smollm2-135m", speculative_num_draft_tokens=8) == ("EAGLE3", 6, 4, 8, None)  # fixed
-    assert resolved("smollm2-135m", speculative_policy="fixed") == ("EAGLE3", 6, 4, 24, "fixed")
-    assert resolved("smollm2-135m", auto_policy="fixed") == ("EAGLE3", 6, 4, 24, "fixed")  # the CLI's generate
+    assert resolved("smollm2-135m", speculative_policy="fixed") == ("EAGLE3", 6, 4, 32, "fixed")
+    assert resolved("smollm2-135m", auto_policy="fixed") == ("EAGLE3", 6, 4, 32, "fixed")  # the CLI's generate
     assert resolved("some/hf-checkpoint")[0] == "NONE"
     assert resolved("smollm2-135m", speculative_algorithm="NGRAM")[0] == "NGRAM"
 
@@ -52,8 +52,8 @@ def test_programs_lists_the_start_up_set():
     # (none by the target alone), 5 x 7 verify steps, greedy and sampled apart
     eagle3 = listed()
     assert eagle3[0] == "82 programs (max batch 64):" and sum("verify_steps" in line for line in eagle3) == 70
-    # the fixed 6:4:24 tree: 5 prefill shapes with the head and 5 by the target alone (bucket 64 gets no
-    # tree), a verify step for the buckets whose tree keeps 16 nodes of the 128 a step (1..8)
+    # the fixed 6:4:32 tree: 5 prefill shapes with the head and 5 by the target alone (bucket 64 gets no
+    # tree), a verify step for the buckets whose tree keeps 16 nodes of the 128 a step (1..8; 32 at 1..4)
     fixed = listed("--speculative-policy", "fixed")
     assert fixed[0] == "25 programs (max batch 64):" and len(fixed) == 26
     assert sum("verify_steps" in line for line in fixed) == 8
