@@ -76,13 +76,13 @@ def _side_by_side(names, first: str, device: str = "NVIDIA-H200") -> str:
 
 
 def drafters() -> str:
-    """The shipped DFLASH drafter (the auto policy over its shapes) beside EAGLE-3's fixed 6:4:24, one run."""
-    return _side_by_side(("spec-dflash-s86-new",), "drafter")
+    """The shipped DFLASH drafter (the auto policy over its shapes) beside EAGLE-3's default fixed tree, one run."""
+    return _side_by_side(("spec-dflash-s90",), "drafter")
 
 
 def policy() -> str:
     """Fixed trees beside the auto policy's choice among shapes, batch 1 to 64 (a run a dataset)."""
-    return _side_by_side(("spec-policy-b32-mt", "spec-policy-b32-he"), "speculation")
+    return _side_by_side(("spec-s90-mt-bench", "spec-s90-humaneval"), "speculation")
 
 
 def heads() -> str:

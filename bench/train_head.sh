@@ -25,13 +25,14 @@
 # least; committed as data/smollm2-135m-selfgen-code), then stage 6's recipe for 2,000 steps on the five, the
 # code corpus four times over (it is small), from the stage-4 head (294 s on an H200):
 #   bash bench/train_head.sh code-data GGUF RUN7; bash bench/train_head.sh stage7 GGUF RUN7 MINUTES
-# The shipped DFLASH drafter: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
+# The DFLASH drafter's stage 1: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
 #   bash bench/train_head.sh dflash GGUF RUN MINUTES
-# Its stage 3 (shipped): the shipped drafter, 8,000 more steps on the three committed corpora, answers only
+# Its stage 3: the stage-2 drafter, 8,000 more steps on the three committed corpora, answers only
 # (307 s on an H200; XLA's SKIP_TEMP command-buffer mode off for orbax's saves, as in stage 4 above):
 #   bash bench/train_head.sh dflash3 GGUF RUN MINUTES
-# Next (not yet run): the shipped DFLASH drafter on the five corpora as stage 7 (the code corpus four times over):
+# Its stage 4 (shipped): stage 3's drafter, 9,000 steps on the five corpora as stage 7 (the code corpus four times
+# over; 331 s on an H200):
 #   bash bench/train_head.sh dflash4 GGUF RUN MINUTES
 # Data and training run in separate processes on purpose (the training step once ran ~60x slower in
 # the process that had generated the data; bench/results/train-attempts/).
