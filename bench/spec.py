@@ -144,7 +144,9 @@ def main():
     ap.add_argument("--datasets", default="humaneval,mt-bench")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = batch * this (batch 1: 8)")
+    ap.add_argument("--prompts-per-batch", type=int, default=2, help="prompts = batch * this (batch 1: --b1-prompts)")
+    ap.add_argument("--b1-prompts", type=int, default=8,
+                    help="prompts at batch 1 (a dataset's 80 MT-bench or 164 HumanEval prompts in all: 999)")
     ap.add_argument("--algos", default="plain,ngram:8",
                     help="plain, ngram:<tokens>, naive_eagle[:steps], eagle3:<steps>:<topk>:<tokens>; a '+v8' suffix "
                     "runs 8 verify steps a call")
@@ -240,7 +242,7 @@ def main():
         else:
             prompts = [[{"role": "user", "content": q}] for q in mt_bench_prompts()]
         for b in map(int, args.batches.split(",")):
-            n = 8 if b == 1 else b * args.prompts_per_batch
+            n = args.b1_prompts if b == 1 else b * args.prompts_per_batch
             ps = prompts[:n]
             # compile every shape this workload meets; twice, so the prefix cache is in the state the
             # timed runs will find it (its hits change prefill shapes). The engines warm up side by
