@@ -5,6 +5,10 @@ import dataclasses
 import os
 
 ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NAIVE_EAGLE", "DFLASH")
+# EAGLE-3's tree (steps, topk, draft tokens) where AUTO is given no tree numbers; one of the auto
+# policy's shapes too (EagleDrafter.auto_trees), so that sizing the first draft builds no other program
+DEFAULT_TREE = (6, 4, 32)
+TREE_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 # Drafters shipped with jaxspec for its embedded models (trained by `python -m jaxspec.train`), by
 # algorithm; a directory missing from this checkout is not offered.
@@ -22,8 +26,8 @@ def shipped_drafter(model_name: str | None, algorithm: str) -> str | None:
 def add_flags(ap) -> None:
     """The speculative flags of the server and the CLI (SGLang's names) on an argparse parser."""
     ap.add_argument("--speculative-algorithm", default="AUTO",
-                    help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH, NONE, or AUTO: EAGLE3 6:4:32 where a trained "
-                         "head ships for the model, else NONE")
+                    help="NGRAM, EAGLE, EAGLE3, NAIVE_EAGLE, DFLASH, NONE, or AUTO: EAGLE3 "
+                         f"{':'.join(map(str, DEFAULT_TREE))} where a trained head ships for the model, else NONE")
     ap.add_argument("--speculative-draft-model-path", help="EAGLE head or DFLASH drafter directory (default: the shipped one)")
     ap.add_argument("--speculative-token-map", help="FR-Spec: token ids the EAGLE head may draft (.pt/.npy/.json)")
     ap.add_argument("--speculative-token-map-refresh", type=int, default=0,
@@ -55,10 +59,9 @@ def _int_or_auto(value: str):
 def config_from_flags(args, auto_policy: str = "auto") -> "SpecConfig | None":
     """The SpecConfig add_flags' flags describe (AUTO resolved: see resolve_auto), or None for plain
     decoding."""
-    tree_flags = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
-    if any(getattr(args, f) == "auto" for f in tree_flags):
+    if any(getattr(args, f) == "auto" for f in TREE_FLAGS):
         args.speculative_policy = "auto"  # the tree flags left as numbers size the prefill's first draft
-        for f in tree_flags:
+        for f in TREE_FLAGS:
             if getattr(args, f) == "auto":
                 setattr(args, f, None)
     resolve_auto(args, auto_policy)
@@ -99,7 +102,7 @@ def resolve_auto(args, auto_policy: str = "auto") -> None:
         args.speculative_algorithm = "NONE"
         return
     args.speculative_algorithm = "EAGLE3"
-    tree = (("speculative_num_steps", 6), ("speculative_eagle_topk", 4), ("speculative_num_draft_tokens", 32))
+    tree = tuple(zip(TREE_FLAGS, DEFAULT_TREE))
     if args.speculative_policy is None and all(getattr(args, flag) is None for flag, _ in tree):
         args.speculative_policy = auto_policy
     for flag, value in tree:
