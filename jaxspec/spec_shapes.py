@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+# EAGLE-3's tree (steps, topk, draft tokens) where AUTO is given no tree numbers (speculative.py); one of
+# the auto policy's shapes too (EagleDrafter.auto_trees), so that sizing the first draft builds no other program
+DEFAULT_TREE = (6, 4, 32)
 MAX_MATCH_KEY = 8  # a host drafter's matches of 8 tokens and more share one key
 PLAIN = "plain"  # the label plain decoding's costs are kept under
 

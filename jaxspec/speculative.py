@@ -4,10 +4,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jaxspec.spec_shapes import DEFAULT_TREE
+
 ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NAIVE_EAGLE", "DFLASH")
-# EAGLE-3's tree (steps, topk, draft tokens) where AUTO is given no tree numbers; one of the auto
-# policy's shapes too (EagleDrafter.auto_trees), so that sizing the first draft builds no other program
-DEFAULT_TREE = (6, 4, 32)
 TREE_FLAGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 
 # Drafters shipped with jaxspec for its embedded models (trained by `python -m jaxspec.train`), by

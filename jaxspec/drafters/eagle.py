@@ -31,6 +31,7 @@ from jaxspec.drafters.device import DeviceDrafter
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import apply_rope, rms_norm, rope_frequencies
 from jaxspec.models.loading import CheckpointError
+from jaxspec.spec_shapes import DEFAULT_TREE
 
 
 def default_feature_layers(num_layers: int) -> tuple:
@@ -370,7 +371,6 @@ class EagleDrafter(DeviceDrafter):
         replaced 6:4:24: the same 32-wide verify program and draft steps, 2-6% more accepted at batch 1
         (H200: 2.31x / 2.88x plain on MT-bench / HumanEval against 2.22x / 2.71x, spec-dflash4-)."""
         from jaxspec.drafters.eagle_step import TreeShape
-        from jaxspec.speculative import DEFAULT_TREE
         shapes = [*map(TreeShape.parse, ("3:1:4", "4:2:8", "6:4:16")), TreeShape(*DEFAULT_TREE), TreeShape.parse("6:8:64")]
         return tuple(t for t in shapes if t.topk <= self.head.cfg.draft_vocab_size)
 
