@@ -181,6 +181,26 @@ def test_growing_the_draft_vocabulary_keeps_the_head_and_adds_the_target_rows(ti
         grow_draft_vocab(head, tiny, counts, 8)
 
 
+def test_widening_the_head_mlp_keeps_what_it_computes_and_lets_the_new_units_learn():
+    """grow_intermediate: the layer's output unchanged (new down rows zero), every other weight the
+    same, and the loss's gradient reaches the new units' down rows; it never shrinks."""
+    from jaxspec.train_eagle import grow_intermediate
+    head = DraftHead(HeadConfig.for_target(TINY, "eagle3", draft_vocab_size=16), rngs=nnx.Rngs(5))
+    F = head.cfg.intermediate_size
+    grown = grow_intermediate(head, 2 * F, seed=1)
+    assert grown.cfg.intermediate_size == 2 * F and grown.w_down[...].shape == (2 * F, TINY.hidden_size)
+    rng = np.random.default_rng(0)
+    attn = jnp.asarray(rng.normal(size=(2, 3, head.cfg.num_heads, head.cfg.head_dim)), jnp.float32)
+    residual = jnp.asarray(rng.normal(size=(2, 3, TINY.hidden_size)), jnp.float32)
+    assert np.allclose(grown.finish(attn, residual), head.finish(attn, residual), atol=1e-5)
+    for name in ("fc", "wqkv", "wo", "lm_head", "draft_to_target", "input_norm", "hidden_norm", "norm", "post_norm"):
+        assert np.array_equal(np.asarray(getattr(grown, name)[...]), np.asarray(getattr(head, name)[...]))
+    down = nnx.grad(lambda m: jnp.sum(m.finish(attn, residual) ** 2))(grown).w_down[...]
+    assert np.abs(np.asarray(down[F:])).max() > 0
+    with pytest.raises(ValueError, match=f"has {F} units; it can only grow"):
+        grow_intermediate(head, F, seed=1)
+
+
 TREES = [TreeShape(3, 2, 6), TreeShape(1, 1, 2), TreeShape(4, 1, 5), TreeShape(3, 4, 16)]
 
 
