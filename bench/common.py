@@ -39,13 +39,20 @@ def write_results(bench: str, rows: list, extra: dict | None = None) -> str:
         commit = r.stdout.strip() if r.returncode == 0 else ""
     out = {"bench": bench, "device": device_name(), "date": datetime.date.today().isoformat(),
            "commit": commit or "unknown",
-           "command": " ".join(["python", _repo_relative(sys.argv[0])] + sys.argv[1:]), "jax": jax.__version__,
+           "command": " ".join(["python", _repo_relative(sys.argv[0])] + [_home_relative(a) for a in sys.argv[1:]]),
+           "jax": jax.__version__,
            **(extra or {}), "rows": rows}
     path = os.path.join(os.environ.get("BENCH_OUT", RESULTS), f"{bench}-{out['device']}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     return path
+
+
+def _home_relative(arg: str) -> str:
+    """An argument with the home folder written as ~ (the shell expanded it: a machine path)."""
+    home = os.path.expanduser("~")
+    return arg.replace(home + os.sep, "~" + os.sep) if home not in ("", os.sep) else arg
 
 
 def _repo_relative(path: str) -> str:
