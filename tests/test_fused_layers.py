@@ -102,6 +102,38 @@ def test_fused_layers_choice():
     assert not fused_layers(narrow, 4, "fused")
 
 
+def test_one_row_padded_to_two_keeps_outputs_and_cache(model, monkeypatch):
+    """llama.pads_one_row (GPU only; forced here): a one-row forward run as two rows, the second
+    padding, returns the one row's hidden states and layer outputs and writes only its K/V; the
+    engine's batch-1 greedy tokens are unchanged, plain and EAGLE-3 (heads kept in step)."""
+    from jaxspec.models import llama
+    r = np.random.default_rng(3)
+    shape = (CFG.num_layers, 8, 16, CFG.num_kv_heads, CFG.head_dim)
+    cache = KVCache(jnp.asarray(r.normal(size=shape), jnp.float32), jnp.asarray(r.normal(size=shape), jnp.float32))
+    args = (jnp.array([[5]]), jnp.array([[20]]), cache, jnp.array([[2, 6, 0, 0]]), jnp.array([20]), jnp.array([1]))
+    want = model(*args, hidden_layers=(0, 1))
+    assert llama.pads_one_row(CFG, 1, "auto") is False  # off by default, and off the GPU
+    monkeypatch.setattr(llama, "pads_one_row", lambda cfg, rows, impl: rows == 1)
+    got = model(*args, hidden_layers=(0, 1))
+    assert got[0].shape == want[0].shape and got[2].shape == want[2].shape
+    close(got[0], want[0])
+    close(got[2], want[2])
+    close(got[1].k, want[1].k)
+    close(got[1].v, want[1].v)
+    assert np.array_equal(np.asarray(got[1].k[:, 0]), np.asarray(cache.k[:, 0]))  # the padding row's page 0: untouched
+    prompts, params = [list(range(3, 20))], SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = dict(max_batch=2, max_seq_len=64, num_pages=12, page_size=16)
+    monkeypatch.undo()
+    plain = [c.token_ids for c in Generator(model, None, **kw).generate(prompts, params)]
+    head = DraftHead(HeadConfig.for_target(CFG, "eagle3"), rngs=nnx.Rngs(5))
+    monkeypatch.setattr(llama, "pads_one_row", lambda cfg, rows, impl: rows == 1)
+    padded = Generator(model, None, **kw)
+    assert [c.token_ids for c in padded.generate(prompts, params)] == plain
+    spec = Generator(model, None, drafter=EagleDrafter(head, TreeShape(2, 2, 4)), **kw)
+    assert [c.token_ids for c in spec.generate(prompts, params)] == plain
+    assert padded.scheduler.pool.in_use == 0 and spec.scheduler.pool.in_use == 0
+
+
 def test_engine_on_fused_layers_equals_unfused_plain_and_eagle3(model):
     prompts = [[1, 2, 3, 4, 5], list(range(7, 30))]
     params = SamplingParams(max_tokens=10, ignore_eos=True)

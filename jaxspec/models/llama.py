@@ -152,6 +152,21 @@ def fused_layers(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
     return cfg.head_dim // 2 % 16 == 0 and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0
 
 
+ONE_ROW_PAD = False  # pads_one_row's switch (off: Block.fused, as measured when it was chosen)
+
+
+def pads_one_row(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
+    """Whether a one-row forward (batch-1 decode) of a small model runs as two rows, the second
+    padding, in XLA's layers rather than Block.fused: SmolLM2's batch-2 decode step took 0.947 ms
+    on the H200 where its batch-1 step took 1.104 fused (layer_ablation-b1norm-smol-) and
+    1.115-1.244 in XLA's layers (layer_ablation-unfused-smol-): XLA's GEMMs of two rows beat both
+    its one-row dots and the fused kernels. Under ONE_ROW_PAD only, until measured in the engine
+    (layer_ablation.py's pad_row variant)."""
+    return (ONE_ROW_PAD and rows == 1 and attn_impl == "auto" and jax.default_backend() == "gpu"
+            and cfg.hidden_size <= FUSED_MAX_HIDDEN and jax.sharding.get_abstract_mesh().size <= 1
+            and cfg.shard_groups == 1)
+
+
 def _vocab_parallel_lookup(table, tokens):
     """One shard's rows of the embedding [V / tp, H]: the tokens it holds, zeros elsewhere, summed
     over the shards (each token is found in exactly one: the sum is exact)."""
@@ -210,6 +225,12 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         b, t = tokens.shape
+        if pads_one_row(cfg, b * t, attn_impl):  # a second row, of padding: nothing cached, its output dropped
+            two = lambda a: jnp.concatenate([a, jnp.zeros_like(a)])
+            mask = None if tree_mask is None else two(tree_mask)
+            h, cache, hidden = self(two(tokens), two(positions), cache, two(page_table), two(kv_lens), two(q_lens), mask,
+                                    hidden_layers, attn_impl)
+            return h[:1], cache, None if hidden is None else hidden[:, :1]
         rope = rope_table(positions, rope_frequencies(cfg))
         page, offset = slot_coordinates(page_table, kv_lens, q_lens, t, cache.page_size)
         k_pages, v_pages = cache.k, cache.v
