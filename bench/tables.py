@@ -86,18 +86,19 @@ def policy() -> str:
 
 
 def heads() -> str:
-    """EAGLE-3 heads side by side in one run, per tree: the shipped one (draft_model set) and the one before."""
-    d = _load("spec-stage7", H200)
+    """EAGLE-3 heads side by side in one run, per tree: the shipped one (no draft_model) and a candidate."""
+    name, labels = "spec-wide-s91", {False: "stage 7 (shipped)", True: "stage 7 widened to 3,072 units"}
+    d = _load(name, H200)
     rows = [r for r in d["rows"] if r["algorithm"] == "eagle3"]
     cols = sorted({(r["dataset"], r["batch"]) for r in rows}, key=lambda c: (c[0] != "mt-bench", c[1]))
-    out = [f"`spec-stage7-{H200}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
+    out = [f"`{name}-{H200}.json`, commit {d['commit'][:7]}: `{d['command']}`", "",
            "| head | tree | " + " | ".join(f"{ds} b{b}: vs plain (accept length)" for ds, b in cols) + " |",
            "|" + " --- |" * (len(cols) + 2)]
     for tree in dict.fromkeys(r["tree"] for r in rows):
-        for shipped in (False, True):
+        for candidate in (False, True):
             cells = [next(f"{r['speedup']:.2f}x ({r['accept_length']:.2f})" for r in rows if r["tree"] == tree
-                          and (r["dataset"], r["batch"]) == c and bool(r.get("draft_model")) == shipped) for c in cols]
-            out.append(f"| {'stage 7 (shipped)' if shipped else 'stage 4'} | {tree} | " + " | ".join(cells) + " |")
+                          and (r["dataset"], r["batch"]) == c and bool(r.get("draft_model")) == candidate) for c in cols]
+            out.append(f"| {labels[candidate]} | {tree} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
