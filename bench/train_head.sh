@@ -29,6 +29,9 @@
 # down rows start at zero; a fresh 3,072-unit head drafted better than a 1,536-unit one at equal steps,
 # train_ablation-layers-*), then stage 7's recipe on the five corpora:
 #   bash bench/train_head.sh wide GGUF RUN8 MINUTES
+# The EAGLE (full-vocabulary) head, trained once on 14,000 sequences (its card), then on the five corpora as stage 7,
+# answers only, packed rows (issue 34's retraining with the EAGLE-3 head's data):
+#   bash bench/train_head.sh eagle5 GGUF RUN MINUTES [STEPS]
 # The DFLASH drafter's stage 1: the committed seed-0 corpus, 14000 steps of 16 sequences x 64 blocks
 # (two runs of ~9 minutes on an H100):
 #   bash bench/train_head.sh dflash GGUF RUN MINUTES
@@ -91,6 +94,10 @@ case $stage in
           --seq-len 384 --batch 32 --ttt 6 --data $five --intermediate-size 3072 \
           --init-from jaxspec/drafters/weights/smollm2-135m-eagle3 --lr 2e-4 --steps "${5:-1600}" --loss-on answer \
           --pack-len 768 --save-every 400 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
+  eagle5) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind eagle --run "$run" \
+          --seq-len 384 --batch 32 --ttt 6 --data $five \
+          --init-from jaxspec/drafters/weights/smollm2-135m-eagle --lr 5e-4 --steps "${5:-3000}" --loss-on answer \
+          --pack-len 768 --save-every 500 --log-every 50 --max-minutes "$4" --export "$run/head" ;;
   dflash3) JAXSPEC_CMDBUF_UPDATE_MODE= python -m jaxspec.train --model "$gguf" --kind dflash --run "$run" \
           --data $three \
           --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 8000 --batch 16 --anchors 64 \
@@ -101,5 +108,5 @@ case $stage in
           --init-from jaxspec/drafters/weights/smollm2-135m-dflash --seq-len 384 --steps 9000 --batch 16 --anchors 64 \
           --lr 3e-4 --block-size 16 --draft-layers 3 --loss-on answer --save-every 1000 --log-every 50 \
           --max-minutes "$4" --export "$run/head" ;;
-  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, seed4-data, stage6, code-data, stage7, wide, dflash, dflash3 or dflash4" >&2; exit 2 ;;
+  *) echo "stage must be data, train, more-data, more, seed2-data, stage3, seed3-data, stage4, stage5, anneal, seed4-data, stage6, code-data, stage7, wide, eagle5, dflash, dflash3 or dflash4" >&2; exit 2 ;;
 esac

@@ -164,6 +164,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="a two-layer toy of the model's shape (to check the script)")
     ap.add_argument("--no-throwaway", action="store_true",
                     help="skip the first variant's unrecorded run (the first process on a fresh machine runs slower)")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -188,7 +189,7 @@ def main():
             if x["batch"] in full:
                 x["saved_ms"] = full[x["batch"]] - x["ms_per_step"]
         # written after each variant: a call cut off at its limit keeps what it measured
-        path = write_results("layer_ablation" + ("-smoke" if args.smoke else ""), rows)
+        path = write_results("layer_ablation" + ("-smoke" if args.smoke else "") + args.tag, rows)
     print_table(rows, ["model", "batch", "variant", "ms_per_step", "saved_ms", "floor_ms", "floor_ratio"])
     print(path)
 
