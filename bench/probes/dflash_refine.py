@@ -25,26 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import mt_bench_token_ids, print_table, write_results  # noqa: E402
-
-
-def accepted(drafts, seq, anchors, n):
-    """1 + the drafts right in a row, for each anchor's block."""
-    out = []
-    for k, a in enumerate(anchors):
-        m = 0
-        while m < n - 1 and drafts[k, m] == seq[a + 1 + m]:
-            m += 1
-        out.append(1 + m)
-    return out
-
-
-def walked(lengths, start):
-    """The engine's walk over per-anchor accept lengths (anchors start, start + 1, ...)."""
-    walk, a = [], start
-    while a - start < len(lengths):
-        walk.append(lengths[a - start])
-        a += walk[-1]
-    return walk
+from dflash_teacher_forced import block_accepts, engine_walk  # noqa: E402
 
 
 def main():
@@ -85,7 +66,7 @@ def main():
         want = np.array([[seq[a + 1 + i] for i in range(n - 1)] for a in anchors])
         for kind, d in zip(kinds, (d1, d2, mixed)):
             right[kind].append(d == want)
-            walks[kind] += walked(accepted(d, seq, anchors, n), len(p))
+            walks[kind] += engine_walk(block_accepts(d, seq, anchors), len(p))
     rows = []
     for kind in kinds:
         r = np.concatenate(right[kind])

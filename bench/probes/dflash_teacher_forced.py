@@ -29,6 +29,28 @@ import numpy as np  # noqa: E402
 from common import mt_bench_token_ids, print_table, write_results  # noqa: E402
 
 
+def block_accepts(drafts, seq, anchors) -> list:
+    """Each anchor's block accept length: 1 + how many of its drafts [K, n-1] match seq in a row."""
+    out = []
+    for k, a in enumerate(anchors):
+        m = 0
+        while m < drafts.shape[1] and drafts[k, m] == seq[a + 1 + m]:
+            m += 1
+        out.append(1 + m)
+    return out
+
+
+def engine_walk(lengths, start) -> list:
+    """The engine's walk over per-anchor accept lengths (anchors start, start + 1, ...): a step at
+    anchor a emits its accepted drafts and the bonus token, and the next step's block starts at the
+    last of them (blocks past the text's end not judged)."""
+    walk, a = [], start
+    while a - start < len(lengths):
+        walk.append(lengths[a - start])
+        a += walk[-1]
+    return walk
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=4)
@@ -58,18 +80,8 @@ def main():
             jnp.asarray([seq[a] for a in anchors]))
         out = block_forward(head, model, layers, jnp.asarray([anchors]), blocks)
         drafts = np.asarray(jnp.argmax(head.logits(model, out[0, :, 1:]), -1))
-        lengths = []
-        for k, a in enumerate(anchors):
-            m = 0
-            while m < n - 1 and drafts[k, m] == seq[a + 1 + m]:
-                m += 1
-            lengths.append(1 + m)
-        # the engine's walk: a step at anchor a emits its accepted drafts and the bonus token, and
-        # the next step's block starts at the last of them (blocks past the text's end not judged)
-        walk, a = [], len(p)
-        while a - len(p) < len(lengths):
-            walk.append(lengths[a - len(p)])
-            a += walk[-1]
+        lengths = block_accepts(drafts, seq, anchors)
+        walk = engine_walk(lengths, len(p))
         rows.append(dict(prompt=i, tokens=len(o.token_ids), engine_accept_length=o.mean_accept_length,
                          engine_steps=len(o.accept_lengths), walk_accept_length=float(np.mean(walk)),
                          walk_steps=len(walk), walk_equals_engine=walk == o.accept_lengths[:len(walk)],
