@@ -12,7 +12,10 @@ and the same blocks' trees are judged against the target's own greedy text: acce
 answer position and walked as the engine walks. Same nodes, same programs: only the selection moves.
 Float32 CPU, dense blocks (train_dflash.block_forward), MT-bench first turns (nothing here trains).
 
-    python bench/probes/dflash_tree_scores.py [--prompts 24] [--trees 15:4:32,15:8:64] [--scales 0,0.5,1]
+    python bench/probes/dflash_tree_scores.py [--prompts 24] [--trees 15:4:32,15:8:64] [--scales 0,0.5,1] [--tag -x]
+
+With --scales 0 it compares tree shapes alone: at 32 nodes a wider top-k at each position accepted more
+(dflash_tree_scores-widths-cpu.json).
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--trees", default="15:4:32,15:8:64")
     ap.add_argument("--scales", default="0,0.5,1")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     from jaxspec import Generator, SamplingParams
     from jaxspec.drafters.dflash import load_dflash
@@ -124,7 +128,7 @@ def main():
                          walk_steps=len(walk), walk_accept_length=float(np.mean(walk))))
         print(rows[-1], flush=True)
     print_table(rows, ["tree", "bias_scale", "positions", "accept_every_position", "walk_steps", "walk_accept_length"])
-    print(write_results("dflash_tree_scores", rows, dict(depth_bias=[round(float(b), 4) for b in bias])))
+    print(write_results("dflash_tree_scores" + args.tag, rows, dict(depth_bias=[round(float(b), 4) for b in bias])))
 
 
 if __name__ == "__main__":
