@@ -150,7 +150,7 @@ def test_auto_shapes_share_the_block_and_keep_outputs_plain(tiny, tiny_dflash):
     drafter pass each, the shape switched between calls: greedy and sampled output are plain's."""
     head = load_dflash(str(tiny_dflash / "drafter"), TINY)
     drafter = DFlashDrafter(head, chain(4))
-    assert [t.label for t in drafter.auto_trees()] == ["3:1:4", "3:4:8"]
+    assert [t.label for t in drafter.auto_trees()] == ["3:1:4", "3:8:8"]
     with pytest.raises(ValueError, match="share its block of 4 tokens"):
         drafter.with_tree(TreeShape(2, 1, 3))
     prompts = random_prompts(13, 5)
