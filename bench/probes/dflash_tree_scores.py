@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import mt_bench_token_ids, print_table, write_results  # noqa: E402
+from common import humaneval_prompts, mt_bench_token_ids, print_table, write_results  # noqa: E402
 from dflash_teacher_forced import engine_walk  # noqa: E402
 
 
@@ -72,6 +72,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--trees", default="15:4:32,15:8:64")
     ap.add_argument("--scales", default="0,0.5,1")
+    ap.add_argument("--dataset", choices=["mt-bench", "humaneval"], default="mt-bench")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     from jaxspec import Generator, SamplingParams
@@ -83,7 +84,8 @@ def main():
     from jaxspec.speculative import shipped_drafter
     from jaxspec.train_dflash import block_forward
     model, tok = load("smollm2-135m")
-    prompts = mt_bench_token_ids(tok, args.prompts)
+    prompts = (mt_bench_token_ids(tok, args.prompts) if args.dataset == "mt-bench"  # (HumanEval: raw text to complete)
+               else [tok.encode(p, add_special_tokens=False) for p in humaneval_prompts()[:args.prompts]])
     outs = Generator(model, tok, max_batch=8, max_seq_len=1024, warmup=False).generate(
         prompts, SamplingParams(max_tokens=args.max_tokens))
     path = shipped_drafter("smollm2-135m", "DFLASH")
@@ -124,8 +126,9 @@ def main():
                 found[(t.label, s)][1].extend(engine_walk(lengths, len(p)))
     rows = []
     for (label, s), (every, walk) in found.items():
-        rows.append(dict(tree=label, bias_scale=s, positions=len(every), accept_every_position=float(np.mean(every)),
-                         walk_steps=len(walk), walk_accept_length=float(np.mean(walk))))
+        rows.append(dict(dataset=args.dataset, tree=label, bias_scale=s, positions=len(every),
+                         accept_every_position=float(np.mean(every)), walk_steps=len(walk),
+                         walk_accept_length=float(np.mean(walk))))
         print(rows[-1], flush=True)
     print_table(rows, ["tree", "bias_scale", "positions", "accept_every_position", "walk_steps", "walk_accept_length"])
     print(write_results("dflash_tree_scores" + args.tag, rows, dict(depth_bias=[round(float(b), 4) for b in bias])))
