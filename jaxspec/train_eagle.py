@@ -144,6 +144,15 @@ def make_train_step(target, head_graph, head_rest, tx, hot, head_cfg: HeadConfig
     return step, evaluate, t_state
 
 
+def _copied(head: DraftHead, cfg, skip: tuple, seed: int = 0) -> DraftHead:
+    """A float32 head of cfg (random from seed) holding head's weights and ids but those named in skip."""
+    out = DraftHead(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    for name, var in vars(head).items():
+        if isinstance(var, nnx.Variable) and name not in skip:
+            getattr(out, name)[...] = jnp.asarray(var[...], jnp.float32 if isinstance(var, nnx.Param) else var[...].dtype)
+    return out
+
+
 def grow_draft_vocab(head: DraftHead, target, counts, size: int) -> DraftHead:
     """An EAGLE-3 head with its draft vocabulary grown to `size` target ids: its own ids and lm_head
     rows kept, the most frequent of the others (by counts) added. A new id's row is its target
@@ -157,10 +166,7 @@ def grow_draft_vocab(head: DraftHead, target, counts, size: int) -> DraftHead:
         raise ValueError(f"--draft-vocab {size}: the head's draft vocabulary has {len(old)} ids; it can only grow")
     ranked = np.argsort(-np.asarray(counts), kind="stable")
     hot = np.sort(np.concatenate([old, ranked[~np.isin(ranked, old)][:size - len(old)]])).astype(np.int32)
-    grown = DraftHead(dataclasses.replace(head.cfg, draft_vocab_size=size), dtype=jnp.float32)
-    for name, var in vars(head).items():
-        if isinstance(var, nnx.Param) and name != "lm_head":
-            getattr(grown, name)[...] = jnp.asarray(var[...], jnp.float32)
+    grown = _copied(head, dataclasses.replace(head.cfg, draft_vocab_size=size), ("lm_head", "draft_to_target"))
     tw = np.asarray(target.embed[...].T if target.cfg.tie_word_embeddings else target.lm_head[...], np.float32)
     trained = np.asarray(head.lm_head[...], np.float32)
     fit, *_ = np.linalg.lstsq(tw[:, old].T, trained.T, rcond=None)  # [H, H]: target row -> trained row
@@ -179,10 +185,7 @@ def grow_intermediate(head: DraftHead, size: int, seed: int) -> DraftHead:
     F = head.cfg.intermediate_size
     if size <= F:
         raise ValueError(f"--intermediate-size {size}: the head's MLP has {F} units; it can only grow")
-    grown = DraftHead(dataclasses.replace(head.cfg, intermediate_size=size), dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    for name, var in vars(head).items():
-        if isinstance(var, nnx.Param | nnx.Variable) and name not in ("w_gate_up", "w_down"):
-            getattr(grown, name)[...] = jnp.asarray(var[...], var[...].dtype if name == "draft_to_target" else jnp.float32)
+    grown = _copied(head, dataclasses.replace(head.cfg, intermediate_size=size), ("w_gate_up", "w_down"), seed)
     gate, up = np.split(np.asarray(head.w_gate_up[...], np.float32), 2, axis=1)
     new_gate, new_up = np.split(np.asarray(grown.w_gate_up[...]), 2, axis=1)
     grown.w_gate_up[...] = jnp.asarray(np.concatenate([gate, new_gate[:, F:], up, new_up[:, F:]], 1))

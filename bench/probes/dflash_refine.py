@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import mt_bench_token_ids, print_table, write_results  # noqa: E402
-from dflash_teacher_forced import block_accepts, engine_walk  # noqa: E402
+from dflash_teacher_forced import block_accepts, draft_outputs, engine_walk, target_features  # noqa: E402
 
 
 def main():
@@ -35,10 +35,8 @@ def main():
     args = ap.parse_args()
     from jaxspec import Generator, SamplingParams
     from jaxspec.drafters.dflash import load_dflash
-    from jaxspec.models.llama import dense_forward
     from jaxspec.models.loading import load
     from jaxspec.speculative import shipped_drafter
-    from jaxspec.train_dflash import block_forward
     model, tok = load("smollm2-135m")
     prompts = mt_bench_token_ids(tok, args.prompts)
     outs = Generator(model, tok, max_batch=len(prompts), max_seq_len=1024, warmup=False).generate(
@@ -50,18 +48,14 @@ def main():
     walks = {k: [] for k in kinds}
     for p, o in zip(prompts, outs):
         seq = p + o.token_ids
-        width = 1 << int(np.ceil(np.log2(len(seq))))
-        padded = jnp.zeros((1, width), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
-        _, layers = dense_forward(model, padded, head.cfg.target_layer_ids)
+        layers = target_features(model, head, seq)
         anchors = list(range(len(p), len(seq) - n))  # every answer position with a whole block after it
         if not anchors:
             continue
-        first = jnp.asarray([seq[a] for a in anchors])
-        blocks = jnp.full((1, len(anchors), n), head.cfg.mask_token, jnp.int32).at[0, :, 0].set(first)
-        draft = lambda b: np.asarray(jnp.argmax(head.logits(model, block_forward(head, model, layers,
-                                                                                 jnp.asarray([anchors]), b)[0, :, 1:]), -1))
-        d1 = draft(blocks)
-        d2 = draft(blocks.at[0, :, 1:].set(jnp.asarray(d1[:, :n - 1])))
+        draft = lambda fill: np.asarray(jnp.argmax(head.logits(model, draft_outputs(model, head, layers, seq, anchors,
+                                                                                    fill)), -1))
+        d1 = draft(None)
+        d2 = draft(d1[:, :n - 1])
         mixed = np.concatenate([d1[:, :1], d2[:, 1:]], axis=1)
         want = np.array([[seq[a + 1 + i] for i in range(n - 1)] for a in anchors])
         for kind, d in zip(kinds, (d1, d2, mixed)):

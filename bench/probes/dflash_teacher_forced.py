@@ -51,6 +51,26 @@ def engine_walk(lengths, start) -> list:
     return walk
 
 
+def target_features(model, head, seq):
+    """The target's layer outputs the drafter reads, over the whole text (dense, causal)."""
+    from jaxspec.models.llama import dense_forward
+    width = 1 << int(np.ceil(np.log2(len(seq))))
+    padded = jnp.zeros((1, width), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
+    return dense_forward(model, padded, head.cfg.target_layer_ids)[1]
+
+
+def draft_outputs(model, head, layers, seq, anchors, fill=None):
+    """The drafter's outputs at block positions 1.. [K, n-1, H] (before its norm) for a block at each
+    anchor: [seq[a], mask x (n-1)], or fill [K, n-1] in place of the masks."""
+    from jaxspec.train_dflash import block_forward
+    n = head.cfg.block_size
+    blocks = jnp.full((1, len(anchors), n), head.cfg.mask_token, jnp.int32).at[0, :, 0].set(
+        jnp.asarray([seq[a] for a in anchors]))
+    if fill is not None:
+        blocks = blocks.at[0, :, 1:].set(jnp.asarray(fill))
+    return block_forward(head, model, layers, jnp.asarray([anchors]), blocks)[0, :, 1:]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=4)
@@ -60,8 +80,6 @@ def main():
     from jaxspec.drafters.dflash import load_dflash
     from jaxspec.models.loading import load
     from jaxspec.speculative import shipped_drafter
-    from jaxspec.train_dflash import block_forward
-    from jaxspec.models.llama import dense_forward
     model, tok = load("smollm2-135m")
     prompts = mt_bench_token_ids(tok, args.prompts)
     gen = Generator(model, tok, drafter=SpecConfig("DFLASH").build(model, "smollm2-135m"), max_batch=len(prompts),
@@ -72,14 +90,10 @@ def main():
     rows = []
     for i, (p, o) in enumerate(zip(prompts, outs)):
         seq = p + o.token_ids
-        width = 1 << int(np.ceil(np.log2(len(seq))))
-        padded = jnp.zeros((1, width), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
-        _, layers = dense_forward(model, padded, head.cfg.target_layer_ids)
+        layers = target_features(model, head, seq)
         anchors = list(range(len(p), len(seq) - n))  # every generated position with a whole block after it
-        blocks = jnp.full((1, len(anchors), n), head.cfg.mask_token, jnp.int32).at[0, :, 0].set(
-            jnp.asarray([seq[a] for a in anchors]))
-        out = block_forward(head, model, layers, jnp.asarray([anchors]), blocks)
-        drafts = np.asarray(jnp.argmax(head.logits(model, out[0, :, 1:]), -1))
+        out = draft_outputs(model, head, layers, seq, anchors)
+        drafts = np.asarray(jnp.argmax(head.logits(model, out), -1))
         lengths = block_accepts(drafts, seq, anchors)
         walk = engine_walk(lengths, len(p))
         rows.append(dict(prompt=i, tokens=len(o.token_ids), engine_accept_length=o.mean_accept_length,

@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import humaneval_prompts, mt_bench_token_ids, print_table, write_results  # noqa: E402
-from dflash_teacher_forced import engine_walk  # noqa: E402
+from dflash_teacher_forced import draft_outputs, engine_walk, target_features  # noqa: E402
 
 
 def depth_bias(card_stage: dict) -> np.ndarray:
@@ -79,10 +79,8 @@ def main():
     from jaxspec.drafters.dflash import load_dflash
     from jaxspec.drafters.dflash_step import tree_from_marginals
     from jaxspec.drafters.eagle_step import TreeShape
-    from jaxspec.models.llama import dense_forward
     from jaxspec.models.loading import load
     from jaxspec.speculative import shipped_drafter
-    from jaxspec.train_dflash import block_forward
     model, tok = load("smollm2-135m")
     prompts = (mt_bench_token_ids(tok, args.prompts) if args.dataset == "mt-bench"  # (HumanEval: raw text to complete)
                else [tok.encode(p, add_special_tokens=False) for p in humaneval_prompts()[:args.prompts]])
@@ -91,7 +89,6 @@ def main():
     path = shipped_drafter("smollm2-135m", "DFLASH")
     head = load_dflash(path, model.cfg)
     bias = depth_bias(json.load(open(os.path.join(path, "card.json")))["stages"][-1])
-    n = head.cfg.block_size
     trees = [TreeShape.parse(t) for t in args.trees.split(",")]
     scales = [float(s) for s in args.scales.split(",")]
     build = jax.jit(tree_from_marginals, static_argnums=2)
@@ -99,13 +96,9 @@ def main():
     for i, (p, o) in enumerate(zip(prompts, outs)):
         print(f"prompt {i}", flush=True)
         seq = p + o.token_ids
-        width = 1 << int(np.ceil(np.log2(len(seq))))
-        padded = jnp.zeros((1, width), jnp.int32).at[0, :len(seq)].set(jnp.asarray(seq))
-        _, layers = dense_forward(model, padded, head.cfg.target_layer_ids)
         anchors = list(range(len(p), len(seq) - 1))  # every answer position with a token after it
-        blocks = jnp.full((1, len(anchors), n), head.cfg.mask_token, jnp.int32).at[0, :, 0].set(
-            jnp.asarray([seq[a] for a in anchors]))
-        lp = jax.nn.log_softmax(head.logits(model, block_forward(head, model, layers, jnp.asarray([anchors]), blocks)[0, :, 1:]))
+        lp = jax.nn.log_softmax(head.logits(model, draft_outputs(model, head, target_features(model, head, seq), seq,
+                                                                 anchors)))
         root = jnp.asarray([seq[a] for a in anchors], jnp.int32)
         # the tree reads each position's top-k alone, and a bias a position moves none of its ranks: the
         # top 8 stand in for the vocabulary (ids mapped back after), padded to a whole 64 rows (one compile)

@@ -144,8 +144,7 @@ def fused_layers(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
     kernels a step against 597), but 1.36 against 1.19 at batch 8 and 2.17 against 1.75 at 64, where
     XLA's autotuned GEMMs beat these kernels (fused_probe-NVIDIA-H200.json: 2-6x per op). Never
     under a mesh (the kernels see whole matrices) nor where a kernel's shape rules fail."""
-    one_row = attn_impl == "auto" and jax.default_backend() == "gpu" and rows == 1
-    if attn_impl != "fused" and not (one_row and cfg.hidden_size <= FUSED_MAX_HIDDEN):
+    if attn_impl != "fused" and not _small_one_row(cfg, rows, attn_impl):
         return False
     if jax.sharding.get_abstract_mesh().size > 1 or cfg.shard_groups != 1:
         return False
@@ -162,9 +161,14 @@ def pads_one_row(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
     1.115-1.244 in XLA's layers (layer_ablation-unfused-smol-): XLA's GEMMs of two rows beat both
     its one-row dots and the fused kernels. Under ONE_ROW_PAD only, until measured in the engine
     (layer_ablation.py's pad_row variant)."""
-    return (ONE_ROW_PAD and rows == 1 and attn_impl == "auto" and jax.default_backend() == "gpu"
-            and cfg.hidden_size <= FUSED_MAX_HIDDEN and jax.sharding.get_abstract_mesh().size <= 1
-            and cfg.shard_groups == 1)
+    return ONE_ROW_PAD and _small_one_row(cfg, rows, attn_impl)
+
+
+def _small_one_row(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
+    """A one-row forward under 'auto' on a GPU, of a model up to FUSED_MAX_HIDDEN wide, on one device:
+    where launches cost more than bytes (fused_layers' and pads_one_row's case)."""
+    return (attn_impl == "auto" and jax.default_backend() == "gpu" and rows == 1 and cfg.hidden_size <= FUSED_MAX_HIDDEN
+            and jax.sharding.get_abstract_mesh().size <= 1 and cfg.shard_groups == 1)
 
 
 def _vocab_parallel_lookup(table, tokens):
