@@ -198,6 +198,20 @@ def smollm2_and_head(layers: int | None = None):
     return cfg, random_model(cfg, jnp.bfloat16), head
 
 
+def one_row_layers(how: str):
+    """How one-row forwards of small models run in this process: 'pad' (the engine's: two rows in XLA's
+    layers, llama.pads_one_row), 'xla' (one row in XLA's layers) or 'fused' (Block.fused's kernels,
+    'auto''s choice before 'pad')."""
+    from jaxspec.models import llama
+    if how not in ("pad", "xla", "fused"):
+        raise ValueError(f"one-row layers must be pad, xla or fused, got {how!r}")
+    if how != "pad":
+        llama.ONE_ROW_MAX_HIDDEN = 0
+    if how == "fused":
+        fused = llama.fused_layers
+        llama.fused_layers = lambda cfg, rows, impl: fused(cfg, rows, "fused" if rows == 1 and impl == "auto" else impl)
+
+
 def param_bytes(model) -> int:
     from flax import nnx
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

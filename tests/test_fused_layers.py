@@ -112,7 +112,7 @@ def test_one_row_padded_to_two_keeps_outputs_and_cache(model, monkeypatch):
     cache = KVCache(jnp.asarray(r.normal(size=shape), jnp.float32), jnp.asarray(r.normal(size=shape), jnp.float32))
     args = (jnp.array([[5]]), jnp.array([[20]]), cache, jnp.array([[2, 6, 0, 0]]), jnp.array([20]), jnp.array([1]))
     want = model(*args, hidden_layers=(0, 1))
-    assert llama.pads_one_row(CFG, 1, "auto") is False  # off by default, and off the GPU
+    assert llama.pads_one_row(CFG, 1, "auto") is False  # a GPU path only
     monkeypatch.setattr(llama, "pads_one_row", lambda cfg, rows, impl: rows == 1)
     got = model(*args, hidden_layers=(0, 1))
     assert got[0].shape == want[0].shape and got[2].shape == want[2].shape

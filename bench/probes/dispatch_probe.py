@@ -60,13 +60,11 @@ def child(variant, batches, out):
     import jax.numpy as jnp
     import numpy as np
 
+    from common import SMOLLM2, one_row_layers, random_model
     from jaxspec import compile_options
-    from jaxspec.models import llama
     _, compile_options.COMMAND_BUFFERS, fused = VARIANTS[variant]
-    if not fused:
-        llama.FUSED_MAX_HIDDEN = 0
+    one_row_layers("fused" if fused else "xla")  # (as 'auto' ran one-row forwards when these variants were made)
 
-    from common import SMOLLM2, random_model
     from decode import decode_steps
     from jaxspec import Generator, SamplingParams
     from jaxspec.models import ModelConfig

@@ -25,12 +25,12 @@ part's cost on the critical path is the step's time with it less its time withou
              at batch 1 the attention kernel and pallas/swiglu.py take neither norm's scale)
   xla_mlp_norm  nothing left out, XLA's MLP norm and gating (llama.MLP_NORM_IN_KERNEL off; at batch 1
              pallas/swiglu.py gates with the norm's scale in it)
-  unfused    nothing left out, XLA's layers for one-row steps of small models too (llama.FUSED_MAX_HIDDEN 0)
-  pad_row    nothing left out, a one-row step of a small model run as two rows in XLA's layers, the second
-             padding (llama.ONE_ROW_PAD): SmolLM2's batch-2 step ran faster than its batch-1 step either way
+  unfused    nothing left out, a one-row step of a small model in XLA's layers as one row (no padding row)
+  fused_row  nothing left out, a one-row step of a small model through Block.fused's kernels (before llama.
+             pads_one_row ran it as two rows, the second padding, 'auto''s one-row path: the 'full' of older runs)
   xla_merge  nothing left out, the attention kernel's split-K partials merged by XLA at batch 1 too
   a+b        variants a and b at once (e.g. unfused+xla_merge)
-Outputs are wrong in every variant but full, blocking, kv_inbounds and the xla_*, unfused and pad_row ones: only times count.
+Outputs are wrong in every variant but full, blocking, kv_inbounds and the xla_*, unfused and fused_row ones: only times count.
 The first process after the machine starts runs slower: `full` first took 4.64 ms and 4.61 ms
 (layer_ablation-blocking-, layer_ablation- at 57afa8d), second on a warm machine 4.42
 (layer_ablation-blocking2-, where blocking 8x8 ran level with the default 4x16, 8x4 0.06 ms slower).
@@ -71,6 +71,7 @@ def leave_out(variant):
     """Patch the model's module so that its layers skip the variant's parts (before anything is traced)."""
     import jax
 
+    from common import one_row_layers
     from jaxspec import attention
     from jaxspec.models import llama
     from jaxspec.pallas import paged_attention
@@ -95,11 +96,8 @@ def leave_out(variant):
     if variant == "xla_norm_rope":  # XLA's norm before a decode step's projection and rope after it (the kernel's)
         llama.NORM_ROPE_IN_KERNEL = False
         return
-    if variant == "unfused":  # no fused layer kernels at batch 1 (models.llama.fused_layers): XLA's layers
-        llama.FUSED_MAX_HIDDEN = 0
-        return
-    if variant == "pad_row":  # one-row steps of small models as two rows, in XLA's layers (llama.pads_one_row)
-        llama.ONE_ROW_PAD = True
+    if variant in ("unfused", "fused_row"):  # a one-row step as one row: XLA's layers, or the fused kernels
+        one_row_layers("xla" if variant == "unfused" else "fused")
         return
     if variant == "xla_norm":  # XLA's norms at batch 1 too, the kernel's rope kept
         llama.KERNEL_NORM_MAX_BATCH = 0

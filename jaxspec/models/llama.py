@@ -133,41 +133,29 @@ class Block(nnx.Module):
         return matmul_residual(h, self.w_down[...], x, interpret=interpret), k_pages, v_pages
 
 
-FUSED_MAX_HIDDEN = 1024  # 'auto' fuses one-row forwards of models up to this width
-
-
 def fused_layers(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
-    """Whether a forward of `rows` tokens runs Block.fused: always for impl 'fused' (interpreted
-    off the GPU); under 'auto' on a GPU, for one-row forwards (batch-1 decode) of small models,
-    whose steps are kernel launches more than bytes. Measured on the H200, SmolLM2 decode in one
-    call (decode-smol-NVIDIA-H200.json, 47960d2): 1.34 ms fused against 1.49 at batch 1 (239
-    kernels a step against 597), but 1.36 against 1.19 at batch 8 and 2.17 against 1.75 at 64, where
-    XLA's autotuned GEMMs beat these kernels (fused_probe-NVIDIA-H200.json: 2-6x per op). Never
-    under a mesh (the kernels see whole matrices) nor where a kernel's shape rules fail."""
-    if attn_impl != "fused" and not _small_one_row(cfg, rows, attn_impl):
-        return False
-    if jax.sharding.get_abstract_mesh().size > 1 or cfg.shard_groups != 1:
+    """Whether a forward runs Block.fused: for impl 'fused' (interpreted off the GPU), where the
+    kernels' shape rules hold, never under a mesh (the kernels see whole matrices). Until 'auto' padded
+    one-row forwards (pads_one_row) it chose these kernels for SmolLM2's batch-1 decode: 1.34 ms against
+    1.49 in XLA's one-row layers on the H200 (decode-smol-NVIDIA-H200.json, 47960d2), but 1.36 against
+    1.19 at batch 8, where XLA's autotuned GEMMs beat them (fused_probe-NVIDIA-H200.json: 2-6x per op)."""
+    if attn_impl != "fused" or jax.sharding.get_abstract_mesh().size > 1 or cfg.shard_groups != 1:
         return False
     return cfg.head_dim // 2 % 16 == 0 and cfg.hidden_size % 16 == 0 and cfg.intermediate_size % 16 == 0
 
 
-ONE_ROW_PAD = False  # pads_one_row's switch (off: Block.fused, as measured when it was chosen)
+ONE_ROW_MAX_HIDDEN = 1024  # 'auto' pads one-row forwards of models up to this width (pads_one_row)
 
 
 def pads_one_row(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
-    """Whether a one-row forward (batch-1 decode) of a small model runs as two rows, the second
-    padding, in XLA's layers rather than Block.fused: SmolLM2's batch-2 decode step took 0.947 ms
-    on the H200 where its batch-1 step took 1.104 fused (layer_ablation-b1norm-smol-) and
-    1.115-1.244 in XLA's layers (layer_ablation-unfused-smol-): XLA's GEMMs of two rows beat both
-    its one-row dots and the fused kernels. Under ONE_ROW_PAD only, until measured in the engine
-    (layer_ablation.py's pad_row variant)."""
-    return ONE_ROW_PAD and _small_one_row(cfg, rows, attn_impl)
-
-
-def _small_one_row(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
-    """A one-row forward under 'auto' on a GPU, of a model up to FUSED_MAX_HIDDEN wide, on one device:
-    where launches cost more than bytes (fused_layers' and pads_one_row's case)."""
-    return (attn_impl == "auto" and jax.default_backend() == "gpu" and rows == 1 and cfg.hidden_size <= FUSED_MAX_HIDDEN
+    """Whether a one-row forward (batch-1 decode) runs as two rows, the second padding: under 'auto'
+    on a GPU, for a model up to ONE_ROW_MAX_HIDDEN wide on one device, whose steps are launches more
+    than bytes. XLA's GEMMs of two rows beat both its one-row dots and the fused kernels: SmolLM2's
+    batch-1 decode step took 0.92 ms padded against 1.10 through Block.fused, alternately in one
+    process on the H200 (layer_ablation-padrow-smol-), and the Generator's plain batch-1 decoding
+    on MT-bench ran 964 tokens/s against 849, EAGLE-3 6:4:32 1948 against 1855 (spec-padrow-on-,
+    spec-padrow-off-, one after the other)."""
+    return (attn_impl == "auto" and jax.default_backend() == "gpu" and rows == 1 and cfg.hidden_size <= ONE_ROW_MAX_HIDDEN
             and jax.sharding.get_abstract_mesh().size <= 1 and cfg.shard_groups == 1)
 
 
