@@ -153,8 +153,8 @@ def pads_one_row(cfg: ModelConfig, rows: int, attn_impl: str) -> bool:
     than bytes. XLA's GEMMs of two rows beat both its one-row dots and the fused kernels: SmolLM2's
     batch-1 decode step took 0.92 ms padded against 1.10 through Block.fused, alternately in one
     process on the H200 (layer_ablation-padrow-smol-), and the Generator's plain batch-1 decoding
-    on MT-bench ran 964 tokens/s against 849, EAGLE-3 6:4:32 1948 against 1855 (spec-padrow-on-,
-    spec-padrow-off-, one after the other)."""
+    on MT-bench ran 964 tokens/s against 849 (spec-padrow-on-, spec-padrow-off-: two processes, off
+    first; EAGLE-3 6:4:32, whose steps verify 32 rows, ran 1948 against 1855 there)."""
     return (attn_impl == "auto" and jax.default_backend() == "gpu" and rows == 1 and cfg.hidden_size <= ONE_ROW_MAX_HIDDEN
             and jax.sharding.get_abstract_mesh().size <= 1 and cfg.shard_groups == 1)
 
