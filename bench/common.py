@@ -231,6 +231,8 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_la
                num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True)
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                  num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False, max_position=8192)
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                 num_kv_heads=8, head_dim=128, rope_theta=1000000.0, tie_word_embeddings=True, qk_norm=True)
 
 
 def _package_file(dist: str, rel: str) -> bytes:

@@ -127,11 +127,11 @@ def child(variant, model_name, batches, context, steps, out, smoke):
     import jax
     import numpy as np
 
-    from common import LLAMA3_8B, SMOLLM2, copy_bandwidth, param_bytes, random_model, step_times
+    from common import LLAMA3_8B, QWEN3_06B, SMOLLM2, copy_bandwidth, param_bytes, random_model, step_times
     from decode import decode_steps
     from jaxspec.models import ModelConfig
     leave_out(variant)
-    shape = dict(SMOLLM2 if model_name == "smollm2-135m" else LLAMA3_8B)
+    shape = dict({"smollm2-135m": SMOLLM2, "qwen3-0.6b": QWEN3_06B}.get(model_name, LLAMA3_8B))
     if smoke:
         shape.update(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
                      vocab_size=512)
