@@ -34,10 +34,12 @@ class Admission:
             return True
         return time.perf_counter() - self.waiting[0].arrival >= self.delay_factor * self.last_prefill_s
 
-    def _admit(self):
+    def _admit(self, limit=None):
+        """Admit waiting requests, oldest first, while pages allow (at most `limit`)."""
         if not self._admission_due():
             return
-        while self.waiting and len(self.running) < self.max_batch:
+        limit = self.max_batch if limit is None else min(self.max_batch, len(self.running) + limit)
+        while self.waiting and len(self.running) < limit:
             req = self.waiting[0]
             toks = req.tokens
             # a request that will decode plainly (its batch's bucket gets no tree) takes pages without

@@ -33,6 +33,7 @@ from jaxspec.sampling import SamplingParams
 from jaxspec.scheduler.admission import Admission
 from jaxspec.scheduler.chaining import Chaining
 from jaxspec.scheduler.dispatch import Dispatch
+from jaxspec.scheduler.joining import Joining, RowJoin
 from jaxspec.scheduler.outputs import Outputs
 from jaxspec.scheduler.trees import PLAIN, TreeSizing
 from jaxspec.sharding import cache_sharding
@@ -45,7 +46,7 @@ AUTO_MAX_VERIFY_TOKENS = 4096  # spec_policy 'auto''s tree-node budget a verify 
 DEFAULT_SPEC_MIN_GAIN = 1.1  # see Scheduler.__init__ (tests set it to 0: drafting always pays)
 
 
-class Scheduler(Admission, Dispatch, Chaining, Outputs, TreeSizing, StartUp):
+class Scheduler(Admission, Dispatch, Chaining, Joining, Outputs, TreeSizing, StartUp):
     clock = staticmethod(time.perf_counter)  # times steps for the drafting policy (tests drive it)
 
     def __init__(self, model, tokenizer, *, num_pages=None, page_size=16, max_batch=64, max_seq_len=None,
@@ -53,7 +54,8 @@ class Scheduler(Admission, Dispatch, Chaining, Outputs, TreeSizing, StartUp):
                  spec_max_verify_tokens=None, spec_max_host_verify_tokens=16, spec_min_nodes=None, spec_min_accept=2.0,
                  spec_probe_every=32, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
                  verify_steps=VERIFY_STEPS, warmup_flags=None, compile_cache=None, build_workers=None, mesh=None,
-                 mem_fraction=None, spec_policy="fixed", spec_trees=None, scheduler_delay_factor=0.0):
+                 mem_fraction=None, spec_policy="fixed", spec_trees=None, scheduler_delay_factor=0.0,
+                 join_newcomers=True):
         """mesh: a tensor-parallel mesh (sharding.tp_mesh) the model is laid out and sharded for:
         the caches are sharded by KV head, the programs partitioned over it. mem_fraction: with
         num_pages None, the KV pool takes this share of the device memory left free after the
@@ -64,7 +66,8 @@ class Scheduler(Admission, Dispatch, Chaining, Outputs, TreeSizing, StartUp):
         verifies, by the step costs seen and the accept lengths seen); spec_trees: the shapes
         'auto' chooses among (default: the drafter's auto_trees()). spec_max_verify_tokens: tree
         nodes a verify step may take over its batch bucket (default 128 under 'fixed', 4096 under
-        'auto'). scheduler_delay_factor: vLLM's; see Admission._admission_due."""
+        'auto'). scheduler_delay_factor: vLLM's; see Admission._admission_due. join_newcomers: a plain
+        engine admits a request into a row of the running batch's chain that has ended (joining.py)."""
         cfg = model.cfg
         self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -108,6 +111,7 @@ class Scheduler(Admission, Dispatch, Chaining, Outputs, TreeSizing, StartUp):
         # a device drafter's large-batch fallback: the target alone, no head catch-up
         self.plain_programs = Programs(model, **programs_kw) if self.device_drafter else None
         self.drafter = drafter
+        self.row_join = RowJoin(jit) if drafter is None and join_newcomers else None
         self.first_runs = jax.default_backend() == "gpu"  # warmup() runs each program once (_run_once)
         self.build_workers = build_workers  # processes for a cold start's programs (None: program_workers decides)
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.
@@ -166,7 +170,7 @@ class Scheduler(Admission, Dispatch, Chaining, Outputs, TreeSizing, StartUp):
         self.stats = dict(steps=0, verify_steps=0, emitted=0, prefill_tokens=0, preemptions=0, verify_time=0.0,
                           draft_time=0.0, decode_time=0.0, prefill_time=0.0, chained_steps=0, wait_time=0.0,
                           behind_plain_steps=0, verified_rows=0, accepted=0, chained_switches=0,
-                          closed_plain_calls=0, prefill_chains=0)
+                          closed_plain_calls=0, prefill_chains=0, joins=0)
         if warmup:
             self.warmup(warmup_flags, progress=warmup == "progress")
 
@@ -200,9 +204,11 @@ class Scheduler(Admission, Dispatch, Chaining, Outputs, TreeSizing, StartUp):
                 progs.replace_head(self.drafter.head)
         if self.inflight is not None:
             done, self.inflight = self.inflight, None
-            nxt = self._chain(done) if self._reserve_chain(done) else None
+            nxt = self._chain(done) if self._reserve_chain(done) else self._join(done)
             self._collect(done)
             if nxt is not None:
+                for prefill, chunk in nxt.joined_prefill or ():
+                    self._collect(prefill, chunk)
                 self.inflight = nxt
                 self.stats["steps"] += 1
                 self.stats["chained_steps"] += 1

@@ -123,6 +123,20 @@ class Dispatch:
     def _run_extend(self, batch, rows, t):
         """Feed n new tokens per request (a [rows, t] program: a prefill chunk); a request whose
         tokens are then all cached gets the sampled next token."""
+        f = self._launch_extend(batch, rows, t)
+        reqs = f.reqs
+        chained = self._chain_on_prefill(f, batch, rows)
+        if not chained:
+            self._host_work_while_device_runs(f)
+        self._collect(f, [0 if chained else n for _, n in batch])  # (a chained call's kv lengths moved on before it)
+        if chained:
+            self.inflight.ended_after_launch = any(r.finished for r in reqs)
+            if self.inflight.kind == "decode":
+                for r in reqs:
+                    r.draft = None  # (the prefill's drafts are behind once plain steps follow)
+
+    def _launch_extend(self, batch, rows, t) -> InFlight:
+        """Launch the prefill chunk of (request, n tokens) pairs in a [rows, t] program."""
         t0 = time.perf_counter()
         reqs = [r for r, _ in batch]
         tokens = np.zeros((rows, t), np.int32)
@@ -142,16 +156,7 @@ class Dispatch:
         if plain:
             self._leave_heads_behind(reqs)
         outputs = self._call("extend", plain, args, flags)
-        f = InFlight("extend", reqs, outputs, {}, flags, host_s=time.perf_counter() - t0)
-        chained = self._chain_on_prefill(f, batch, rows)
-        if not chained:
-            self._host_work_while_device_runs(f)
-        self._collect(f, [0 if chained else n for _, n in batch])  # (a chained call's kv lengths moved on before it)
-        if chained:
-            self.inflight.ended_after_launch = any(r.finished for r in reqs)
-            if self.inflight.kind == "decode":
-                for r in reqs:
-                    r.draft = None  # (the prefill's drafts are behind once plain steps follow)
+        return InFlight("extend", reqs, outputs, {}, flags, host_s=time.perf_counter() - t0)
 
     def _chain_on_prefill(self, f: InFlight, batch, rows: int) -> bool:
         """Launch the first decode or verify call of requests whose prompts prefill call f ends from its

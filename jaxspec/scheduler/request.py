@@ -83,6 +83,9 @@ class InFlight:
     # rows whose first step verified no draft of this shape: the root alone (after plain decoding), or
     # another shape's drafts, cut (the call before was of another shape; chained ones: `switched`)
     borrowed: frozenset = frozenset()
+    # a call joining newcomers into a chain (joining.py): their prefill calls, launched before it and read
+    # back after the call it chained on, each with the prompt tokens it fed each of its requests
+    joined_prefill: list | None = None
 
 
 class DraftsOnDevice:

@@ -1,0 +1,151 @@
+"""Newcomers joined into a running batch's chain of plain decode calls, instead of breaking it.
+
+Where a request has ended and another waits, the unchained path reads the running call back, admits,
+prefills the newcomer, reads that back too and launches the batch's next call from the host: the
+device waits twice, once a newcomer. Here, before the running call f is read, the newcomers' prompts
+but their last tokens are prefilled (the call is launched), and the batch's next call is launched at
+once from f's device outputs, with each newcomer in a row that has ended (or a padding row): its
+pending token is its prompt's last token, which the host knows, so that row's inputs are the
+host's, merged into f's on the device (RowJoin, built at start-up). The device runs f, the
+prefill and the joined call back to back; the host reads f and the prefill back meanwhile.
+
+Plain engines only (a drafter's next call verifies trees the prefill drafts); a newcomer whose
+prompt takes more than one prefill chunk, or penalties, go the unchained way.
+A mixin of Scheduler (core.py), which owns the state these methods read."""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.programs import STOP_ID_SLOTS
+from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
+from jaxspec.scheduler.dispatch import _to_device
+from jaxspec.scheduler.request import InFlight
+
+
+def merge_rows(chained, fresh, mask):
+    """fresh's rows where mask [R], chained's elsewhere: every leaf [R, ...]."""
+    pick = lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), b.astype(a.dtype), a)
+    return jax.tree.map(pick, chained, fresh)
+
+
+class RowJoin:
+    """merge_rows compiled for each batch bucket's decode inputs (pending tokens [R, 1], kv lengths,
+    sampling batch, token budgets), at warm-up; one compiled after it is late."""
+
+    def __init__(self, jit: bool = True):
+        self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
+
+    @staticmethod
+    def dummy(rows: int):
+        """Zeros shaped as a bucket's (decode inputs, their fresh rows, mask)."""
+        z = np.zeros(rows, np.int32)
+        ins = (np.zeros((rows, 1), np.int32), z, SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows), z)
+        return ins, ins, np.zeros(rows, bool)
+
+    def _get(self, rows: int):
+        if not self.jit:
+            return merge_rows
+        if rows not in self.table:
+            self.table[rows] = jax.jit(merge_rows).lower(*self.dummy(rows)).compile()
+            if self.warm:
+                self.late_compiles.append(rows)
+        return self.table[rows]
+
+    def build(self, buckets, run: bool):
+        """Compile each bucket's merge; run each once (run: a GPU executable's first run loads it)."""
+        for rows in buckets:
+            merge = self._get(rows)
+            if run:
+                jax.block_until_ready(merge(*self.dummy(rows)))
+        self.warm = True
+
+    def __call__(self, chained, fresh, mask):
+        return self._get(mask.shape[0])(chained, fresh, mask)
+
+
+class Joining:
+    def _join(self, f: InFlight) -> InFlight | None:
+        """Admit waiting requests into the rows of plain decode call f that have ended, prefill them
+        and launch the batch's next call chained on f (module docstring); None where it cannot: a
+        newcomer admitted then goes the unchained way."""
+        if not self._may_join(f):
+            return None
+        rows = f.outputs[1].shape[0]
+        free = [i for i, r in enumerate(f.reqs) if r.finished] + list(range(len(f.reqs), rows))
+        before = len(self.running)
+        self._admit(limit=len(free))
+        new = self.running[before:]
+        if not new or any(r.params.penalised for r in new):
+            return None
+        pre = [(r, r.todo - 1) for r in new if r.todo > 1]  # the last prompt token is the joined call's
+        calls = self._prefill_calls(pre)
+        if calls is None:
+            return None
+        live = [r for r in f.reqs if not r.finished]
+        steps = self._decode_steps_now(live + new)
+        need = ([self._pages_needed(r, f.steps + steps - 1) - len(r.pages) for r in live]
+                + [self._pages_needed(r, steps - 1) - len(r.pages) for r in new])
+        if sum(max(0, x) for x in need) > self.pool.available:
+            return None
+        for r, x in zip(live + new, need):
+            if x > 0:
+                r.pages += self.pool.alloc(x)
+        t0 = time.perf_counter()
+        prefills = [(self._launch_extend(batch, *shape), [n for _, n in batch]) for batch, shape in calls]
+        self.stats["prefill_tokens"] += sum(n for _, n in pre)
+        reqs = list(f.reqs) + [None] * (rows - len(f.reqs))
+        slots = free[:len(new)]
+        for j, r in zip(slots, new):
+            reqs[j] = r
+        reqs = reqs[:max(len(f.reqs), slots[-1] + 1)]
+        mask, tok = np.zeros(rows, bool), np.zeros((rows, 1), np.int32)
+        kv, budget = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
+        for j, r in enumerate(reqs):
+            ids = self._device_stop_ids(r)
+            stop_ids[j, :len(ids)] = ids
+        for j, r in zip(slots, new):
+            last = len(r.prompt_ids) + len(r.output_ids) - 1
+            mask[j], tok[j, 0], kv[j] = True, r.token_slice(last, last + 1)[0], last
+            budget[j] = r.params.max_tokens - len(r.output_ids)
+        sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+                                 pad_to=rows)
+        fresh, mask, pt, stop_ids = _to_device(((tok, kv, sb, budget), mask, self._page_table(reqs, rows), stop_ids))
+        tokens, kv_lens, sb, budget = self.row_join(f.outputs[6], fresh, mask)
+        flags = SamplerFlags.of([r.params for r in live + new])
+        num_steps = _to_device(np.int32(steps))
+        outputs = self._call("decode", False, (tokens, pt, kv_lens, budget, stop_ids, num_steps, sb), flags)
+        g = InFlight("decode", reqs, outputs, dict(pt=pt, stop_ids=stop_ids, num_steps=num_steps,
+                                                   pages=[len(r.pages) for r in reqs]),
+                     flags, steps=steps, chained=True, host_s=time.perf_counter() - t0)
+        g.joined_prefill = prefills
+        self.stats["joins"] += 1
+        return g
+
+    def _prefill_calls(self, pre) -> list | None:
+        """[(batch, (rows, t))]: (request, tokens) pairs in prefill programs, all in one where a
+        shape holds them, else one call each; None where a prompt fits no shape (it takes chunks)."""
+        def smallest(n, t):
+            fits = [(r, c) for r, c in self.prefill_shapes if r >= n and c >= t]
+            return min(fits, key=lambda s: s[0] * s[1], default=None)
+        if not pre:
+            return []
+        shape = smallest(len(pre), max(n for _, n in pre))
+        if shape is not None:
+            return [(pre, shape)]
+        calls = [([(r, n)], smallest(1, n)) for r, n in pre]
+        return None if any(shape is None for _, shape in calls) else calls
+
+    def _may_join(self, f: InFlight) -> bool:
+        """A plain engine's steady decode call (every row ended on the device or running, nobody
+        else running) with requests due for admission and a row of its bucket to put them in."""
+        if (self.row_join is None or not self.overlap or f.kind != "decode" or f.flags.penalties
+                or f.ended_after_launch or not self._admission_due()):
+            return False
+        live = [r for r in f.reqs if not r.finished]
+        rows = f.outputs[1].shape[0]
+        return len(self.running) == len(live) < rows and all(map(self._ended_on_device, f.reqs))

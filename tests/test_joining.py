@@ -1,0 +1,73 @@
+"""Newcomers joined into a running batch's chain of decode calls (scheduler/joining.py)."""
+import numpy as np
+
+from jaxspec import Generator, SamplingParams
+from jaxspec.scheduler.joining import RowJoin
+
+from conftest import run_mixed_requests_with_aborts
+
+KW = dict(max_batch=4, max_seq_len=128, num_pages=120, page_size=4, prefill_chunk=32)
+
+
+def requests(rng, n=14):
+    prompts = [list(map(int, rng.integers(0, 62, rng.integers(1, 30)))) for _ in range(n)]
+    params = [SamplingParams(max_tokens=int(rng.integers(2, 20)), ignore_eos=True, seed=i,
+                             temperature=3.0 if i % 3 == 0 else 0.0, logprobs=1 if i % 5 == 0 else None)
+              for i in range(n)]
+    return prompts, params
+
+
+def run(gen, prompts, params, max_steps=2000):
+    """All requests through the scheduler (a bound on its steps: a row that never ends fails here)."""
+    sched = gen.scheduler
+    reqs = [sched.add(p, q) for p, q in zip(prompts, params)]
+    for _ in range(max_steps):
+        if not sched.has_work:
+            break
+        sched.step()
+    assert all(r.finished for r in reqs)
+    return reqs
+
+
+def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny):
+    """A request admitted where another ended takes that row in the next call, launched from the
+    running call's device outputs, its prompt but the last token prefilled before it: fewer calls
+    wait for the host than where newcomers break the chain, and tokens (greedy and seeded sampling)
+    and logprobs are the synchronous scheduler's. Several newcomers at once, prompts of one token
+    (nothing to prefill) and one whose prompt takes two prefill chunks (the unchained way)."""
+    prompts, params = requests(np.random.default_rng(4))
+    prompts[5], prompts[9] = [7], list(range(40))
+    sync = run(Generator(tiny, None, overlap=False, **KW), prompts, params)
+    gen = Generator(tiny, None, decode_steps=2, **KW)
+    unjoined = Generator(tiny, None, decode_steps=2, join_newcomers=False, **KW)
+    for g in (gen, unjoined):
+        out = run(g, prompts, params)
+        assert [r.output_ids for r in out] == [r.output_ids for r in sync]
+        for r, s in zip(out, sync):
+            if s.params.logprobs is not None:
+                np.testing.assert_allclose(r.logprobs, s.logprobs, rtol=1e-5, atol=1e-6)
+        g.scheduler.pool.check()
+        assert g.scheduler.pool.in_use == 0
+    stats, before = gen.scheduler.stats, unjoined.scheduler.stats
+    assert stats["joins"] >= 4 and before["joins"] == 0
+    assert stats["steps"] - stats["chained_steps"] < before["steps"] - before["chained_steps"] - 4
+
+
+def test_joins_leak_no_pages_among_aborts_and_stops(tiny):
+    gen = Generator(tiny, None, **KW)
+    run_mixed_requests_with_aborts(gen, np.random.default_rng(2), n=300)
+    assert gen.scheduler.stats["joins"] > 10
+
+
+def test_row_join_is_built_per_bucket_at_start_up():
+    """merge_rows takes the newcomers' rows from the host's inputs and the others from the chained
+    call's; a bucket not built at warm-up compiles late, and is counted."""
+    join = RowJoin()
+    join.build([1, 2], run=True)
+    ins, _, _ = RowJoin.dummy(2)
+    fresh = (np.array([[5], [6]], np.int32), np.array([9, 10], np.int32), ins[2], np.array([3, 4], np.int32))
+    tok, kv, sb, budget = join(ins, fresh, np.array([False, True]))
+    assert tok.tolist() == [[0], [6]] and kv.tolist() == [0, 10] and budget.tolist() == [0, 4]
+    assert join.late_compiles == []
+    join(*RowJoin.dummy(4))
+    assert join.late_compiles == [4]
