@@ -7,6 +7,7 @@ from jaxspec.scheduler.joining import RowJoin
 from conftest import run_mixed_requests_with_aborts
 
 KW = dict(max_batch=4, max_seq_len=128, num_pages=120, page_size=4, prefill_chunk=32)
+JOIN = dict(KW, join_newcomers=True)
 
 
 def requests(rng, n=14):
@@ -38,8 +39,8 @@ def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny):
     prompts, params = requests(np.random.default_rng(4))
     prompts[5], prompts[9] = [7], list(range(40))
     sync = run(Generator(tiny, None, overlap=False, **KW), prompts, params)
-    gen = Generator(tiny, None, decode_steps=2, **KW)
-    unjoined = Generator(tiny, None, decode_steps=2, join_newcomers=False, **KW)
+    gen = Generator(tiny, None, decode_steps=2, **JOIN)
+    unjoined = Generator(tiny, None, decode_steps=2, **KW)
     for g in (gen, unjoined):
         out = run(g, prompts, params)
         assert [r.output_ids for r in out] == [r.output_ids for r in sync]
@@ -54,7 +55,7 @@ def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny):
 
 
 def test_joins_leak_no_pages_among_aborts_and_stops(tiny):
-    gen = Generator(tiny, None, **KW)
+    gen = Generator(tiny, None, **JOIN)
     run_mixed_requests_with_aborts(gen, np.random.default_rng(2), n=300)
     assert gen.scheduler.stats["joins"] > 10
 

@@ -50,7 +50,7 @@ def main():
     params = [SamplingParams(max_tokens=int(rng.integers(args.max_tokens // 4, args.max_tokens + 1)), ignore_eos=True)
               for _ in prompts]
     kw = dict(max_batch=args.batch, max_seq_len=512, warmup=not args.smoke)
-    engines = {"join": Generator(model, None, **kw), "no_join": Generator(model, None, join_newcomers=False, **kw)}
+    engines = {"join": Generator(model, None, join_newcomers=True, **kw), "no_join": Generator(model, None, **kw)}
     outs, rows = {}, []
     for r in range(args.rounds + 1):  # round 0 compiles what warm-up did not
         for name, gen in engines.items():

@@ -55,7 +55,7 @@ class Scheduler(Admission, Dispatch, Chaining, Joining, Outputs, TreeSizing, Sta
                  spec_probe_every=32, spec_min_gain=None, overlap=True, decode_steps=MAX_DECODE_STEPS, warmup=False,
                  verify_steps=VERIFY_STEPS, warmup_flags=None, compile_cache=None, build_workers=None, mesh=None,
                  mem_fraction=None, spec_policy="fixed", spec_trees=None, scheduler_delay_factor=0.0,
-                 join_newcomers=True):
+                 join_newcomers=False):
         """mesh: a tensor-parallel mesh (sharding.tp_mesh) the model is laid out and sharded for:
         the caches are sharded by KV head, the programs partitioned over it. mem_fraction: with
         num_pages None, the KV pool takes this share of the device memory left free after the
@@ -67,7 +67,9 @@ class Scheduler(Admission, Dispatch, Chaining, Joining, Outputs, TreeSizing, Sta
         'auto' chooses among (default: the drafter's auto_trees()). spec_max_verify_tokens: tree
         nodes a verify step may take over its batch bucket (default 128 under 'fixed', 4096 under
         'auto'). scheduler_delay_factor: vLLM's; see Admission._admission_due. join_newcomers: a plain
-        engine admits a request into a row of the running batch's chain that has ended (joining.py)."""
+        engine admits a request into a row of the running batch's chain that has ended (joining.py;
+        off until timed on a GPU: on the CPU it cut the calls launched after a read-back 4-5x, and ran
+        batch 64 faster, batch 8 slower: join_calls-smoke-b64-cpu.json, -b8-)."""
         cfg = model.cfg
         self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer

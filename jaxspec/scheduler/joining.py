@@ -127,18 +127,18 @@ class Joining:
         return g
 
     def _prefill_calls(self, pre) -> list | None:
-        """[(batch, (rows, t))]: (request, tokens) pairs in prefill programs, all in one where a
-        shape holds them, else one call each; None where a prompt fits no shape (it takes chunks)."""
-        def smallest(n, t):
-            fits = [(r, c) for r, c in self.prefill_shapes if r >= n and c >= t]
-            return min(fits, key=lambda s: s[0] * s[1], default=None)
-        if not pre:
-            return []
-        shape = smallest(len(pre), max(n for _, n in pre))
-        if shape is not None:
-            return [(pre, shape)]
-        calls = [([(r, n)], smallest(1, n)) for r, n in pre]
-        return None if any(shape is None for _, shape in calls) else calls
+        """[(batch, (rows, t))]: (request, tokens) pairs in prefill programs, the longest first, each
+        call in the shape that holds most of those left (then the least padded); None where a prompt
+        fits no shape (it takes chunks: the unchained way)."""
+        calls, left = [], sorted(pre, key=lambda x: -x[1])
+        while left:
+            fits = [(r, t) for r, t in self.prefill_shapes if t >= left[0][1]]
+            if not fits:
+                return None
+            rows, t = max(fits, key=lambda s: (min(s[0], len(left)), -s[0] * s[1]))
+            calls.append((left[:rows], (rows, t)))
+            left = left[rows:]
+        return calls
 
     def _may_join(self, f: InFlight) -> bool:
         """A plain engine's steady decode call (every row ended on the device or running, nobody
