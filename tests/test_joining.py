@@ -61,14 +61,17 @@ def test_joins_leak_no_pages_among_aborts_and_stops(tiny):
 
 
 def test_row_join_is_built_per_bucket_at_start_up():
-    """merge_rows takes the newcomers' rows from the host's inputs and the others from the chained
-    call's; a bucket not built at warm-up compiles late, and is counted."""
+    """merge_rows takes the joined rows from the host's packed values and the others from the
+    chained call's; a bucket not built at warm-up compiles late, and is counted."""
     join = RowJoin()
     join.build([1, 2], run=True)
-    ins, _, _ = RowJoin.dummy(2)
-    fresh = (np.array([[5], [6]], np.int32), np.array([9, 10], np.int32), ins[2], np.array([3, 4], np.int32))
-    tok, kv, sb, budget = join(ins, fresh, np.array([False, True]))
+    chained, ints, floats, seeds = RowJoin.dummy(2)
+    ints[1], floats[1], seeds[1] = (6, 10, 4, 3, 2, 1), (0.5, 0.9, 0.1, 1.0, 0.0, 0.0), 77
+    tok, kv, sb, budget = join(chained, ints, floats, seeds)
     assert tok.tolist() == [[0], [6]] and kv.tolist() == [0, 10] and budget.tolist() == [0, 4]
+    assert sb.top_k.tolist() == [0, 3] and sb.step.tolist() == [0, 2] and sb.seed.tolist() == [0, 77]
+    np.testing.assert_allclose(sb.temperature, [0.0, 0.5])
+    np.testing.assert_allclose(sb.top_p, [1.0, 0.9])
     assert join.late_compiles == []
     join(*RowJoin.dummy(4))
     assert join.late_compiles == [4]

@@ -14,6 +14,7 @@ prompt takes more than one prefill chunk, or penalties, go the unchained way.
 A mixin of Scheduler (core.py), which owns the state these methods read."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -26,10 +27,30 @@ from jaxspec.scheduler.dispatch import _to_device
 from jaxspec.scheduler.request import InFlight
 
 
-def merge_rows(chained, fresh, mask):
-    """fresh's rows where mask [R], chained's elsewhere: every leaf [R, ...]."""
-    pick = lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), b.astype(a.dtype), a)
-    return jax.tree.map(pick, chained, fresh)
+# a newcomer's row as the host sends it: three arrays a call, whatever the sampling batch's fields
+INT_COLS = ("token", "kv_len", "budget", "top_k", "step", "joined")
+FLOAT_COLS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def merge_rows(chained, ints, floats, seeds):
+    """A decode call's inputs (pending tokens [R, 1], kv lengths, sampling batch, token budgets):
+    the host's packed values (ints [R, INT_COLS], floats [R, FLOAT_COLS], seeds [R]) in the rows it
+    marks `joined`, chained's elsewhere. A joined row has no penalties: its history is empty."""
+    tok, kv, sb, budget = chained
+    col = dict(zip(INT_COLS, ints.T)) | dict(zip(FLOAT_COLS, floats.T)) | {"seed": seeds}
+    joined = col["joined"] != 0
+
+    def pick(new, old):  # new [R], old [R] or [R, 1]
+        shape = (-1,) + (1,) * (old.ndim - 1)
+        return jnp.where(joined.reshape(shape), new.astype(old.dtype).reshape(shape), old)
+    sb = dataclasses.replace(sb, **{k: pick(col[k], getattr(sb, k)) for k in FLOAT_COLS + ("top_k", "step", "seed")},
+                             history=pick(jnp.full_like(kv, -1), sb.history), num_prompt=pick(jnp.zeros_like(kv), sb.num_prompt))
+    return pick(col["token"], tok), pick(col["kv_len"], kv), sb, pick(col["budget"], budget)
+
+
+def packed_rows(rows: int):
+    """Zeros as the host's packed rows (merge_rows' ints, floats, seeds)."""
+    return np.zeros((rows, len(INT_COLS)), np.int32), np.zeros((rows, len(FLOAT_COLS)), np.float32), np.zeros(rows, np.uint32)
 
 
 class RowJoin:
@@ -41,10 +62,10 @@ class RowJoin:
 
     @staticmethod
     def dummy(rows: int):
-        """Zeros shaped as a bucket's (decode inputs, their fresh rows, mask)."""
+        """Zeros shaped as a bucket's (decode inputs, packed rows)."""
         z = np.zeros(rows, np.int32)
         ins = (np.zeros((rows, 1), np.int32), z, SamplingBatch.build([SamplingParams()] * rows, [0] * rows, [0] * rows), z)
-        return ins, ins, np.zeros(rows, bool)
+        return (ins, *packed_rows(rows))
 
     def _get(self, rows: int):
         if not self.jit:
@@ -63,8 +84,8 @@ class RowJoin:
                 jax.block_until_ready(merge(*self.dummy(rows)))
         self.warm = True
 
-    def __call__(self, chained, fresh, mask):
-        return self._get(mask.shape[0])(chained, fresh, mask)
+    def __call__(self, chained, ints, floats, seeds):
+        return self._get(seeds.shape[0])(chained, ints, floats, seeds)
 
 
 class Joining:
@@ -102,20 +123,19 @@ class Joining:
         for j, r in zip(slots, new):
             reqs[j] = r
         reqs = reqs[:max(len(f.reqs), slots[-1] + 1)]
-        mask, tok = np.zeros(rows, bool), np.zeros((rows, 1), np.int32)
-        kv, budget = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
         for j, r in enumerate(reqs):
             ids = self._device_stop_ids(r)
             stop_ids[j, :len(ids)] = ids
+        ints, floats, seeds = packed_rows(rows)
         for j, r in zip(slots, new):
-            last = len(r.prompt_ids) + len(r.output_ids) - 1
-            mask[j], tok[j, 0], kv[j] = True, r.token_slice(last, last + 1)[0], last
-            budget[j] = r.params.max_tokens - len(r.output_ids)
-        sb = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-                                 pad_to=rows)
-        fresh, mask, pt, stop_ids = _to_device(((tok, kv, sb, budget), mask, self._page_table(reqs, rows), stop_ids))
-        tokens, kv_lens, sb, budget = self.row_join(f.outputs[6], fresh, mask)
+            p, last = r.params, len(r.prompt_ids) + len(r.output_ids) - 1
+            ints[j] = (r.token_slice(last, last + 1)[0], last, p.max_tokens - len(r.output_ids), max(p.top_k, 0),
+                       len(r.output_ids), 1)
+            floats[j] = [getattr(p, k) for k in FLOAT_COLS]
+            seeds[j] = r.seed
+        packed, pt, stop_ids = _to_device(((ints, floats, seeds), self._page_table(reqs, rows), stop_ids))
+        tokens, kv_lens, sb, budget = self.row_join(f.outputs[6], *packed)
         flags = SamplerFlags.of([r.params for r in live + new])
         num_steps = _to_device(np.int32(steps))
         outputs = self._call("decode", False, (tokens, pt, kv_lens, budget, stop_ids, num_steps, sb), flags)
