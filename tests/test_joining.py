@@ -1,10 +1,14 @@
-"""Newcomers joined into a running batch's chain of decode calls (scheduler/joining.py)."""
+"""Newcomers joined into a running batch's chain of calls (scheduler/joining.py)."""
 import numpy as np
+import pytest
+from flax import nnx
 
 from jaxspec import Generator, SamplingParams
+from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.scheduler.joining import RowJoin
 
-from conftest import run_mixed_requests_with_aborts
+from conftest import TINY, run_mixed_requests_with_aborts
 
 KW = dict(max_batch=4, max_seq_len=128, num_pages=120, page_size=4, prefill_chunk=32)
 JOIN = dict(KW, join_newcomers=True)
@@ -30,17 +34,24 @@ def run(gen, prompts, params, max_steps=2000):
     return reqs
 
 
-def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny):
+def eagle3(seed=5):
+    return EagleDrafter(DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(seed)), TreeShape(2, 2, 4))
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle3"])
+def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny, drafter):
     """A request admitted where another ended takes that row in the next call, launched from the
-    running call's device outputs, its prompt but the last token prefilled before it: fewer calls
-    wait for the host than where newcomers break the chain, and tokens (greedy and seeded sampling)
-    and logprobs are the synchronous scheduler's. Several newcomers at once, prompts of one token
-    (nothing to prefill) and one whose prompt takes two prefill chunks (the unchained way)."""
+    running call's device outputs, its prompt but the last token prefilled before it (an EAGLE-3
+    engine's newcomer verifies its root alone first): fewer calls wait for the host than where
+    newcomers break the chain, and tokens (greedy and seeded sampling) and logprobs are the
+    synchronous plain scheduler's. Several newcomers at once, prompts of one token (nothing to
+    prefill) and one whose prompt takes two prefill chunks (the unchained way)."""
     prompts, params = requests(np.random.default_rng(4))
     prompts[5], prompts[9] = [7], list(range(40))
     sync = run(Generator(tiny, None, overlap=False, **KW), prompts, params)
-    gen = Generator(tiny, None, decode_steps=2, **JOIN)
-    unjoined = Generator(tiny, None, decode_steps=2, **KW)
+    spec = {} if drafter is None else dict(drafter=eagle3())
+    gen = Generator(tiny, None, decode_steps=2, **spec, **JOIN)
+    unjoined = Generator(tiny, None, decode_steps=2, **spec, **KW)
     for g in (gen, unjoined):
         out = run(g, prompts, params)
         assert [r.output_ids for r in out] == [r.output_ids for r in sync]
@@ -52,10 +63,13 @@ def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny):
     stats, before = gen.scheduler.stats, unjoined.scheduler.stats
     assert stats["joins"] >= 4 and before["joins"] == 0
     assert stats["steps"] - stats["chained_steps"] < before["steps"] - before["chained_steps"] - 4
+    if drafter:
+        assert stats["verify_steps"] > 10 and gen.scheduler.mean_accept_length() > 1
 
 
-def test_joins_leak_no_pages_among_aborts_and_stops(tiny):
-    gen = Generator(tiny, None, **JOIN)
+@pytest.mark.parametrize("drafter", [None, "eagle3"])
+def test_joins_leak_no_pages_among_aborts_and_stops(tiny, drafter):
+    gen = Generator(tiny, None, **({} if drafter is None else dict(drafter=eagle3())), **JOIN)
     run_mixed_requests_with_aborts(gen, np.random.default_rng(2), n=300)
     assert gen.scheduler.stats["joins"] > 10
 
@@ -64,7 +78,7 @@ def test_row_join_is_built_per_bucket_at_start_up():
     """merge_rows takes the joined rows from the host's packed values and the others from the
     chained call's; a bucket not built at warm-up compiles late, and is counted."""
     join = RowJoin()
-    join.build([1, 2], run=True)
+    join.build([(1, None), (2, None)], run=True)
     chained, ints, floats, seeds = RowJoin.dummy(2)
     ints[1], floats[1], seeds[1] = (6, 10, 4, 3, 2, 1), (0.5, 0.9, 0.1, 1.0, 0.0, 0.0), 77
     tok, kv, sb, budget = join(chained, ints, floats, seeds)
@@ -74,4 +88,9 @@ def test_row_join_is_built_per_bucket_at_start_up():
     np.testing.assert_allclose(sb.top_p, [1.0, 0.9])
     assert join.late_compiles == []
     join(*RowJoin.dummy(4))
-    assert join.late_compiles == [4]
+    assert join.late_compiles == [(4, None)]
+    trees, ints, floats, seeds = RowJoin.dummy(2, width=4)
+    trees = (np.arange(8, dtype=np.int32).reshape(2, 4), np.zeros((2, 4), np.int32)) + trees[2:]
+    ints[0] = (9, 5, 1, 0, 0, 1)
+    tokens, parents, *_ = join(trees, ints, floats, seeds)  # a tree's row: the root alone
+    assert tokens.tolist() == [[9, 0, 0, 0], [4, 5, 6, 7]] and parents.tolist() == [[-1] * 4, [0] * 4]

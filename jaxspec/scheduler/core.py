@@ -113,7 +113,7 @@ class Scheduler(Admission, Dispatch, Chaining, Joining, Outputs, TreeSizing, Sta
         # a device drafter's large-batch fallback: the target alone, no head catch-up
         self.plain_programs = Programs(model, **programs_kw) if self.device_drafter else None
         self.drafter = drafter
-        self.row_join = RowJoin(jit) if drafter is None and join_newcomers else None
+        self.row_join = RowJoin(jit) if join_newcomers and (drafter is None or self.device_drafter) else None
         self.first_runs = jax.default_backend() == "gpu"  # warmup() runs each program once (_run_once)
         self.build_workers = build_workers  # processes for a cold start's programs (None: program_workers decides)
         # Large batches are compute-bound already: verifying big trees there costs more than it saves.

@@ -105,7 +105,7 @@ class StartUp:
         if self.cuts is not None:
             self.cuts.build(self.cut_specs())
         if self.row_join is not None and groups[0].jit:
-            self.row_join.build(self.row_buckets, run=self.first_runs)
+            self.row_join.build(self.join_specs(), run=self.first_runs)
         if self.first_runs and groups[0].jit:
             self._run_once(specs)
         t2 = time.perf_counter()
@@ -141,7 +141,7 @@ class StartUp:
     def late_compiles(self) -> list:
         """Programs compiled after warm-up: each made some request wait for a compile."""
         cuts = [] if self.cuts is None else self.cuts.late_compiles
-        joins = [] if self.row_join is None else [("join", rows) for rows in self.row_join.late_compiles]
+        joins = [] if self.row_join is None else [("join", *spec) for spec in self.row_join.late_compiles]
         return [key for g in self.program_groups for key in g.late_compiles] + cuts + joins
 
 
