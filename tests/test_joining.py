@@ -4,6 +4,7 @@ import pytest
 from flax import nnx
 
 from jaxspec import Generator, SamplingParams
+from jaxspec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead
 from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
 from jaxspec.drafters.eagle_step import TreeShape
 from jaxspec.scheduler.joining import RowJoin
@@ -34,24 +35,30 @@ def run(gen, prompts, params, max_steps=2000):
     return reqs
 
 
-def eagle3(seed=5):
-    return EagleDrafter(DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(seed)), TreeShape(2, 2, 4))
+def drafter_kw(name):
+    if name == "eagle3":
+        return dict(drafter=EagleDrafter(DraftHead(HeadConfig.for_target(TINY, "eagle3"), rngs=nnx.Rngs(5)),
+                                         TreeShape(2, 2, 4)))
+    if name == "dflash":
+        head = DFlashHead(DFlashConfig.for_target(TINY, num_layers=1, block_size=4, mask_token=62), rngs=nnx.Rngs(0))
+        return dict(drafter=DFlashDrafter(head, TreeShape(steps=3, topk=1, num_draft_tokens=4)))
+    return {}
 
 
-@pytest.mark.parametrize("drafter", [None, "eagle3"])
+@pytest.mark.parametrize("drafter", [None, "eagle3", "dflash"])
 def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny, drafter):
     """A request admitted where another ended takes that row in the next call, launched from the
     running call's device outputs, its prompt but the last token prefilled before it (an EAGLE-3
-    engine's newcomer verifies its root alone first): fewer calls wait for the host than where
-    newcomers break the chain, and tokens (greedy and seeded sampling) and logprobs are the
+    or DFLASH engine's newcomer verifies its root alone first): fewer calls wait for the host than
+    where newcomers break the chain, and tokens (greedy and seeded sampling) and logprobs are the
     synchronous plain scheduler's. Several newcomers at once, prompts of one token (nothing to
-    prefill) and one whose prompt takes two prefill chunks (the unchained way)."""
+    prefill) and one whose prompt takes two prefill chunks (the unchained way). The merges were
+    all built at start-up."""
     prompts, params = requests(np.random.default_rng(4))
     prompts[5], prompts[9] = [7], list(range(40))
     sync = run(Generator(tiny, None, overlap=False, **KW), prompts, params)
-    spec = {} if drafter is None else dict(drafter=eagle3())
-    gen = Generator(tiny, None, decode_steps=2, **spec, **JOIN)
-    unjoined = Generator(tiny, None, decode_steps=2, **spec, **KW)
+    gen = Generator(tiny, None, decode_steps=2, warmup=True, **drafter_kw(drafter), **JOIN)
+    unjoined = Generator(tiny, None, decode_steps=2, **drafter_kw(drafter), **KW)
     for g in (gen, unjoined):
         out = run(g, prompts, params)
         assert [r.output_ids for r in out] == [r.output_ids for r in sync]
@@ -63,13 +70,14 @@ def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny, drafter):
     stats, before = gen.scheduler.stats, unjoined.scheduler.stats
     assert stats["joins"] >= 4 and before["joins"] == 0
     assert stats["steps"] - stats["chained_steps"] < before["steps"] - before["chained_steps"] - 4
+    assert gen.scheduler.row_join.late_compiles == []
     if drafter:
         assert stats["verify_steps"] > 10 and gen.scheduler.mean_accept_length() > 1
 
 
 @pytest.mark.parametrize("drafter", [None, "eagle3"])
 def test_joins_leak_no_pages_among_aborts_and_stops(tiny, drafter):
-    gen = Generator(tiny, None, **({} if drafter is None else dict(drafter=eagle3())), **JOIN)
+    gen = Generator(tiny, None, **drafter_kw(drafter), **JOIN)
     run_mixed_requests_with_aborts(gen, np.random.default_rng(2), n=300)
     assert gen.scheduler.stats["joins"] > 10
 
