@@ -1,11 +1,12 @@
 """What joining newcomers into a running batch's chain (scheduler/joining.py) changes in the calls of
 continuous batching: more requests than rows, all queued at once (spec.py's `--admission continuous`),
-through the plain engine with joins and with them off, side by side. Per engine: calls, calls launched
+through a plain engine (or `--drafter eagle3`: an EAGLE-3 one, 6:4:32, a random head) with joins and with
+them off, side by side. Per engine: calls, calls launched
 from the host after a read-back (unchained: the device waits), joins, prefill tokens, wall seconds.
 A SmolLM2-shaped target with random weights (bf16 on a GPU); --smoke: a two-layer toy on the CPU,
 where only the counts mean anything. Outputs are checked equal.
 
-    python bench/probes/join_calls.py [--batch 64] [--requests 160] [--max-tokens 128] [--rounds 2]
+    python bench/probes/join_calls.py [--batch 64] [--requests 160] [--max-tokens 128] [--rounds 2] [--drafter eagle3]
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from common import SMOLLM2, print_table, random_model, write_results  # noqa: E4
 from jaxspec import Generator, SamplingParams  # noqa: E402
 from jaxspec.models import ModelConfig  # noqa: E402
 
-COLS = ["engine", "round", "batch", "requests", "tokens", "wall_s", "tokens_per_s", "calls", "unchained_calls", "joins",
-        "prefill_tokens"]
+COLS = ["engine", "drafter", "round", "batch", "requests", "tokens", "wall_s", "tokens_per_s", "calls", "unchained_calls",
+        "joins", "prefill_tokens"]
 
 
 def main():
@@ -35,6 +36,7 @@ def main():
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--drafter", choices=["none", "eagle3"], default="none")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -50,6 +52,14 @@ def main():
     params = [SamplingParams(max_tokens=int(rng.integers(args.max_tokens // 4, args.max_tokens + 1)), ignore_eos=True)
               for _ in prompts]
     kw = dict(max_batch=args.batch, max_seq_len=512, warmup=not args.smoke)
+    if args.drafter == "eagle3":
+        from flax import nnx
+
+        from jaxspec.drafters.eagle import DraftHead, EagleDrafter, HeadConfig
+        from jaxspec.drafters.eagle_step import TreeShape
+        hc = HeadConfig.for_target(cfg, "eagle3", draft_vocab_size=min(8192, cfg.vocab_size))
+        head = DraftHead(hc, dtype=model.embed[...].dtype, rngs=nnx.Rngs(0))
+        kw.update(drafter=EagleDrafter(head, TreeShape(6, 4, 32)), spec_max_verify_tokens=4096)
     engines = {"join": Generator(model, None, join_newcomers=True, **kw), "no_join": Generator(model, None, **kw)}
     outs, rows = {}, []
     for r in range(args.rounds + 1):  # round 0 compiles what warm-up did not
@@ -63,7 +73,8 @@ def main():
             d = {k: s[k] - before[k] for k in s if isinstance(s[k], (int, float))}
             if r:
                 tokens = sum(len(c.token_ids) for c in got)
-                rows.append(dict(engine=name, round=r, batch=args.batch, requests=len(prompts), tokens=tokens,
+                rows.append(dict(engine=name, drafter=args.drafter, round=r, batch=args.batch, requests=len(prompts),
+                                 tokens=tokens,
                                  wall_s=wall, tokens_per_s=tokens / wall, calls=d["steps"],
                                  unchained_calls=d["steps"] - d["chained_steps"], joins=d["joins"],
                                  prefill_tokens=d["prefill_tokens"]))
