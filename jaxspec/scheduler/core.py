@@ -66,10 +66,10 @@ class Scheduler(Admission, Dispatch, Chaining, Joining, Outputs, TreeSizing, Sta
         verifies, by the step costs seen and the accept lengths seen); spec_trees: the shapes
         'auto' chooses among (default: the drafter's auto_trees()). spec_max_verify_tokens: tree
         nodes a verify step may take over its batch bucket (default 128 under 'fixed', 4096 under
-        'auto'). scheduler_delay_factor: vLLM's; see Admission._admission_due. join_newcomers: a plain
-        engine admits a request into a row of the running batch's chain that has ended (joining.py;
-        off until timed on a GPU: on the CPU it cut the calls launched after a read-back 4-5x, and ran
-        batch 64 faster, batch 8 slower: join_calls-smoke-b64-cpu.json, -b8-)."""
+        'auto'). scheduler_delay_factor: vLLM's; see Admission._admission_due. join_newcomers: a request
+        is admitted into a row of the running batch's chain that has ended, without a drafter or with a
+        device drafter (joining.py; off until timed on a GPU: on the CPU it cut the calls launched after
+        a read-back 4-5x, and ran batch 64 faster, batch 8 slower: join_calls-smoke-*-cpu.json)."""
         cfg = model.cfg
         self.mesh = mesh
         self.cfg, self.tokenizer = cfg, tokenizer
