@@ -52,12 +52,12 @@ def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny, drafter):
     or DFLASH engine's newcomer verifies its root alone first): fewer calls wait for the host than
     where newcomers break the chain, and tokens (greedy and seeded sampling) and logprobs are the
     synchronous plain scheduler's. Several newcomers at once, prompts of one token (nothing to
-    prefill) and one whose prompt takes two prefill chunks (the unchained way). The merges were
-    all built at start-up."""
+    prefill) and one whose prompt takes two prefill chunks (the unchained way). Every merge it
+    took is in the start-up set."""
     prompts, params = requests(np.random.default_rng(4))
     prompts[5], prompts[9] = [7], list(range(40))
     sync = run(Generator(tiny, None, overlap=False, **KW), prompts, params)
-    gen = Generator(tiny, None, decode_steps=2, warmup=True, **drafter_kw(drafter), **JOIN)
+    gen = Generator(tiny, None, decode_steps=2, **drafter_kw(drafter), **JOIN)
     unjoined = Generator(tiny, None, decode_steps=2, **drafter_kw(drafter), **KW)
     for g in (gen, unjoined):
         out = run(g, prompts, params)
@@ -70,7 +70,7 @@ def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny, drafter):
     stats, before = gen.scheduler.stats, unjoined.scheduler.stats
     assert stats["joins"] >= 4 and before["joins"] == 0
     assert stats["steps"] - stats["chained_steps"] < before["steps"] - before["chained_steps"] - 4
-    assert gen.scheduler.row_join.late_compiles == []
+    assert set(gen.scheduler.row_join.table) <= set(gen.scheduler.join_specs())  # what warm-up builds
     if drafter:
         assert stats["verify_steps"] > 10 and gen.scheduler.mean_accept_length() > 1
 
