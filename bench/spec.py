@@ -11,7 +11,7 @@
         spec_policy.py, rows' `policy`, `auto_choices`, `step_costs`; /auto-avg compares the shapes'
         plain averages, level_rate 0; /auto-level against the level alone, not by their cuts' counts on
         the same steps (shape_links.py; nor do its programs count them); /auto-open without the closed
-        batch's rule, closed_wave.py)
+        batch's rule, closed_wave.py); a last +join admits newcomers into the running chain (scheduler/joining.py))
 
 Each (dataset, batch) runs its prompts twice per algorithm to compile (the engines side by side
 in threads, `--warmup-threads`), then `--repeats` timed rounds with the algorithms interleaved, in
@@ -187,6 +187,7 @@ def main():
         while any(lab == label for _, lab in gens):
             label += "#2"  # the same algorithm again: a control for the noise between rounds
         a, _, head_dir = a.partition("=")  # "eagle3:6:4:24=runs/x/head": that head, not --draft-model
+        a, join = (a[:-len("+join")], True) if a.endswith("+join") else (a, False)  # Scheduler join_newcomers
         a, _, vsteps = a.partition("+v")  # "eagle3:6:4:24+v8": 8 verify steps a call (Scheduler verify_steps)
         a, _, probe = a.partition("/probe")  # "ngram:8/probe32": a host drafter's spec_probe_every
         a, plain_avg = (a[:-len("-avg")], True) if a.endswith("/auto-avg") else (a, False)  # level_rate 0
@@ -222,6 +223,8 @@ def main():
             kw["spec_policy"] = "auto"
         if vsteps:
             kw["verify_steps"] = int(vsteps)
+        if join:
+            kw["join_newcomers"] = True
         if probe:
             kw["spec_probe_every"] = int(probe)
         links_before = spec_policy.USE_LINKS
