@@ -58,7 +58,7 @@ def test_newcomers_join_the_chain_and_outputs_are_unchanged(tiny, drafter):
     prompts[5], prompts[9] = [7], list(range(40))
     sync = run(Generator(tiny, None, overlap=False, **KW), prompts, params)
     gen = Generator(tiny, None, decode_steps=2, **drafter_kw(drafter), **JOIN)
-    unjoined = Generator(tiny, None, decode_steps=2, **drafter_kw(drafter), **KW)
+    unjoined = Generator(tiny, None, decode_steps=2, join_newcomers=False, **drafter_kw(drafter), **KW)
     for g in (gen, unjoined):
         out = run(g, prompts, params)
         assert [r.output_ids for r in out] == [r.output_ids for r in sync]

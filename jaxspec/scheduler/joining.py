@@ -103,6 +103,11 @@ class Joining:
         if not self._may_join(f):
             return None
         rows = f.outputs[1].shape[0]
+        if self.spec_policy is not None and f.kind == "verify":  # a join keeps the chain's shape: the policy's too?
+            choice = self._choice_for([r for r in f.reqs if not r.finished], rows)
+            if choice != (f.tree, f.nodes):
+                self._decided = (rows, choice)  # the unchained call's (one decision a call)
+                return None
         free = [i for i, r in enumerate(f.reqs) if r.finished] + list(range(len(f.reqs), rows))
         before = len(self.running)
         self._admit(limit=len(free))
@@ -188,7 +193,8 @@ class Joining:
             return False
         live = [r for r in f.reqs if not r.finished]
         rows = f.outputs[1].shape[0]
-        return len(self.running) == len(live) < rows and all(map(self._ended_on_device, f.reqs))
+        # (a chain whose rows all ended: its newcomers' prefill chains their first call instead, _chain_on_prefill)
+        return 0 < len(live) == len(self.running) < rows and all(map(self._ended_on_device, f.reqs))
 
     def join_specs(self) -> list:
         """(rows, tree width or None) of every chain a newcomer may join: RowJoin's start-up set."""
