@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.programs import STOP_ID_SLOTS, TREE_BUCKETS, bucket
+from jaxspec.programs import TREE_BUCKETS, bucket
 from jaxspec.sampling import SamplerFlags, SamplingBatch, SamplingParams
 from jaxspec.scheduler.dispatch import _to_device
 from jaxspec.scheduler.request import InFlight
+from jaxspec.scheduler.trees import WarmTable
 
 
 # a newcomer's row as the host sends it: three arrays a call, whatever the sampling batch's fields
@@ -58,12 +59,9 @@ def packed_rows(rows: int):
     return np.zeros((rows, len(INT_COLS)), np.int32), np.zeros((rows, len(FLOAT_COLS)), np.float32), np.zeros(rows, np.uint32)
 
 
-class RowJoin:
+class RowJoin(WarmTable):
     """merge_rows compiled for each (batch bucket, tree width: None for decode calls) a chain may
     take newcomers in, at warm-up; one compiled after it is late."""
-
-    def __init__(self, jit: bool = True):
-        self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
 
     @staticmethod
     def dummy(rows: int, width: int | None = None):
@@ -76,11 +74,7 @@ class RowJoin:
     def _get(self, rows: int, width: int | None):
         if not self.jit:
             return merge_rows
-        if (rows, width) not in self.table:
-            self.table[rows, width] = jax.jit(merge_rows).lower(*self.dummy(rows, width)).compile()
-            if self.warm:
-                self.late_compiles.append((rows, width))
-        return self.table[rows, width]
+        return self._compiled((rows, width), lambda: jax.jit(merge_rows).lower(*self.dummy(rows, width)))
 
     def build(self, specs, run: bool):
         """Compile each (rows, width)'s merge; run each once (run: a GPU executable's first run loads it)."""
@@ -100,11 +94,12 @@ class Joining:
         """Admit waiting requests into the rows of call f that have ended, prefill them and launch
         the batch's next call chained on f (module docstring); None where it cannot: a newcomer
         admitted then goes the unchained way."""
-        if not self._may_join(f):
+        live = self._joinable_rows(f)
+        if live is None:
             return None
         rows = f.outputs[1].shape[0]
         if self.spec_policy is not None and f.kind == "verify":  # a join keeps the chain's shape: the policy's too?
-            choice = self._choice_for([r for r in f.reqs if not r.finished], rows)
+            choice = self._choice_for(live, rows)
             if choice != (f.tree, f.nodes):
                 self._decided = (rows, choice)  # the unchained call's (one decision a call)
                 return None
@@ -118,7 +113,6 @@ class Joining:
         calls = self._prefill_calls(pre)
         if calls is None:
             return None
-        live = [r for r in f.reqs if not r.finished]
         verify = f.kind == "verify"
         steps = self._verify_steps_now(live + new) if verify else self._decode_steps_now(live + new)
         span = (lambda n: self._span(f.tree, f.nodes, n)) if verify else (lambda n: n)
@@ -137,10 +131,7 @@ class Joining:
         for j, r in zip(slots, new):
             reqs[j] = r
         reqs = reqs[:max(len(f.reqs), slots[-1] + 1)]
-        stop_ids = np.full((rows, STOP_ID_SLOTS), -1, np.int32)
-        for j, r in enumerate(reqs):
-            ids = self._device_stop_ids(r)
-            stop_ids[j, :len(ids)] = ids
+        _, stop_ids = self._budgets_and_stops(reqs, rows)  # (the budgets: the chained call's and the packed rows')
         ints, floats, seeds = packed_rows(rows)
         for j, r in zip(slots, new):
             p, last = r.params, len(r.prompt_ids) + len(r.output_ids) - 1
@@ -182,19 +173,19 @@ class Joining:
             left = left[rows:]
         return calls
 
-    def _may_join(self, f: InFlight) -> bool:
-        """A steady call of a plain engine's decode chain or a device drafter's verify chain (every
-        row ended on the device or running, nobody else running) with requests due for admission
-        and a row of its bucket to put them in."""
+    def _joinable_rows(self, f: InFlight) -> list | None:
+        """f's live requests where f is a steady call of a plain engine's decode chain or a device
+        drafter's verify chain (every row ended on the device or running, nobody else running) with
+        requests due for admission and a row of its bucket to put them in; else None."""
         if (self.row_join is None or not self.overlap or f.flags.penalties or f.ended_after_launch
                 or not self._admission_due()):
-            return False
+            return None
         if f.kind != ("verify" if self.device_drafter else "decode") or (self.device_drafter and f.tree is None):
-            return False
+            return None
         live = [r for r in f.reqs if not r.finished]
-        rows = f.outputs[1].shape[0]
         # (a chain whose rows all ended: its newcomers' prefill chains their first call instead, _chain_on_prefill)
-        return 0 < len(live) == len(self.running) < rows and all(map(self._ended_on_device, f.reqs))
+        ok = 0 < len(live) == len(self.running) < f.outputs[1].shape[0] and all(map(self._ended_on_device, f.reqs))
+        return live if ok else None
 
     def join_specs(self) -> list:
         """(rows, tree width or None) of every chain a newcomer may join: RowJoin's start-up set."""

@@ -174,14 +174,30 @@ class TreeSizing:
 
 
 
-class DraftCuts:
+class WarmTable:
+    """Small jitted functions compiled per key at warm-up, beside the programs; one compiled after
+    it is late (late_compiles)."""
+
+    def __init__(self, jit: bool = True):
+        self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
+
+    def _compiled(self, key, lower):
+        """The executable of key, compiled from lower() (a jax Lowered) the first time it is asked for."""
+        if key not in self.table:
+            self.table[key] = lower().compile()
+            if self.warm:
+                self.late_compiles.append(key)
+        return self.table[key]
+
+
+class DraftCuts(WarmTable):
     """cut_drafts compiled for each (batch bucket, drafted nodes, next shape) a chained change of
     shape or a prefill's chained first verify call takes, and the roots of each (batch bucket, tree
     width) a chained plain call takes after a verify call: built at warm-up beside the programs; one
     compiled after it is late."""
 
     def __init__(self, jit: bool = True):
-        self.jit, self.table, self.warm, self.late_compiles = jit, {}, False, []
+        super().__init__(jit)
         self.root_parents = {}  # rows -> [rows, 1] of -1 on the device: a root's parent
 
     @staticmethod
@@ -201,12 +217,7 @@ class DraftCuts:
     def _get(self, *spec):
         if not self.jit:
             return self._fn(*spec[2:])
-        key = self._key(*spec)
-        if key not in self.table:
-            self.table[key] = self._lower(*spec).compile()
-            if self.warm:
-                self.late_compiles.append(key)
-        return self.table[key]
+        return self._compiled(self._key(*spec), lambda: self._lower(*spec))
 
     def build(self, specs):
         """Compile each (rows, drafted nodes, tree, nodes) (traced here, compiled in threads) and
